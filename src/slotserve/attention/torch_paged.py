@@ -1,0 +1,67 @@
+"""Paged attention in plain torch: the CPU path and the oracle for faster kernels.
+
+The cache of one layer is two tensors (num_blocks, block_size, nkv, hd); a sequence's
+context is the concatenation of its blocks, in block-table order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slotserve.attention.metadata import AttentionMetadata, PrefillSeq
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V (T, nkv, hd) at their flat cache slots (T,)."""
+    nkv, hd = k.shape[1], k.shape[2]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of every new token over its own sequence's cached context.
+
+    q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
+    """
+    out = torch.empty_like(q)
+    for seq in meta.prefills:
+        rows = slice(seq.query_start, seq.query_start + seq.num_queries)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq, scale)
+    if meta.num_decodes:
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta,
+                                                  scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(nblocks_total, bs, nkv, hd)[table] -> (..., L, nkv, hd) with L = len(table) * bs."""
+    blocks = cache[block_table]  # (..., nb, bs, nkv, hd)
+    return blocks.flatten(-4, -3)
+
+
+def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+    # q: (n, nh, hd); context keys 0..L-1; query i sits at position start_pos + i.
+    k = _gather(k_cache, seq.block_table)[:seq.context_len]  # (L, nkv, hd)
+    v = _gather(v_cache, seq.block_table)[:seq.context_len]
+    q_pos = torch.arange(seq.start_pos, seq.context_len, device=q.device)
+    k_pos = torch.arange(seq.context_len, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal, offset by the cached prefix
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (nh|nkv, n|L, hd)
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)  # (n, nh, hd)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    # q: (D, nh, hd), one query per sequence at position context_len - 1.
+    k = _gather(k_cache, meta.decode_block_tables)  # (D, Lmax, nkv, hd)
+    v = _gather(v_cache, meta.decode_block_tables)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    mask = k_pos[None, :] < meta.decode_context_lens[:, None]  # (D, Lmax)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # (D, nh, 1, hd), (D, nkv, L, hd)
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)  # (D, nh, hd)

@@ -1,0 +1,74 @@
+"""The only types that cross between scheduler and runner: plain data, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slotserve.sampling import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of an iteration.
+
+    token_ids are the new tokens to process, at positions start_pos .. start_pos+len-1.
+    sample: this chunk ends at the request's last token, so one token is sampled after it.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # generated so far: the index of the token sampled now
+    kind: str  # "prefill" | "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Positions attended to after this iteration's tokens are written."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SlotState:
+    """What one occupied slot did in an iteration (for the trace)."""
+
+    request_id: str
+    kind: str  # "prefill" | "decode" | "stalled"
+    tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one iteration."""
+
+    iteration: int
+    seqs: list[ScheduledSeq]
+    slots: list[SlotState | None]
+    preempted: list[str] = field(default_factory=list)
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class RunnerOutput:
+    """What the forward pass produced: one sampled token per sampling request.
+
+    logprobs[request_id] maps token id -> log-probability: the sampled token and the top-N.
+    """
+
+    sampled: dict[str, int]
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)

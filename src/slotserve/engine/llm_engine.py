@@ -1,0 +1,301 @@
+"""LLMEngine: the synchronous loop. One `step()` is one iteration of continuous batching:
+
+    plan   = scheduler.schedule()         # which requests run now, how many tokens each
+    result = runner.execute(plan)         # ONE forward over a ragged batch, then sampling
+    done   = scheduler.update(plan, result)   # append tokens, check stops, free blocks
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from slotserve.core.kv_manager import KVCacheManager
+from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.core.scheduler import Scheduler
+from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from slotserve.obs.trace import TraceRecorder
+from slotserve.request import Request, RequestStatus
+from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
+from slotserve.sampling import SamplingParams
+
+logger = logging.getLogger("slotserve.engine")
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one completion: detokenizer and what was already returned."""
+
+    request: Request
+    parent_id: str
+    index: int
+    prompt: str | None
+    detokenizer: object | None
+    text: str = ""
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    stop_hit: bool = False
+    hold_back: int = 0  # chars kept from streaming while they may start a stop string
+    logprobs: list = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, driven one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict,
+                 tokenizer=None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        sched = _fit_scheduler_config(config.scheduler, model_config)
+        num_blocks = resolve_num_blocks(config.cache, model_config, sched, config.device,
+                                        config.dtype)
+        self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
+                                  config.device, config.dtype, config.seed)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(sched, self.kv)
+        self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
+                                   config.trace_capacity)
+        self.eos_token_ids = _eos_ids(model_config, tokenizer)
+        self._sequences: dict[str, _Sequence] = {}
+        self._parents: dict[str, list[str]] = {}
+        self._pending: list[RequestOutput] = []
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model named by config.model (None: the embedded SmolLM2)."""
+        from slotserve.loader import load_model
+
+        set_torch_threads()
+        loaded = load_model(config.model)
+        return cls(config, loaded.config, loaded.weights, loaded.tokenizer)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids); ValueError on an empty or unusable prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    arrival: float | None = None) -> None:
+        """Queue a request (n completions of it). ValueError if it is malformed or can never fit."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        children = [self._new_sequence(request_id, i, text, ids, params, arrival)
+                    for i in range(params.n)]
+        for i, seq in enumerate(children):
+            try:
+                self.scheduler.add_request(seq.request)
+            except ValueError:
+                for added in children[:i]:
+                    self.scheduler.abort_request(added.request.request_id)
+                raise
+        for seq in children:
+            req = seq.request
+            self._sequences[req.request_id] = seq
+            self.trace.request_arrived(req.request_id, req.times.arrival,
+                                       self.scheduler.iteration, req.num_prompt_tokens)
+        self._parents[request_id] = [s.request.request_id for s in children]
+        self.stats.prompt_tokens += len(ids) * params.n
+
+    def _new_sequence(self, parent_id: str, index: int, text: str | None, ids: list[int],
+                      params: SamplingParams, arrival: float | None) -> _Sequence:
+        child_params = params.for_choice(index) if params.n > 1 else params
+        child_id = parent_id if params.n == 1 else f"{parent_id}#{index}"
+        request = Request(child_id, list(ids), child_params, eos_token_ids=self.eos_token_ids)
+        if arrival is not None:
+            request.times.arrival = arrival
+        detok = None
+        if self.tokenizer is not None:
+            from slotserve.loader import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        return _Sequence(request, parent_id, index, text, detok, hold_back=hold)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its completions); its blocks are free when this returns."""
+        for child_id in self._parents.get(request_id, []):
+            request = self.scheduler.abort_request(child_id)
+            if request is not None:
+                self._pending.append(self._output(self._sequences[child_id]))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every completion that changed."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        start = time.monotonic()
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # NOTE: a failed iteration fails only its own requests
+            logger.exception("iteration %d failed", plan.iteration)
+            return outputs + self._fail(plan, exc)
+        touched = self.scheduler.update(plan, result)
+        outputs += [self._process(self._sequences[r.request_id]) for r in touched]
+        end = time.monotonic()
+        self.trace.record(plan, start, end)
+        self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
+        return outputs
+
+    def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        ids = [seq.request_id for seq in plan.seqs]
+        failed = self.scheduler.fail_requests(ids, f"{type(exc).__name__}: {exc}")
+        return [self._output(self._sequences[r.request_id]) for r in failed]
+
+    def _process(self, seq: _Sequence) -> RequestOutput:
+        """Detokenize the new token, check stop strings, build the output."""
+        request = seq.request
+        if seq.detokenizer is not None and not seq.stop_hit:
+            seq.text += seq.detokenizer.add(request.output_token_ids[seq.sent_tokens:])
+            self._check_stop_strings(seq)
+        return self._output(seq)
+
+    def _check_stop_strings(self, seq: _Sequence) -> None:
+        params = seq.request.sampling_params
+        if not params.stop:
+            return
+        # Only the tail can hold a new match: the new text plus a stop string's length.
+        window_start = max(0, seq.sent_text_len - seq.hold_back)
+        hits = [i for i in (seq.text.find(s, window_start) for s in params.stop) if i >= 0]
+        if not hits:
+            return
+        seq.text = seq.text[:min(hits)]
+        seq.stop_hit = True
+        if not seq.request.is_finished:
+            self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _output(self, seq: _Sequence) -> RequestOutput:
+        request = seq.request
+        finished = request.is_finished
+        visible = len(seq.text) if finished else max(seq.sent_text_len,
+                                                     len(seq.text) - seq.hold_back)
+        delta_text = seq.text[seq.sent_text_len:visible]
+        delta_ids = request.output_token_ids[seq.sent_tokens:]
+        seq.sent_text_len, seq.sent_tokens = visible, len(request.output_token_ids)
+        if finished:
+            self._forget(seq)
+        completion = CompletionOutput(
+            index=seq.index, text=seq.text[:visible], token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None
+            else None,
+            delta_text=delta_text, delta_token_ids=delta_ids, metrics=RequestMetrics.of(request))
+        return RequestOutput(seq.parent_id, seq.prompt, request.prompt_token_ids, [completion],
+                             error=request.error)
+
+    def _forget(self, seq: _Sequence) -> None:
+        request = seq.request
+        self._sequences.pop(request.request_id, None)
+        siblings = self._parents.get(seq.parent_id, [])
+        if all(sid not in self._sequences for sid in siblings):
+            self._parents.pop(seq.parent_id, None)
+        self.trace.request_finished(request.request_id, self.scheduler.iteration - 1,
+                                    request.finish_reason or "", len(request.output_token_ids))
+        self.stats.on_finish(request)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+@dataclass
+class EngineStats:
+    """Running totals for metrics and benchmarks."""
+
+    iterations: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    busy_seconds: float = 0.0
+    slot_iterations_busy: int = 0
+    finished_by_reason: dict = field(default_factory=dict)
+    finished: list = field(default_factory=list)  # RequestMetrics of recent finishes (bounded)
+
+    def on_step(self, plan: SchedulerOutput, result: RunnerOutput, seconds: float,
+                preemptions: int) -> None:
+        self.iterations += 1
+        self.generation_tokens += len(result.sampled)
+        self.preemptions = preemptions
+        self.busy_seconds += seconds
+        self.slot_iterations_busy += len(plan.seqs)
+
+    def on_finish(self, request: Request) -> None:
+        reason = request.finish_reason or "unknown"
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+
+
+def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    ids = set(model_config.eos_token_ids)
+    if tokenizer is not None:
+        ids.update(tokenizer.eos_token_ids)
+    return tuple(sorted(ids))
+
+
+def _fit_scheduler_config(sched: SchedulerConfig, model: ModelConfig) -> SchedulerConfig:
+    """Cap max_model_len at the model's positions (the RoPE table is that long)."""
+    if sched.max_model_len > model.max_position_embeddings:
+        return replace(sched, max_model_len=model.max_position_embeddings)
+    return sched
+
+
+def resolve_num_blocks(cache: CacheConfig, model: ModelConfig, sched: SchedulerConfig,
+                       device: str, dtype: str | None) -> int:
+    """Pool size: num_blocks, else memory_bytes, else a share of free memory.
+
+    The default never exceeds what max_num_seqs full-length sequences could use.
+    """
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    block_bytes = kv_block_bytes(model, cache.block_size, resolve_dtype(device, dtype))
+    useful = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size)
+    if cache.memory_bytes is not None:
+        return max(1, cache.memory_bytes // block_bytes)
+    return max(1, min(useful, int(0.25 * available_memory(device)) // block_bytes))
+
+
+def available_memory(device: str) -> int:
+    """Free bytes on the device (CUDA) or available system memory (CPU)."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def set_torch_threads() -> None:
+    """One torch thread per core we may run on (the CPUs here have no SMT)."""
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))

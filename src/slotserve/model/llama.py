@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat ragged batch.
+
+All scheduled tokens of all requests are one (T, H) tensor: the linear layers see no
+padding; only attention knows where one sequence ends, through AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slotserve.attention.metadata import AttentionMetadata
+from slotserve.attention.torch_paged import paged_attention, write_kv
+from slotserve.config import ModelConfig
+from slotserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(tokens) -> hidden states; compute_logits(selected hidden) -> logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, H)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        for name, tensor in fuse_hf_weights(weights, self.config).items():
+            if name not in own:
+                raise ValueError(f"unexpected weight {name}")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+
+
+def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
+                    ) -> dict[str, torch.Tensor]:
+    """HF Llama names -> this module's names (qkv_proj, gate_up_proj fused)."""
+    fused: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": weights["model.embed_tokens.weight"],
+        "norm.weight": weights["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        fused["lm_head.weight"] = weights["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        fused[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [weights[attn + f"{p}_proj.weight"] for p in "qkv"])
+        if cfg.attention_bias:
+            fused[dst + "self_attn.qkv_proj.bias"] = torch.cat(
+                [weights[attn + f"{p}_proj.bias"] for p in "qkv"])
+        fused[dst + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
+        fused[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
+        fused[dst + "mlp.down_proj.weight"] = weights[src + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            fused[dst + norm + ".weight"] = weights[src + norm + ".weight"]
+    return fused

@@ -1,0 +1,127 @@
+"""Request: one sequence's tokens, progress, status and timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from slotserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model/pool length cap
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic seconds) of one request's life."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # first iteration it ran in
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        if n < 2 or self.first_token is None:
+            return None
+        return (self.token_times[-1] - self.first_token) / (n - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    def itls(self) -> list[float]:
+        """Gaps between consecutive tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class Request:
+    """One sequence in the engine.
+
+    NOTE: `num_computed_tokens` counts the positions whose K/V are in the cache. The tokens
+    still to process are all_token_ids[num_computed_tokens:]; preemption resets it to 0 and
+    keeps the generated tokens, so the request resumes by recomputing them.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 2048  # prompt + output cap (model length / whole pool)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V are not computed yet (prompt chunk or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.token_times.append(now)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finish status the last token triggers, if any (stop strings: the engine)."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,81 @@
+"""ModelRunner: SchedulerOutput -> tensors -> one forward -> sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from slotserve.attention.metadata import build_metadata
+from slotserve.config import CacheConfig, ModelConfig
+from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.model.registry import build_model
+from slotserve.runner.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V of block_size positions in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    return per_token * block_size
+
+
+class ModelRunner:
+    """Owns the model weights, the preallocated KV pool and the sampler."""
+
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                 cache_config: CacheConfig, num_blocks: int, device: str = "cpu",
+                 dtype: str | None = None, seed: int = 0) -> None:
+        self.config = model_config
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(device, dtype)
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        self.model = build_model(model_config)
+        self.model.load_hf_weights(weights)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.kv_caches = self._allocate_kv_cache()
+        self.sampler = Sampler(self.device, seed)
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """NOTE: preallocated once; blocks are only ever indexed, never reallocated."""
+        cfg = self.config
+        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        new = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(new(), new()) for _ in range(cfg.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run one iteration: all scheduled tokens in one forward, then sample."""
+        seqs = plan.seqs
+        input_ids, positions, sample_rows = self._prepare_inputs(plan)
+        meta = build_metadata(seqs, self.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+        sampling = [s for s in seqs if s.sample]
+        if not sampling:
+            return RunnerOutput(sampled={})
+        logits = self.model.compute_logits(hidden[sample_rows])  # (S, V), only where sampling
+        tokens, logprobs = self.sampler(logits, sampling)
+        ids = [s.request_id for s in sampling]
+        return RunnerOutput(
+            sampled=dict(zip(ids, tokens)),
+            logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _prepare_inputs(self, plan: SchedulerOutput):
+        """Flat token ids (T,), positions (T,) and the rows whose logits are sampled."""
+        seqs = plan.seqs
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
+        positions = np.concatenate([np.arange(s.start_pos, s.context_len) for s in seqs])
+        ends = np.cumsum([s.num_tokens for s in seqs]) - 1
+        sample_rows = ends[[i for i, s in enumerate(seqs) if s.sample]]
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+        return to(input_ids), to(positions), to(sample_rows)

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random-weight models built with HF transformers (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.config import ModelConfig
+from slotserve.engine.llm import LLM, engine_config
+from slotserve.engine.llm_engine import LLMEngine
+
+
+def tiny_hf_model(kind: str = "llama", seed: int = 0):
+    """A small random LlamaForCausalLM (GQA, 2+ layers) or Qwen2ForCausalLM (qkv bias)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model = transformers.LlamaForCausalLM(cfg)
+    # Larger-than-default init so greedy choices are well separated (few near-ties).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def tiny_engine(hf_model, **kwargs) -> LLMEngine:
+    """An LLMEngine on the HF model's weights; kwargs as engine_config's."""
+    cfg = ModelConfig.from_hf_dict(hf_model.config.to_dict())
+    weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    kwargs.setdefault("max_model_len", 512)
+    return LLMEngine(engine_config(**kwargs), cfg, weights, tokenizer=None)
+
+
+def tiny_llm(hf_model, **kwargs) -> LLM:
+    return LLM(engine=tiny_engine(hf_model, **kwargs))
+
+
+def random_prompts(count: int, vocab: int = 512, min_len: int = 3, max_len: int = 70,
+                   seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny_hf_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    return tiny_hf_model("qwen2", seed=1)
