@@ -98,11 +98,15 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    arrival: float | None = None) -> None:
-        """Queue a request (n completions of it). ValueError if it is malformed or can never fit."""
+                    arrival: float | None = None, prompt_text: str | None = None) -> None:
+        """Queue a request (n completions of it). ValueError if it is malformed or can never fit.
+
+        prompt_text: the text of a prompt passed as token ids (shown in outputs).
+        """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        text = text if text is not None else prompt_text
         children = [self._new_sequence(request_id, i, text, ids, params, arrival)
                     for i in range(params.n)]
         for i, seq in enumerate(children):
@@ -141,6 +145,11 @@ class LLMEngine:
             request = self.scheduler.abort_request(child_id)
             if request is not None:
                 self._pending.append(self._output(self._sequences[child_id]))
+
+    def abort_all(self) -> None:
+        """Abort every request (their outputs come with the next step)."""
+        for request_id in list(self._parents):
+            self.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
