@@ -51,4 +51,5 @@ class BlockPool:
         assert len(free) == len(self._free), "a block is queued twice"
         for block, refs in enumerate(self._ref_counts):
             assert refs >= 0, f"block {block} has ref count {refs}"
-            assert (refs == 0) == (block in free), f"block {block}: refs {refs}, free {block in free}"
+            in_queue = block in free
+            assert (refs == 0) == in_queue, f"block {block}: refs {refs}, queued {in_queue}"
