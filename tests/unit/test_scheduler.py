@@ -200,5 +200,6 @@ def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_block
         if r.request_id in aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED
         else:
-            expected = min(r.sampling_params.max_tokens, sched.max_total_tokens - r.num_prompt_tokens)
+            room = sched.max_total_tokens - r.num_prompt_tokens
+            expected = min(r.sampling_params.max_tokens, room)
             assert len(r.output_token_ids) == expected
