@@ -25,11 +25,22 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_positions, dtype=torch.float64)
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """(Re)compute cos/sin in place, on whatever device the buffers live."""
+        if self.cos.is_meta:
+            return
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        t = torch.arange(self.max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # (P, hd/2)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: (T,); q: (T, nh, hd); k: (T, nkv, hd)

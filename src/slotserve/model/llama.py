@@ -62,7 +62,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                               cfg.rope_theta)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

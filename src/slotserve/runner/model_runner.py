@@ -40,9 +40,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(device, dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        self.model = build_model(model_config)
+        self.model = build_model(model_config, torch.device("cpu"))
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
 
