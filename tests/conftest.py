@@ -10,14 +10,14 @@ from slotserve.engine.llm import LLM, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 
 
-def tiny_hf_model(kind: str = "llama", seed: int = 0):
+def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):
     """A small random LlamaForCausalLM (GQA, 2+ layers) or Qwen2ForCausalLM (qkv bias)."""
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1,
                   eos_token_id=2)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=1e6)
@@ -58,5 +58,30 @@ def tiny_llama():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_tied():
+    return tiny_hf_model("llama", seed=2, tied=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2():
     return tiny_hf_model("qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The embedded SmolLM2-135M-Instruct through the offline API (small KV pool)."""
+    return LLM(num_blocks=256, max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' own load of the same .gguf (it dequantizes and un-permutes too)."""
+    import os
+
+    import transformers
+
+    from slotserve.loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
