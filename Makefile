@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint generate clean
+.PHONY: install browser serve test lint generate clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The browser tests drive Debian's chromium through playwright (no browser download).
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: /usr/bin/chromium missing (apt-get install chromium); browser tests skip"; fi; \
+	fi
+
 serve: $(STAMP)
 	$(BIN)/slotserve serve $(ARGS)
 
@@ -28,9 +35,9 @@ generate: $(STAMP)
 	$(BIN)/slotserve generate "$(or $(PROMPT),What is continuous batching?)"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
-test: $(STAMP) lint
+test: $(STAMP) lint browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
