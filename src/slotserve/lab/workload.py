@@ -1,0 +1,248 @@
+"""Benchmark workloads: which requests to send, how long each answer is, and when each arrives.
+
+A workload is a list of `BenchRequest`s plus the parameters that made it (recorded in
+reports). It is generated (`generate_workload`) or read from JSONL (`load_workload`), one
+request a line::
+
+    {"prompt": "text" | [token ids], "max_tokens": 64, "arrival": 0.25}
+    {"messages": [{"role": "user", "content": "..."}], "max_tokens": 128}
+
+`arrival` is seconds after the start of the run (0 or absent: at once). Output lengths are
+exact when the benchmark sets `ignore_eos` (it does by default).
+
+Arrivals are offline (every request at t=0) or online: a Poisson process at `rate` requests/s,
+i.e. exponential gaps of mean 1/rate (`with_poisson_arrivals`), re-timing the same requests so
+that a sweep over rates sends identical prompts and lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+# Varied short chat prompts: questions, instructions, code, lists, rewriting.
+CHAT_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "Give me three tips for learning a new language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "How do I boil an egg so the yolk stays soft?",
+    "Write a Python function that reverses a string.",
+    "Name five animals that live in the ocean.",
+    "Why do we have seasons on Earth?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "What are the benefits of regular exercise?",
+    "Write a short story opening about a lighthouse keeper.",
+    "Explain what a hash table is to a beginner.",
+    "List the planets of the solar system in order.",
+    "What should I pack for a weekend hiking trip?",
+    "Rewrite this sentence more politely: 'Send me the report now.'",
+    "How does a bicycle stay upright while moving?",
+    "Suggest a name for a small bakery that sells bread and coffee.",
+    "What is photosynthesis?",
+    "Write a limerick about a cat who loves cheese.",
+    "Give me a simple recipe for tomato soup.",
+    "What is the Pythagorean theorem? Give an example.",
+    "Describe the water cycle step by step.",
+)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload: a prompt (text, token ids) or chat messages, a length, a time.
+
+    arrival: seconds after the start of the run at which the request is sent.
+    """
+
+    id: str
+    max_tokens: int
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(f"request {self.id!r}: give exactly one of 'prompt' or 'messages'")
+        if isinstance(self.prompt, (str, list)) and not self.prompt:
+            raise ValueError(f"request {self.id!r}: 'prompt' must not be empty")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"request {self.id!r}: 'max_tokens' must be an integer >= 1, "
+                             f"got {self.max_tokens!r}")
+        if not isinstance(self.arrival, (int, float)) or not self.arrival >= 0:
+            raise ValueError(f"request {self.id!r}: 'arrival' must be seconds >= 0, "
+                             f"got {self.arrival!r}")
+
+    def to_dict(self) -> dict:
+        """The JSONL form (no `id`: a request's id is its line number)."""
+        body = {"messages": self.messages} if self.messages is not None else {
+            "prompt": self.prompt}
+        return {**body, "max_tokens": self.max_tokens, "arrival": self.arrival}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests in arrival order, and the parameters that made them (for reports)."""
+
+    requests: tuple[BenchRequest, ...]
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError("a workload needs at least one request")
+        ordered = tuple(sorted(self.requests, key=lambda r: r.arrival))
+        object.__setattr__(self, "requests", ordered)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_max_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def span(self) -> float:
+        """Seconds from the first arrival to the last."""
+        return self.requests[-1].arrival - self.requests[0].arrival
+
+
+# ---------------------------------------------------------------------- generation
+def lognormal_lengths(count: int, median: float, sigma: float, low: int, high: int,
+                      rng: np.random.Generator) -> list[int]:
+    """`count` integer lengths, lognormal around `median` (sigma in log space), clipped."""
+    if not 1 <= low <= high:
+        raise ValueError(f"output length bounds must satisfy 1 <= min <= max, got {low}, {high}")
+    if median <= 0 or sigma < 0:
+        raise ValueError(f"lognormal needs median > 0 and sigma >= 0, got {median}, {sigma}")
+    draws = rng.lognormal(mean=math.log(median), sigma=sigma, size=count)
+    return np.clip(np.rint(draws), low, high).astype(int).tolist()
+
+
+def poisson_arrivals(count: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times (s) of a Poisson process at `rate` req/s; the first request at t=0.
+
+    rate=inf means offline: every request at t=0.
+    """
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * count
+    gaps = rng.exponential(1.0 / rate, size=count)
+    gaps[0] = 0.0
+    return np.round(np.cumsum(gaps), 6).tolist()
+
+
+def random_token_prompts(count: int, low: int, high: int, vocab_size: int,
+                         rng: np.random.Generator) -> list[list[int]]:
+    """Prompts of random token ids (lengths uniform in [low, high]), avoiding ids 0-2."""
+    if not 1 <= low <= high:
+        raise ValueError(f"prompt length bounds must satisfy 1 <= min <= max, got {low}, {high}")
+    if vocab_size <= 3:
+        raise ValueError(f"vocab_size must be > 3, got {vocab_size}")
+    lengths = rng.integers(low, high + 1, size=count)
+    return [rng.integers(3, vocab_size, size=n).tolist() for n in lengths]
+
+
+def generate_workload(num_requests: int, *, prompts: str = "chat", output_len: int | None = None,
+                      output_len_median: float = 64, output_len_sigma: float = 0.8,
+                      output_len_min: int = 8, output_len_max: int = 384,
+                      prompt_len_min: int = 16, prompt_len_max: int = 128,
+                      vocab_size: int | None = None, request_rate: float = math.inf,
+                      seed: int = 0) -> Workload:
+    """A reproducible synthetic workload.
+
+    prompts: "chat" (the built-in CHAT_PROMPTS as user messages, cycled in a shuffled order)
+        or "random" (token ids of length in [prompt_len_min, prompt_len_max]; needs vocab_size).
+    output_len: every answer this long; None draws lognormal lengths (median, sigma, clipped
+        to [output_len_min, output_len_max]).
+    request_rate: Poisson arrivals at this many req/s; inf: all at t=0 (offline).
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    bodies = _prompt_bodies(num_requests, prompts, prompt_len_min, prompt_len_max, vocab_size, rng)
+    if output_len is not None:
+        if output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {output_len}")
+        lengths = [output_len] * num_requests
+    else:
+        lengths = lognormal_lengths(num_requests, output_len_median, output_len_sigma,
+                                    output_len_min, output_len_max, rng)
+    requests = tuple(BenchRequest(id=str(i), max_tokens=n, **body)
+                     for i, (body, n) in enumerate(zip(bodies, lengths)))
+    params = {"source": "generated", "num_requests": num_requests, "prompts": prompts,
+              "seed": seed}
+    params |= ({"output_len": output_len} if output_len is not None else {
+        "output_len_median": output_len_median, "output_len_sigma": output_len_sigma,
+        "output_len_min": output_len_min, "output_len_max": output_len_max})
+    if prompts == "random":
+        params |= {"prompt_len_min": prompt_len_min, "prompt_len_max": prompt_len_max}
+    return with_poisson_arrivals(Workload(requests, params), request_rate, seed)
+
+
+def _prompt_bodies(count: int, kind: str, low: int, high: int, vocab_size: int | None,
+                   rng: np.random.Generator) -> list[dict]:
+    if kind == "chat":
+        order = rng.permutation(len(CHAT_PROMPTS))
+        texts = [CHAT_PROMPTS[order[i % len(order)]] for i in range(count)]
+        return [{"messages": [{"role": "user", "content": t}]} for t in texts]
+    if kind == "random":
+        if vocab_size is None:
+            raise ValueError("random token prompts need the model's vocab_size")
+        return [{"prompt": ids} for ids in random_token_prompts(count, low, high, vocab_size, rng)]
+    raise ValueError(f"prompts must be 'chat' or 'random', got {kind!r}")
+
+
+def with_poisson_arrivals(workload: Workload, rate: float, seed: int = 0) -> Workload:
+    """The same requests, re-timed: Poisson arrivals at `rate` req/s (inf: all at t=0)."""
+    # NOTE: a separate stream from the seed, so arrivals do not shift the prompts or lengths.
+    rng = np.random.default_rng([seed, 1])
+    times = poisson_arrivals(len(workload), rate, rng)
+    requests = tuple(replace(r, arrival=t) for r, t in zip(workload.requests, times))
+    return Workload(requests, {**workload.params, "request_rate": rate_label(rate)})
+
+
+def rate_label(rate: float) -> float | str:
+    """A rate as JSON can hold it: a number, or "inf" for offline."""
+    return "inf" if math.isinf(rate) else rate
+
+
+# ---------------------------------------------------------------------- JSONL
+def load_workload(path: str | Path) -> Workload:
+    """Read a JSONL workload (see the module docstring); ValueError names the bad line."""
+    requests = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                requests.append(_parse_line(line, number, path))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    offline = all(r.arrival == 0 for r in requests)
+    return Workload(tuple(requests), {"source": str(path), "num_requests": len(requests),
+                                      "request_rate": "inf" if offline else "file"})
+
+
+def _parse_line(line: str, number: int, path: str | Path) -> BenchRequest:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    if not isinstance(item, dict) or "max_tokens" not in item:
+        raise ValueError(f"{path}:{number}: expected an object with 'max_tokens'")
+    try:
+        return BenchRequest(id=str(number - 1), max_tokens=item["max_tokens"],
+                            prompt=item.get("prompt"), messages=item.get("messages"),
+                            arrival=float(item.get("arrival", 0.0)))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}:{number}: {exc}") from None
+
+
+def save_workload(workload: Workload, path: str | Path) -> None:
+    """Write the workload as JSONL (load_workload reads it back)."""
+    lines = (json.dumps(r.to_dict()) for r in workload.requests)
+    Path(path).write_text("".join(line + "\n" for line in lines))
