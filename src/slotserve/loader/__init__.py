@@ -1,0 +1,65 @@
+"""Model loading: a GGUF file or a Hugging Face directory -> config, float32 weights, tokenizer.
+
+    from slotserve.loader import load_model
+    model = load_model()            # the embedded default model (SmolLM2-135M-Instruct, GGUF)
+    model = load_model("path/to/hf_dir_or_file.gguf")
+
+Weights use Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight`, ...), float32,
+on CPU; `lm_head.weight` is absent when the embeddings are tied. GGUF conversions are cached
+on disk (see `slotserve.loader.cache`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from slotserve.config import ModelConfig
+from slotserve.loader.cache import cached_convert
+from slotserve.loader.default_model import default_model_path
+from slotserve.loader.gguf import load_gguf
+from slotserve.loader.safetensors import load_hf_dir
+from slotserve.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "LoadedModel",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to hand to `slotserve.model`: shape, weights, tokenizer, where it came from."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF Llama names, float32, CPU
+    tokenizer: Tokenizer | None  # None when an HF directory has no tokenizer files
+    source: str  # the path loaded
+
+
+def load_model(path: str | None = None, *, use_cache: bool = True) -> LoadedModel:
+    """Load a `.gguf` file or a Hugging Face model directory; None loads the default model.
+
+    `use_cache=False` converts a GGUF afresh and leaves the on-disk cache untouched.
+    """
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        config, weights, tokenizer = load_hf_dir(path)
+    elif os.path.isfile(path):
+        _check_gguf(path)
+        converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)
+        config, weights, tokenizer = converted
+    else:
+        raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF directory)")
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _check_gguf(path: str) -> None:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path!r} is not a GGUF file (a model file must be .gguf)")

@@ -1,0 +1,419 @@
+"""Tokenizer (a `tokenizers.Tokenizer`, BOS/EOS rules, a chat template) and stream detokenizer.
+
+A tokenizer comes from one of two places:
+
+- a GGUF file's `tokenizer.ggml.*` metadata (`Tokenizer.from_gguf_metadata`): a byte-level BPE
+  is rebuilt from the token list and the merges, with the pre-tokenizer llama.cpp uses for the
+  file's `tokenizer.ggml.pre`;
+- a Hugging Face model directory (`Tokenizer.from_hf_dir`): `tokenizer.json` and
+  `tokenizer_config.json`.
+
+`save` / `load` write and read the same thing as `tokenizer.json` + `tokenizer_meta.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+META_FILE = "tokenizer_meta.json"
+BACKEND_FILE = "tokenizer.json"
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+
+# llama.cpp also ends generation on these control tokens, whatever `eos_token_id` says.
+EOG_TEXTS = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+     "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>"}
+)
+
+# Split regexes for byte-level BPE vocabularies, by `tokenizer.ggml.pre` (as in llama.cpp).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_PRE = ("default", "gpt2", "gpt-2")
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+SUPPORTED_PRE = ("smollm", *_GPT2_PRE, *_LLAMA3_PRE, *_QWEN2_PRE)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template.
+
+    NOTE: `encode` never lets the backend's post-processor add tokens; BOS is prepended here,
+    only when the model's metadata asks for it (`add_bos_token`), so GGUF and HF models behave
+    alike. EOS is never appended.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from a GGUF file's metadata (a dict of `tokenizer.ggml.*` keys and values).
+
+        Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported.
+        """
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is "
+                "supported; load the model's Hugging Face directory instead"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges, pre = meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre")
+        backend = _byte_level_bpe(tokens, merges, pre)
+        _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or ())
+        return cls(
+            backend,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=gguf_eos_token_ids(meta),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str, extra_eos_ids: Iterable[int] = ()) -> Tokenizer | None:
+        """Build from a Hugging Face model directory; None when it has no `tokenizer.json`.
+
+        `extra_eos_ids` (from config.json / generation_config.json) join the EOS token's id.
+        """
+        if not os.path.isfile(os.path.join(path, BACKEND_FILE)):
+            return None
+        backend = Backend.from_file(os.path.join(path, BACKEND_FILE))
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        bos_id = _token_id(backend, cfg.get("bos_token"))
+        eos_id = _token_id(backend, cfg.get("eos_token"))
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:
+            add_bos = _post_processor_adds_bos(backend, bos_id)
+        eos = ([] if eos_id is None else [eos_id]) + list(extra_eos_ids)
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos,
+            add_bos_token=bool(add_bos) and bos_id is not None,
+            chat_template=_hf_chat_template(path, cfg),
+        )
+
+    def save(self, folder: str) -> None:
+        """Write `tokenizer.json` and `tokenizer_meta.json` into `folder`."""
+        self.backend.save(os.path.join(folder, BACKEND_FILE))
+        meta = {
+            "bos_token_id": self._bos_token_id,
+            "eos_token_ids": list(self._eos_token_ids),
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+        }
+        with open(os.path.join(folder, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+
+    @classmethod
+    def load(cls, folder: str) -> Tokenizer:
+        """Read what `save` wrote."""
+        backend = Backend.from_file(os.path.join(folder, BACKEND_FILE))
+        meta = _read_json(os.path.join(folder, META_FILE))
+        if meta is None:
+            raise FileNotFoundError(os.path.join(folder, META_FILE))
+        return cls(backend, **meta)
+
+    # -- text <-> ids ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS first when `add_special_tokens` and the model adds BOS.
+
+        Special tokens written in the text (e.g. `<|im_start|>`) become their ids. Lone
+        surrogates (JSON allows "\\ud800") are encoded as U+FFFD.
+        """
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if not isinstance(text, str):
+                raise
+            ids = self.backend.encode(_replace_lone_surrogates(text), add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self._bos_token_id is not None:
+            return [self._bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (incomplete UTF-8 at either end shows as U+FFFD)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (byte-level spelling), None if out of range."""
+        return self.backend.id_to_token(token_id)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation; the model's EOS token first."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size, added tokens included (may be below the model's embedding rows)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def all_special_ids(self) -> tuple[int, ...]:
+        """Ids of the special (control) tokens, sorted; `decode` skips these by default."""
+        added = self.backend.get_added_tokens_decoder()
+        return tuple(sorted(i for i, tok in added.items() if tok.special))
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text of a conversation, as HF's `apply_chat_template(tokenize=False)`.
+
+        Extra keyword arguments (e.g. `tools`) are passed to the template.
+        Raises ValueError when the model has no chat template.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain completion prompt")
+        context = {
+            "bos_token": self._token_text(self._bos_token_id),
+            "eos_token": self._token_text(self._eos_token_ids[0] if self._eos_token_ids else None),
+            **kwargs,
+        }
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return compile_chat_template(self.chat_template or "")
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.backend.id_to_token(token_id) or ""
+
+
+def _replace_lone_surrogates(text: str) -> str:
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox with the helpers HF templates expect."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # NOTE: like transformers: no HTML escaping (jinja's own tojson escapes <, >, &).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+# -- GGUF tokenizer pieces -------------------------------------------------------------------
+
+
+def gguf_eos_token_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """End-of-generation ids: eos, eot, eom, then control tokens llama.cpp also stops on."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    ids += [i for i, (tok, kind) in enumerate(zip(tokens, types))
+            if kind == TOKEN_CONTROL and tok in EOG_TEXTS]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
+    """Byte-level BPE over the GGUF token list (already in GPT-2's byte-to-unicode spelling)."""
+    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                 ignore_merges=(pre in _LLAMA3_PRE)))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in _QWEN2_PRE:
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's split rules for `tokenizer.ggml.pre`, as HF pre-tokenizers."""
+    if pre == "smollm":
+        # NOTE: SmolLM2's tokenizer.json: every digit on its own, then GPT-2's regex.
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    if pre is None or pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT if pre in _QWEN2_PRE else None
+    if split is None:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(SUPPORTED_PRE)}); "
+            "load the model's Hugging Face directory instead"
+        )
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _add_gguf_special_tokens(backend: Backend, tokens: list[str], types: Sequence[int]) -> None:
+    """Control tokens become special tokens, user-defined ones plain added tokens (kept whole)."""
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+# -- HF directory pieces ---------------------------------------------------------------------
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_id(backend: Backend, token: str | dict[str, Any] | None) -> int | None:
+    """Id of a tokenizer_config token entry (a string or an AddedToken dict)."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return None if token is None else backend.token_to_id(token)
+
+
+def _post_processor_adds_bos(backend: Backend, bos_id: int | None) -> bool:
+    if bos_id is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == bos_id
+
+
+def _hf_chat_template(path: str, cfg: Mapping[str, Any]) -> str | None:
+    """The default chat template: tokenizer_config.json, chat_template.jinja or .json."""
+    template = cfg.get("chat_template")
+    if template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            template = f.read()
+    if template is None:
+        template = (_read_json(os.path.join(path, "chat_template.json")) or {}).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    return template
+
+
+# -- streaming detokenization ------------------------------------------------------------------
+
+# Tokens of context decoded before the new ones (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into text deltas, one request at a time.
+
+    Each `add` decodes only a small window: the tokens from `prefix_offset` (already emitted,
+    kept as context so spacing and merges come out right) to the end, and subtracts the text of
+    the window's already-emitted part (vLLM's prefix_offset / read_offset scheme).
+
+    NOTE: a delta never ends in a partial UTF-8 character: while the window's text ends in
+    U+FFFD the new tokens are held back. So `"".join(deltas) + flush()` equals
+    `tokenizer.decode(output_ids)`; `flush()` only returns text when the output ends inside a
+    character (or in a real U+FFFD).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids or [])
+        self._num_prompt = len(self._ids)
+        self.read_offset = len(self._ids)  # ids before this are emitted
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)  # window start
+        self._pieces: list[str] = []
+
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        """Append output tokens; return the text they complete ("" while held back)."""
+        self._ids.extend(new_token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset, len(self._ids))
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        return self._emit(new_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """Emit whatever is held back (the output ended inside a character); "" otherwise."""
+        if self.read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset, len(self._ids))
+        return self._emit(new_text[len(prefix_text):])
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (the concatenation of the deltas)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_prompt:]
+
+    def _emit(self, delta: str) -> str:
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._ids)
+        self._pieces.append(delta)
+        return delta
+
+    def _decode(self, start: int, stop: int) -> str:
+        if start >= stop:
+            return ""
+        return self.tokenizer.decode(self._ids[start:stop], self.skip_special_tokens)
