@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands defined next to the code they drive.
-_PLUGGED: list[tuple[str, list[str]]] = []
+_PLUGGED: list[tuple[str, list[str]]] = [
+    ("slotserve.lab.commands", ["add_simulate_parser", "add_timeline_parser"]),
+    ("slotserve.lab.bench", ["add_bench_parser"]),
+    ("slotserve.server.commands", ["add_serve_parser", "add_chat_parser"]),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,463 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine: `build_app(async_engine, model_name)`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams),
+GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/trace
+(the engine's iteration trace).
+
+Every error answers with OpenAI's body {"error": {message, type, param, code}}:
+400 bad input (FastAPI's 422 included), 404 unknown model, 429 queue full (with
+Retry-After), 503 shutting down, 500 anything unexpected (the server keeps serving).
+
+NOTE: a request's first output is awaited before the response starts, streaming or not,
+so that admission errors (400 / 429 / 503) are real HTTP statuses rather than events inside
+a 200 stream. The client still sees its first token at the same time.
+
+NOTE: a client that goes away aborts its request: while the first output (or, for a
+non-streaming request, the whole result) is awaited, the generation races a watcher of the
+connection; while streaming, Starlette cancels the stream on disconnect. Either way the
+engine stream's `finally` aborts the request and its blocks return at the next iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slotserve.engine.async_engine import AsyncEngine, EngineClosedError, QueueFullError
+from slotserve.engine.outputs import CompletionOutput, RequestOutput
+from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
+from slotserve.sampling import SamplingParams
+from slotserve.server import protocol as p
+from slotserve.server.protocol import APIError
+
+logger = logging.getLogger("slotserve.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its result was ready."""
+
+
+def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...] = (),
+              metrics: ServerMetrics | None = None, retry_after_s: int = 1) -> FastAPI:
+    """The FastAPI app serving `async_engine` as `model_name` (also accepting `aliases`).
+
+    The caller starts and stops the engine; the app stops admitting requests (503) when
+    it shuts down. Each app has its own metrics registry unless `metrics` is given.
+    """
+    if metrics is None:
+        metrics = ServerMetrics(async_engine.engine)
+        metrics.attach(async_engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        async_engine.stop_accepting()
+
+    app = FastAPI(title="slotserve", lifespan=lifespan)
+    app.state.server = Server(async_engine, model_name, aliases, metrics, retry_after_s)
+    _add_error_handlers(app)
+    _add_routes(app)
+    return app
+
+
+# --------------------------------------------------------------------------- routes
+def _add_routes(app: FastAPI) -> None:
+    def server() -> Server:
+        return app.state.server
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await server().completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await server().chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        return server().models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> p.ModelCard:
+        server().check_model(model_id)
+        return server().models().data[0]
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server().metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/trace")
+    async def trace() -> dict:
+        return server().engine.engine.trace.export()
+
+
+# --------------------------------------------------------------------------- errors
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return _error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", 500,
+                                        "server_error"))
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's validation errors (422) as OpenAI's 400, naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(f"the body is not valid JSON: {first.get('msg')}")
+    param = _field_path(first)
+    if not param:  # the body as a whole
+        if first.get("type") == "missing":
+            return APIError("the request needs a JSON body")
+        return APIError("the body must be a JSON object (Content-Type: application/json)")
+    message = f"{param}: {first.get('msg')}"
+    others = len({_field_path(e) for e in errors} - {param})
+    if others:
+        message += f" (and {others} more invalid field{'s' if others > 1 else ''})"
+    return APIError(message, param=param)
+
+
+def _field_path(error: dict) -> str:
+    """loc ('body', 'messages', 0, 'content', 'str', ...) -> 'messages.0.content': a union's
+    member names ('str', 'list[int]', ...) end the path."""
+    path = []
+    for part in map(str, error.get("loc", ())[1:]):
+        if part in ("str", "int", "float", "bool") or "[" in part:
+            break
+        path.append(part)
+    return ".".join(path)
+
+
+# --------------------------------------------------------------------------- serving
+class Server:
+    """The endpoints' logic, over one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, aliases: tuple[str, ...],
+                 metrics: ServerMetrics, retry_after_s: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.accepted_names = {model_name, *aliases}
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def models(self) -> p.ModelList:
+        limit = self.engine.engine.scheduler.max_total_tokens
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=limit)])
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise APIError(f"The model `{name}` does not exist. This server serves "
+                           f"`{self.model_name}`.", 404, param="model", code="model_not_found")
+
+    # ---------------------------------------------------------------- endpoints
+    async def completions(self, body: p.CompletionRequest, request: Request):
+        self.check_model(body.model)
+        params = body.to_sampling_params()
+        stream = _Generation(self, p.new_id("cmpl"), body.engine_prompt(), params, "prompt")
+        first = await stream.start(request)
+        if body.stream:
+            return _sse(self._completion_chunks(stream, first, body), stream)
+        finals = await stream.collect(request, first)
+        return self._completion_response(stream, finals, params)
+
+    async def chat(self, body: p.ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        params = body.to_sampling_params()
+        stream = _Generation(self, p.new_id("chatcmpl"), self._chat_prompt(body), params,
+                             "messages")
+        first = await stream.start(request)
+        if body.stream:
+            return _sse(self._chat_chunks(stream, first, body), stream)
+        finals = await stream.collect(request, first)
+        return self._chat_response(stream, finals, body)
+
+    def _chat_prompt(self, body: p.ChatCompletionRequest) -> str:
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer, so no chat template; use "
+                           "/v1/completions with token ids", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(body.template_messages(),
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # a template may raise on an unusual conversation
+            raise APIError(f"messages: the chat template failed: {exc}",
+                           param="messages") from exc
+
+    # ---------------------------------------------------------------- non-streaming
+    def _completion_response(self, stream: _Generation, finals: list[CompletionOutput],
+                             params: SamplingParams) -> p.CompletionResponse:
+        choices = [p.CompletionChoice(
+            index=c.index, text=c.text, finish_reason=c.finish_reason,
+            logprobs=None if params.logprobs is None else
+            p.completion_logprobs(self.tokenizer, c.token_ids, c.logprobs or []))
+            for c in finals]
+        return p.CompletionResponse(id=stream.request_id, model=self.model_name,
+                                    choices=choices, usage=stream.usage(finals))
+
+    def _chat_response(self, stream: _Generation, finals: list[CompletionOutput],
+                       body: p.ChatCompletionRequest) -> p.ChatCompletionResponse:
+        choices = [p.ChatChoice(
+            index=c.index, message=p.AssistantMessage(content=c.text),
+            finish_reason=c.finish_reason,
+            logprobs=self._chat_logprobs(c.token_ids, c.logprobs, body)) for c in finals]
+        return p.ChatCompletionResponse(id=stream.request_id, model=self.model_name,
+                                        choices=choices, usage=stream.usage(finals))
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs, body: p.ChatCompletionRequest
+                       ) -> p.ChatLogprobs | None:
+        if not body.logprobs:
+            return None
+        return p.chat_logprobs(self.tokenizer, token_ids, logprobs or [],
+                               body.top_logprobs or 0)
+
+    # ---------------------------------------------------------------- streaming
+    async def _completion_chunks(self, stream: _Generation, first: RequestOutput,
+                                 body: p.CompletionRequest) -> AsyncIterator[dict]:
+        offsets: dict[int, int] = {}
+        async for c in stream.completions(first):
+            with_logprobs = body.logprobs is not None and c.delta_token_ids
+            if not (c.delta_text or with_logprobs or c.finished):
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                ids, lps = _delta_logprobs(c)
+                logprobs = p.completion_logprobs(self.tokenizer, ids, lps, offsets.get(c.index, 0))
+            offsets[c.index] = offsets.get(c.index, 0) + len(c.delta_text)
+            choice = p.CompletionChoice(index=c.index, text=c.delta_text, logprobs=logprobs,
+                                        finish_reason=c.finish_reason)
+            yield _chunk(p.CompletionResponse(id=stream.request_id, model=self.model_name,
+                                              choices=[choice]), body.include_usage)
+        if body.include_usage:
+            yield p.CompletionResponse(id=stream.request_id, model=self.model_name, choices=[],
+                                       usage=stream.usage(stream.finals)).model_dump()
+
+    async def _chat_chunks(self, stream: _Generation, first: RequestOutput,
+                           body: p.ChatCompletionRequest) -> AsyncIterator[dict]:
+        def chunk(choice: p.ChatChunkChoice) -> dict:
+            return _chunk(p.ChatCompletionChunk(id=stream.request_id, model=self.model_name,
+                                                choices=[choice]), body.include_usage)
+
+        for index in range(stream.params.n):  # OpenAI opens each choice with the role
+            yield chunk(p.ChatChunkChoice(index=index,
+                                          delta=p.DeltaMessage(role="assistant", content="")))
+        async for c in stream.completions(first):
+            if c.delta_text or (body.logprobs and c.delta_token_ids):
+                ids, lps = _delta_logprobs(c)
+                yield chunk(p.ChatChunkChoice(index=c.index,
+                                              delta=p.DeltaMessage(content=c.delta_text),
+                                              logprobs=self._chat_logprobs(ids, lps, body)))
+            if c.finished:
+                yield chunk(p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(),
+                                              finish_reason=c.finish_reason))
+        if body.include_usage:
+            yield p.ChatCompletionChunk(id=stream.request_id, model=self.model_name, choices=[],
+                                        usage=stream.usage(stream.finals)).model_dump()
+
+
+def _chunk(response, include_usage: bool) -> dict:
+    """A stream chunk as OpenAI sends them: deltas list only what they carry, and "usage"
+    is null in every chunk but the last when include_usage is set (absent otherwise)."""
+    data = response.model_dump()
+    for choice in data["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if not include_usage:
+        data.pop("usage", None)
+    return data
+
+
+def _delta_logprobs(c: CompletionOutput) -> tuple[list[int], list[dict[int, float]]]:
+    """The new tokens of an output and their logprobs (the output carries all so far)."""
+    ids = c.delta_token_ids
+    if not c.logprobs or not ids:
+        return ids, []
+    return ids, c.logprobs[len(c.token_ids) - len(ids):]
+
+
+def _sse(chunks: AsyncIterator[dict], stream: _Generation) -> StreamingResponse:
+    return StreamingResponse(_sse_lines(chunks, stream), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_lines(chunks: AsyncIterator[dict], stream: _Generation) -> AsyncIterator[str]:
+    """`data: {json}` events, an error event if the generation fails, then `data: [DONE]`."""
+    try:
+        async for data in chunks:
+            yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    except APIError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    finally:
+        await chunks.aclose()
+        await stream.aclose()  # NOTE: aborts the request if the stream ended early
+    yield "data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- one generation
+class _Generation:
+    """One request's engine stream, with errors mapped to APIError and one log line per
+    finished completion."""
+
+    def __init__(self, server: Server, request_id: str, prompt, params: SamplingParams,
+                 prompt_param: str) -> None:
+        self.server = server
+        self.request_id = request_id
+        self.params = params
+        self.prompt_param = prompt_param
+        self.outputs = server.engine.generate(request_id, prompt, params)
+        self.prompt_tokens = 0
+        self.started = False  # the first output came
+        self.finals: list[CompletionOutput] = []
+
+    async def start(self, request: Request) -> RequestOutput:
+        """Admit the request and wait for its first output (see the module NOTE)."""
+        try:
+            first = await self._guarded(_unless_disconnected(request, self._next()))
+        except ClientGone:
+            logger.info("aborted %s: the client left before the first token", self.request_id)
+            raise
+        self.prompt_tokens = len(first.prompt_token_ids)
+        self.started = True
+        return first
+
+    async def collect(self, request: Request, first: RequestOutput) -> list[CompletionOutput]:
+        """Run to the end (aborting if the client leaves); the final completions by index."""
+        async def drain() -> None:
+            async for _ in self.completions(first):
+                pass
+
+        try:
+            await self._guarded(_unless_disconnected(request, drain()))
+        finally:
+            await self.aclose()
+        return sorted(self.finals, key=lambda c: c.index)
+
+    async def completions(self, first: RequestOutput) -> AsyncIterator[CompletionOutput]:
+        """Every output's completion, first included; raises APIError on a failure."""
+        yield self._check(first.outputs[0])
+        while True:
+            try:
+                out = await self._guarded(self._next())
+            except StopAsyncIteration:
+                return
+            yield self._check(out.outputs[0])
+
+    async def _next(self) -> RequestOutput:
+        return await anext(self.outputs)
+
+    def _check(self, c: CompletionOutput) -> CompletionOutput:
+        if c.finish_reason == "error":
+            raise APIError("generation failed in the engine", 500, "server_error")
+        if c.finish_reason == "abort":
+            raise APIError("the request was aborted (the server is shutting down)", 503,
+                           "service_unavailable")
+        if c.finished:
+            self.finals.append(c)
+            _log_finished(self.request_id, self.prompt_tokens, c, self.params.n)
+        return c
+
+    async def aclose(self) -> None:
+        """End the engine stream: aborts the request unless every completion finished."""
+        await self.outputs.aclose()
+        if self.started and len(self.finals) < self.params.n:
+            logger.info("aborted %s: %d of %d completions finished (client left or failure)",
+                        self.request_id, len(self.finals), self.params.n)
+            self.started = False  # log once
+
+    def usage(self, finals: list[CompletionOutput]) -> p.UsageInfo:
+        return p.UsageInfo.of(self.prompt_tokens, sum(len(c.token_ids) for c in finals))
+
+    async def _guarded(self, awaitable):
+        """Await, turning the engine's exceptions into API errors."""
+        try:
+            return await awaitable
+        except QueueFullError as exc:
+            raise APIError(f"the server is busy: {exc}; retry later", 429,
+                           "rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.server.retry_after_s)}) from exc
+        except EngineClosedError as exc:
+            raise APIError(str(exc), 503, "service_unavailable") from exc
+        except ValueError as exc:
+            error = p.invalid_request(str(exc), {"prompt": self.prompt_param})
+            raise error from exc
+        except RuntimeError as exc:  # the engine failed (its loop goes on)
+            raise APIError(str(exc), 500, "server_error") from exc
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await `awaitable` unless the client disconnects first: then cancel it (which aborts
+    the engine request) and raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection.
+
+    NOTE: the body was read already, so the next ASGI message can only be http.disconnect;
+    waiting on it costs nothing (no polling).
+    """
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _log_finished(request_id: str, prompt_tokens: int, c: CompletionOutput, n: int) -> None:
+    m = c.metrics
+    ttft = f"{m.ttft:.3f}s" if m and m.ttft is not None else "-"
+    tpot = f"{m.tpot * 1000:.1f}ms" if m and m.tpot is not None else "-"
+    suffix = f"#{c.index}" if n > 1 else ""
+    logger.info("finished %s%s: prompt %d tokens, output %d tokens, TTFT %s, TPOT %s, %s",
+                request_id, suffix, prompt_tokens, len(c.token_ids), ttft, tpot,
+                c.finish_reason)

@@ -1,0 +1,149 @@
+"""`slotserve serve` (the OpenAI API over HTTP) and `slotserve chat` (a terminal chat)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+
+from slotserve.cli import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("slotserve.server")
+
+# Quantisation suffixes of GGUF file names ("SmolLM2-135M-Instruct.Q4_1").
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------- serve
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="bound on waiting requests; beyond it requests get 429 (default: none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name of the API (default: from the model file or directory)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="write the engine's iteration trace to this JSON file at shutdown")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.server.api import build_app
+
+    setup_logging(args.log_level)
+    engine = build_engine(args)
+    name, aliases = served_model_names(engine.model_config.name, args.model,
+                                       args.served_model_name)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    app = build_app(async_engine, name, aliases=aliases)
+    log_startup(engine, name, f"http://{args.host}:{args.port}/v1")
+    # NOTE: uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal
+    # with the handler it found: make that one a clean exit, so the `finally` runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    async_engine.start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, workers=1,
+                    log_level=args.log_level, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown(async_engine, args.trace)
+    return 0
+
+
+def shutdown(async_engine, trace_path: str | None) -> None:
+    """Stop the engine thread; write the trace if asked."""
+    async_engine.stop_accepting()
+    async_engine.stop()
+    if trace_path:
+        async_engine.engine.trace.save(trace_path)
+        logger.info("trace written to %s", trace_path)
+    logger.info("engine stopped")
+
+
+def build_engine(args: argparse.Namespace, **overrides):
+    """The LLMEngine the engine flags describe."""
+    from slotserve.engine.llm import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+
+    kwargs = {**engine_kwargs(args), **overrides}
+    if getattr(args, "max_waiting", None) is not None:
+        kwargs["max_waiting"] = args.max_waiting
+    return LLMEngine.from_config(engine_config(args.model, **kwargs))
+
+
+def served_model_names(model_name: str, model_arg: str | None, override: str | None
+                       ) -> tuple[str, tuple[str, ...]]:
+    """(the API's model name, other names requests may use).
+
+    The name is --served-model-name, else the model's name without a quantisation suffix
+    ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"). The full name and the
+    --model argument are accepted too.
+    """
+    name = override or _QUANT_SUFFIX.sub("", model_name) or model_name
+    aliases = {model_name, _QUANT_SUFFIX.sub("", model_name)}
+    if model_arg:
+        aliases.add(model_arg)
+    aliases.discard(name)
+    return name, tuple(sorted(a for a in aliases if a))
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s", datefmt="%H:%M:%S")
+
+
+def log_startup(engine, name: str, url: str) -> None:
+    """Model, device, KV pool and URL: what an operator checks first."""
+    from slotserve.runner.model_runner import kv_block_bytes, resolve_dtype
+
+    mc, cfg, kv = engine.model_config, engine.config, engine.kv
+    dtype = resolve_dtype(cfg.device, cfg.dtype)
+    pool_bytes = kv.num_blocks * kv_block_bytes(mc, kv.block_size, dtype)
+    sched = engine.scheduler.config
+    logger.info("model %s (%s, %.0fM parameters) on %s, %s", name, mc.name,
+                mc.num_parameters / 1e6, cfg.device, str(dtype).removeprefix("torch."))
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB); policy %s, "
+                "%d slots, token budget %d, max_model_len %d", kv.num_blocks, kv.block_size,
+                kv.num_blocks * kv.block_size, pool_bytes / 2**20, sched.policy,
+                sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
+    logger.info("serving %s at %s", name, url)
+
+
+# --------------------------------------------------------------------------- chat
+def add_chat_parser(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="chat in the terminal (in-process, or with --url)")
+    p.add_argument("--url", default=None,
+                   help="a running slotserve / OpenAI-compatible server, e.g. "
+                        "http://127.0.0.1:8000 (default: an in-process engine)")
+    p.add_argument("--model-name", default=None,
+                   help="with --url: the model to ask for (default: the server's first)")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    add_engine_args(p)
+    # One conversation needs one slot; this also keeps the default KV pool small.
+    p.set_defaults(func=cmd_chat, max_num_seqs=1)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from slotserve.server.chat import LocalChat, RemoteChat, run_chat
+
+    if args.url:
+        backend = RemoteChat(args.url, args.model_name)
+    else:
+        print("loading the model...", flush=True)
+        backend = LocalChat(build_engine(args))
+    print(f"chatting with {backend.model_name} (/exit or Ctrl-D quits, /reset forgets)")
+    run_chat(backend, system=args.system, max_tokens=args.max_tokens,
+             temperature=args.temperature)
+    return 0

@@ -1,0 +1,400 @@
+"""OpenAI API schemas (pydantic) and the conversions between them and the engine's types.
+
+Requests validate strictly (no "5" for 5, no true for 1) and ignore unknown fields, as
+vLLM does. `to_sampling_params()` turns a request into SamplingParams and raises
+`APIError` (HTTP 400) naming the offending field; logprob helpers shape the engine's
+`list[dict[token_id, logprob]]` into OpenAI's two response formats.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from slotserve.sampling import SamplingParams
+
+# Chat requests without max_tokens / max_completion_tokens generate up to this many tokens;
+# the engine also stops at the context limit (max_model_len), with finish_reason "length".
+DEFAULT_CHAT_MAX_TOKENS = 1024
+# Completions without max_tokens: 16, the OpenAI legacy default.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share (vLLM's names for the extensions)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None  # None: the served model (vLLM's leniency)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    min_p: float | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    presence_penalty: float | None = None  # only 0 / absent
+    frequency_penalty: float | None = None  # only 0 / absent
+    logit_bias: dict[str, float] | None = None  # only empty / absent
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         renames: dict[str, str]) -> SamplingParams:
+        self._reject_unsupported()
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                logprobs=logprobs, n=1 if self.n is None else self.n)
+        except ValueError as exc:
+            raise invalid_request(str(exc), renames) from exc
+
+    def _reject_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported (use 0 or leave it out)", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of one of those."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def engine_prompt(self) -> str | list[int]:
+        """The one prompt to run (batches of prompts are refused: send one request each)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError("a batch of prompts is not supported; send one prompt per "
+                               "request", param="prompt")
+            prompt = prompt[0]
+        return prompt
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError("best_of is not supported (leave it out or set it to n)",
+                           param="best_of")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, {})
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """{role, content} with text parts joined (what chat templates expect)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError("response_format: only {'type': 'text'} is supported",
+                           param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        renames = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if self.max_completion_tokens
+                   is not None else "max_tokens"}
+        return self._sampling_params(self.chat_max_tokens, logprobs, renames)
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """max_completion_tokens, else max_tokens, else DEFAULT_CHAT_MAX_TOKENS."""
+        for value in (self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return value
+        return DEFAULT_CHAT_MAX_TOKENS
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+def invalid_request(message: str, renames: dict[str, str] | None = None) -> APIError:
+    """A 400 from a ValueError whose message starts with the field name (SamplingParams')."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    known = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+    param = first if first in known else None
+    if param is not None and renames and param in renames:
+        param = renames[param]
+        message = f"{param} {message.split(' ', 1)[1]}" if " " in message else message
+    return APIError(message, param=param)
+
+
+# --------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "slotserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------- logprobs
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: vocabulary character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for.
+
+    Byte-level BPE spellings ("ĠParis") map back exactly; other vocabularies fall back to
+    the UTF-8 of the token decoded alone.
+    """
+    spelling = tokenizer.id_to_token(token_id) if tokenizer is not None else None
+    if spelling is None:
+        return b""
+    decoder = _byte_decoder()
+    if all(ch in decoder for ch in spelling):
+        return bytes(decoder[ch] for ch in spelling)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text (U+FFFD where it holds part of a UTF-8 character)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                        offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions shape. offset: text position of the first token."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(_logprob(entry, token_id))
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        result.top_logprobs.append({token_text(tokenizer, t): _finite(lp) for t, lp in ranked})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]],
+                  top_n: int) -> ChatLogprobs:
+    """The chat shape: each sampled token with its `top_n` most likely alternatives."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(ChatTokenLogprob(
+            **_top_logprob(tokenizer, token_id, _logprob(entry, token_id)),
+            top_logprobs=[TopLogprob(**_top_logprob(tokenizer, t, lp)) for t, lp in ranked]))
+    return ChatLogprobs(content=content)
+
+
+def _top_logprob(tokenizer, token_id: int, logprob: float) -> dict:
+    logprob = _finite(logprob)
+    raw = token_bytes(tokenizer, token_id) if tokenizer is not None else b""
+    return {"token": token_text(tokenizer, token_id), "logprob": logprob, "bytes": list(raw)}
+
+
+def _logprob(entry: dict[int, float], token_id: int) -> float:
+    return _finite(entry.get(token_id, MIN_LOGPROB))
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: clamp to MIN_LOGPROB (vLLM's convention)."""
+    return max(logprob, MIN_LOGPROB)

@@ -1,0 +1,96 @@
+"""Prometheus metrics over a tiny engine driven step by step (no server, no threads)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from slotserve.obs.metrics import ServerMetrics, SlotWindow
+from slotserve.sampling import SamplingParams
+from tests.conftest import tiny_engine
+
+
+def samples(metrics: ServerMetrics) -> dict[str, float]:
+    result = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            result[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return result
+
+
+def run(engine, hook, prompts, params) -> None:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        hook.on_step(engine.step())
+
+
+@pytest.fixture
+def engine(tiny_llama):
+    return tiny_engine(tiny_llama, num_blocks=32, max_num_seqs=4)
+
+
+def test_counters_histograms_and_gauges(engine):
+    metrics = ServerMetrics(engine)
+    seen = []
+    hook = SimpleNamespace(on_step=seen.append)
+    metrics.attach(hook)  # chains the hook already there
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    run(engine, hook, [[5, 6, 7], [8, 9, 10, 11], [12, 13]], params)
+    assert seen  # the previous on_step still runs
+    m = samples(metrics)
+    assert m["slotserve:time_to_first_token_seconds_count"] == 3
+    assert m["slotserve:e2e_request_latency_seconds_count"] == 3
+    assert m["slotserve:request_queue_time_seconds_count"] == 3
+    assert m["slotserve:time_per_output_token_seconds_count"] == 3
+    assert m["slotserve:inter_token_latency_seconds_count"] == 3 * 4
+    assert m['slotserve:request_success_total{finished_reason="length"}'] == 3
+    assert m["slotserve:prompt_tokens_total"] == 9
+    assert m["slotserve:generation_tokens_total"] == 15
+    assert m["slotserve:num_preemptions_total"] == 0
+    # Idle again: gauges read the live engine.
+    assert m["slotserve:num_requests_running"] == m["slotserve:num_requests_waiting"] == 0
+    assert m["slotserve:kv_blocks_free"] == m["slotserve:kv_blocks_total"] == 32
+    assert m["slotserve:kv_cache_usage_perc"] == 0
+    # 3 requests in 4 slots for every iteration.
+    assert m["slotserve:slot_utilisation"] == pytest.approx(3 / 4)
+
+
+def test_gauges_are_live(engine):
+    metrics = ServerMetrics(engine)
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50))
+    engine.step()
+    m = samples(metrics)
+    assert m["slotserve:num_requests_running"] == 1
+    used = 32 - m["slotserve:kv_blocks_free"]
+    assert used >= 1 and m["slotserve:kv_cache_usage_perc"] == pytest.approx(used / 32)
+    engine.abort_request("a")
+    engine.step()
+    m = samples(metrics)
+    assert m["slotserve:kv_blocks_free"] == 32
+    assert m['slotserve:request_success_total{finished_reason="abort"}'] == 1
+    # Aborted requests are counted, but their latencies are not observed.
+    assert m["slotserve:time_to_first_token_seconds_count"] == 0
+
+
+def test_each_app_has_its_own_registry(engine):
+    first, second = ServerMetrics(engine), ServerMetrics(engine)
+    assert first.registry is not second.registry
+    first.ttft.observe(0.5)
+    assert samples(first)["slotserve:time_to_first_token_seconds_count"] == 1
+    assert samples(second)["slotserve:time_to_first_token_seconds_count"] == 0
+
+
+def test_slot_window():
+    window = SlotWindow(num_slots=4, window_s=10)
+    assert window.utilisation(now=0) == 0.0
+    window.add(4, now=1)
+    window.add(2, now=2)
+    assert window.utilisation(now=5) == pytest.approx(6 / 8)
+    assert window.utilisation(now=11.5) == pytest.approx(2 / 4)  # the first one left
+    assert window.utilisation(now=30) == 0.0
+    window.on_iteration({"slots": [None, {"request": "a"}, None, {"request": "b"}]})
+    assert window.utilisation() == pytest.approx(2 / 4)

@@ -1,0 +1,178 @@
+"""OpenAI request schemas -> SamplingParams, error mapping, logprob shapes (no model)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from slotserve.server import protocol as p
+from slotserve.server.protocol import APIError
+
+
+def completion(**kwargs) -> p.CompletionRequest:
+    return p.CompletionRequest.model_validate({"prompt": "hi", **kwargs})
+
+
+def chat(**kwargs) -> p.ChatCompletionRequest:
+    return p.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **kwargs})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "5"), ("max_tokens", 2.5), ("max_tokens", True), ("temperature", "0.5"),
+    ("n", "2"), ("stream", "yes"), ("stop", 3), ("seed", 1.5), ("prompt", [1, "a"]),
+])
+def test_types_are_strict(field, value):
+    with pytest.raises(ValidationError):
+        completion(**{field: value})
+
+
+def test_completion_defaults_are_openai_legacy():
+    params = completion().to_sampling_params()
+    assert params.max_tokens == 16 and params.temperature == 1.0 and params.top_p == 1.0
+    assert params.n == 1 and params.logprobs is None and params.stop == ()
+
+
+def test_completion_fields_reach_sampling_params():
+    params = completion(max_tokens=7, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=4,
+                        stop="\n", n=2, logprobs=3, ignore_eos=True,
+                        unknown_field="ignored").to_sampling_params()
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0, 0.5, 3)
+    assert (params.min_p, params.seed, params.stop, params.n) == (0.1, 4, ("\n",), 2)
+    assert params.logprobs == 3 and params.ignore_eos
+
+
+def test_null_means_default():
+    params = completion(max_tokens=None, temperature=None, top_p=None, n=None,
+                        stop=None).to_sampling_params()
+    assert params.max_tokens == 16 and params.temperature == 1.0 and params.n == 1
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5]),
+])
+def test_engine_prompt(prompt, expected):
+    assert completion(prompt=prompt).engine_prompt() == expected
+
+
+def test_prompt_batches_are_refused():
+    with pytest.raises(APIError) as err:
+        completion(prompt=["a", "b"]).engine_prompt()
+    assert err.value.param == "prompt" and err.value.status == 400
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
+    ("min_p", 1.5, "min_p"), ("n", 0, "n"), ("max_tokens", 0, "max_tokens"),
+    ("logprobs", 21, "logprobs"), ("stop", [""], "stop"), ("echo", True, "echo"),
+    ("presence_penalty", 0.5, "presence_penalty"), ("best_of", 3, "best_of"),
+    ("logit_bias", {"1": 2.0}, "logit_bias"),
+])
+def test_bad_values_name_their_field(field, value, param):
+    with pytest.raises(APIError) as err:
+        completion(**{field: value}).to_sampling_params()
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.type == "invalid_request_error"
+
+
+def test_zero_penalties_are_accepted():
+    completion(presence_penalty=0.0, frequency_penalty=0.0, logit_bias={}).to_sampling_params()
+
+
+def test_chat_max_tokens_precedence_and_default():
+    assert chat().to_sampling_params().max_tokens == p.DEFAULT_CHAT_MAX_TOKENS
+    assert chat(max_tokens=5).to_sampling_params().max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params().max_tokens == 9
+
+
+def test_chat_errors_use_chat_names():
+    with pytest.raises(APIError) as err:
+        chat(max_completion_tokens=0).to_sampling_params()
+    assert err.value.param == "max_completion_tokens"
+    assert err.value.message.startswith("max_completion_tokens ")
+    with pytest.raises(APIError) as err:
+        chat(logprobs=True, top_logprobs=50).to_sampling_params()
+    assert err.value.param == "top_logprobs"
+    with pytest.raises(APIError) as err:
+        chat(top_logprobs=2).to_sampling_params()
+    assert err.value.param == "top_logprobs"
+
+
+def test_chat_logprobs_mapping():
+    assert chat().to_sampling_params().logprobs is None
+    assert chat(logprobs=True).to_sampling_params().logprobs == 0
+    assert chat(logprobs=True, top_logprobs=4).to_sampling_params().logprobs == 4
+
+
+def test_chat_messages():
+    request = chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}])
+    assert request.template_messages() == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""}]
+    with pytest.raises(ValidationError):
+        chat(messages=[])
+    with pytest.raises(ValidationError):
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+
+
+def test_include_usage():
+    assert not completion().include_usage
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+def test_error_body_shape():
+    error = APIError("nope", 404, param="model", code="model_not_found")
+    assert error.body() == {"error": {"message": "nope", "type": "invalid_request_error",
+                                      "param": "model", "code": "model_not_found"}}
+
+
+def test_invalid_request_finds_the_param():
+    assert p.invalid_request("top_p must be in (0, 1], got 0").param == "top_p"
+    assert p.invalid_request("prompt must not be empty", {"prompt": "messages"}).param == \
+        "messages"
+    assert p.invalid_request("something else went wrong").param is None
+
+
+# ------------------------------------------------------------------------- logprobs
+class ByteLevelTokenizer:
+    """Ids 0..: 'ĠParis', 'é' split in two byte tokens, a special token."""
+
+    vocab = {0: "ĠParis", 1: "Ã", 2: "©", 3: "<|im_end|>", 4: "."}
+
+    def id_to_token(self, token_id):
+        return self.vocab.get(token_id)
+
+    def decode(self, ids, skip_special_tokens=True):  # pragma: no cover - not reached
+        raise AssertionError("byte-level spellings need no decode")
+
+
+def test_token_bytes_inverts_the_byte_level_alphabet():
+    tok = ByteLevelTokenizer()
+    assert p.token_bytes(tok, 0) == b" Paris"
+    assert p.token_bytes(tok, 1) + p.token_bytes(tok, 2) == "é".encode()
+    assert p.token_text(tok, 3) == "<|im_end|>"
+    assert p.token_text(tok, 1) == "\ufffd"  # half a character
+    assert p.token_bytes(tok, 99) == b""
+
+
+def test_completion_logprobs_shape():
+    tok = ByteLevelTokenizer()
+    lp = p.completion_logprobs(tok, [0, 4], [{0: -0.1, 4: -2.5}, {4: -0.2, 0: -1.0, 3: -3.0}])
+    assert lp.tokens == [" Paris", "."]
+    assert lp.token_logprobs == [-0.1, -0.2]
+    assert lp.top_logprobs == [{" Paris": -0.1, ".": -2.5}, {".": -0.2, " Paris": -1.0,
+                                                              "<|im_end|>": -3.0}]
+    assert lp.text_offset == [0, 6]
+
+
+def test_chat_logprobs_shape():
+    tok = ByteLevelTokenizer()
+    lp = p.chat_logprobs(tok, [4], [{0: -0.5, 4: -1.5, 3: float("-inf")}], top_n=1)
+    (entry,) = lp.content
+    assert (entry.token, entry.logprob, entry.bytes) == (".", -1.5, [46])
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(" Paris", -0.5)]
+    lp = p.chat_logprobs(tok, [3], [{3: float("-inf")}], top_n=0)
+    assert lp.content[0].logprob == p.MIN_LOGPROB and lp.content[0].top_logprobs == []
