@@ -12,7 +12,7 @@ from torch import nn
 from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
-from slotserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -22,9 +22,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
@@ -67,16 +67,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head when the model ties them.
-
-        NOTE: call again after anything that replaces parameters (`to_empty` unties them).
-        """
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
+        # the head wants (H, V) for its matmul, the lookup wants (V, H).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -90,26 +83,33 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
-        own = dict(self.named_parameters())
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter is set."""
+        loaded = set()
         for name, tensor in fuse_hf_weights(weights, self.config).items():
-            if name not in own:
-                raise ValueError(f"unexpected weight {name}")
-            if own[name].shape != tensor.shape:
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            target = getattr(module, kind)
+            if isinstance(module, Linear) and kind == "weight":
+                tensor = tensor.t()
+            if target.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(own[name].shape)}")
-            own[name].copy_(tensor)
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"weights missing: {sorted(missing)[:5]}")
 
 
 def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
                     ) -> dict[str, torch.Tensor]:
-    """HF Llama names -> this module's names (qkv_proj, gate_up_proj fused)."""
+    """HF Llama names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts."""
+    embed = weights["model.embed_tokens.weight"]
     fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": weights["model.embed_tokens.weight"],
+        "embed_tokens.weight": embed,
         "norm.weight": weights["model.norm.weight"],
+        "lm_head.weight": embed if cfg.tie_word_embeddings else weights["lm_head.weight"],
     }
-    if not cfg.tie_word_embeddings:
-        fused["lm_head.weight"] = weights["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."

@@ -27,7 +27,6 @@ def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = cls(cfg)
     model.to_empty(device=device)
-    model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
