@@ -53,7 +53,7 @@ class AsyncEngine:
         self._stopping = False
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
-        self.on_step = None  # optional callback(list[RequestOutput]) in the engine thread
+        self._step_listeners: list = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -67,6 +67,14 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (graceful shutdown)."""
         self._accepting = False
+
+    def add_step_listener(self, callback) -> None:
+        """callback(list[RequestOutput]) after every iteration, in the engine thread."""
+        self._step_listeners.append(callback)
+
+    def remove_step_listener(self, callback) -> None:
+        if callback in self._step_listeners:
+            self._step_listeners.remove(callback)
 
     @property
     def num_active(self) -> int:
@@ -144,8 +152,8 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._dispatch(outputs)
-            if self.on_step is not None:
-                self.on_step(outputs)
+            for listener in list(self._step_listeners):
+                listener(outputs)
 
     def _apply_commands(self) -> None:
         while True:

@@ -3,7 +3,7 @@
 - Gauges and engine-wide counters are read from the live engine at scrape time (a custom
   collector), so they are never stale and cost nothing per iteration.
 - Latency histograms are observed when a completion finishes, from its RequestMetrics,
-  in the engine thread (`AsyncEngine.on_step`); prometheus_client metrics are thread-safe.
+  in the engine thread (`AsyncEngine.add_step_listener`); prometheus_client metrics are thread-safe.
 - Slot utilisation (busy slot-iterations / (slots x iterations), as in the seed) covers the
   iterations of the last `window_s` seconds, fed by the trace's per-iteration listener.
 
@@ -61,16 +61,9 @@ class ServerMetrics:
                                "Arrival to first scheduled iteration.", REQUEST_BUCKETS)
 
     def attach(self, async_engine) -> None:
-        """Observe finished completions after every step (chains a previous on_step) and
-        follow the trace for slot utilisation."""
-        previous = async_engine.on_step
-
-        def on_step(outputs: list[RequestOutput]) -> None:
-            self.observe_outputs(outputs)
-            if previous is not None:
-                previous(outputs)
-
-        async_engine.on_step = on_step
+        """Observe finished completions after every step and follow the trace for slot
+        utilisation."""
+        async_engine.add_step_listener(self.observe_outputs)
         self.engine.trace.add_listener(self.slots.on_iteration)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:

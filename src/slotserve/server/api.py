@@ -37,6 +37,7 @@ from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
+from slotserve.server.live import build_live_router
 from slotserve.server.protocol import APIError
 
 logger = logging.getLogger("slotserve.server")
@@ -66,6 +67,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
     app.state.server = Server(async_engine, model_name, aliases, metrics, retry_after_s)
     _add_error_handlers(app)
     _add_routes(app)
+    app.include_router(build_live_router(async_engine))
     return app
 
 

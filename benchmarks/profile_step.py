@@ -1,0 +1,93 @@
+"""Where does one decode iteration's time go? Median step time and a per-op breakdown.
+
+    .venv/bin/python benchmarks/profile_step.py --batch 1 16 64 --threads 1
+
+Builds the engine on the embedded SmolLM2-135M (fp32), fills the batch with `batch`
+requests of ~40-token prompts, lets them reach steady decode, then times `steps` iterations
+and profiles a few with torch.profiler, grouping ops into linear / attention / other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from slotserve import SamplingParams
+from slotserve.engine.llm import engine_config
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.loader import load_model
+
+GROUPS = {
+    "linear (mm/addmm)": ("aten::mm", "aten::addmm"),
+    "attention gather (index)": ("aten::index",),
+    "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                         "aten::_scaled_dot_product_attention_math"),
+    "kv write (index_copy_)": ("aten::index_copy_",),
+}
+
+
+def fill(engine: LLMEngine, batch: int, context: int) -> None:
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(7 * i + j) % 40000 + 100 for j in range(40)], params)
+    while engine.scheduler.num_waiting or any(
+            r.num_computed_tokens < context for r in engine.scheduler.running):
+        engine.step()
+
+
+def time_steps(engine: LLMEngine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for _ in range(steps):
+            engine.step()
+    totals = {name: 0.0 for name in GROUPS}
+    total = 0.0
+    for evt in prof.key_averages():
+        if evt.key == "ProfilerStep*":
+            continue
+        for name, keys in GROUPS.items():
+            if evt.key in keys:
+                totals[name] += evt.self_cpu_time_total
+        total += evt.self_cpu_time_total
+    totals["everything else"] = total - sum(totals.values())
+    return {k: v / steps / 1e3 for k, v in totals.items()}  # ms per step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--context", type=int, default=100, help="decode from this context length")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    for batch in args.batch:
+        engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 16 + 16,
+                                         max_num_batched_tokens=2048),
+                           loaded.config, loaded.weights, loaded.tokenizer)
+        fill(engine, batch, args.context)
+        step = time_steps(engine, args.steps)
+        parts = breakdown(engine, 5)
+        detail = ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+        print(f"batch {batch:3d}: step {step * 1e3:7.1f} ms ({batch / step:6.1f} tok/s) | "
+              f"wall+profiler ms/step: {detail}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
