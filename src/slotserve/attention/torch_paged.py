@@ -31,8 +31,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq, scale)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta,
-                                                  scale)
+        out[meta.decode_rows] = decode_attention(
+            q[meta.decode_rows].contiguous(), k_cache, v_cache, meta.decode_block_tables,
+            meta.decode_context_lens, scale)
     return out
 
 
@@ -55,12 +56,16 @@ def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> to
     return out.transpose(0, 1)  # (n, nh, hd)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    # q: (D, nh, hd), one query per sequence at position context_len - 1.
-    k = _gather(k_cache, meta.decode_block_tables)  # (D, Lmax, nkv, hd)
-    v = _gather(v_cache, meta.decode_block_tables)
+def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch reference: one query per sequence, at position context_len - 1.
+
+    q: (D, nh, hd); block_tables: (D, maxb) padded; context_lens: (D,) -> (D, nh, hd).
+    """
+    k = _gather(k_cache, block_tables)  # (D, Lmax, nkv, hd)
+    v = _gather(v_cache, block_tables)
     k_pos = torch.arange(k.shape[1], device=q.device)
-    mask = k_pos[None, :] < meta.decode_context_lens[:, None]  # (D, Lmax)
+    mask = k_pos[None, :] < context_lens[:, None]  # (D, Lmax)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # (D, nh, 1, hd), (D, nkv, L, hd)
         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
