@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from slotserve.obs.trace import is_busy
+
 TRACE_VERSION = 1
 POLICIES = ("static", "continuous")
 
@@ -187,11 +189,6 @@ def _iteration_record(t: int, cells: list[dict | None], num_waiting: int) -> dic
         "kv_blocks_used": None,
         "preempted": [],
     }
-
-
-def is_busy(cell: dict | None) -> bool:
-    """A slot-iteration doing work: occupied and not stalled (the seed's utilisation)."""
-    return cell is not None and cell["kind"] != "stalled"
 
 
 def summarize(trace: dict) -> dict:

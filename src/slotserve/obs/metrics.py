@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from slotserve.engine.outputs import CompletionOutput, RequestOutput
+from slotserve.obs.trace import is_busy
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "slotserve:"
@@ -103,16 +104,19 @@ class SlotWindow:
         self._lock = threading.Lock()
 
     def on_iteration(self, record: dict) -> None:
-        """Trace listener: one iteration record (see slotserve.obs.trace)."""
-        busy = sum(slot is not None for slot in record["slots"])
-        self.add(busy)
+        """Trace listener: one iteration record (see slotserve.obs.trace).
+
+        NOTE: busy as in the seed and the simulator: the slot processed tokens (prefill or
+        decode); a stalled slot is held but idle.
+        """
+        self.add(sum(is_busy(slot) for slot in record["slots"]))
 
     def add(self, busy: int, now: float | None = None) -> None:
         with self._lock:
             self._busy.append((time.monotonic() if now is None else now, busy))
 
     def utilisation(self, now: float | None = None) -> float:
-        """Occupied slot-iterations / (slots x iterations) in the window; 0 when idle."""
+        """Busy slot-iterations / (slots x iterations) in the window; 0 when idle."""
         horizon = (time.monotonic() if now is None else now) - self.window_s
         with self._lock:
             while self._busy and self._busy[0][0] < horizon:

@@ -15,6 +15,11 @@ from pathlib import Path
 from slotserve.core.outputs import SchedulerOutput
 
 
+def is_busy(cell: dict | None) -> bool:
+    """A slot-iteration doing work: occupied and not stalled (the seed's utilisation)."""
+    return cell is not None and cell["kind"] != "stalled"
+
+
 class TraceRecorder:
     def __init__(self, num_slots: int, policy: str, kv_blocks_total: int,
                  capacity: int = 4096) -> None:
