@@ -105,5 +105,7 @@ def test_slot_window():
     assert window.utilisation(now=5) == pytest.approx(6 / 8)
     assert window.utilisation(now=11.5) == pytest.approx(2 / 4)  # the first one left
     assert window.utilisation(now=30) == 0.0
-    window.on_iteration({"slots": [None, {"request": "a"}, None, {"request": "b"}]})
-    assert window.utilisation() == pytest.approx(2 / 4)
+    window.on_iteration({"slots": [None, {"request": "a", "kind": "decode", "tokens": 1},
+                                   {"request": "c", "kind": "stalled", "tokens": 0},
+                                   {"request": "b", "kind": "prefill", "tokens": 9}]})
+    assert window.utilisation() == pytest.approx(2 / 4)  # the stalled slot is held, not busy
