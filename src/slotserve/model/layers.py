@@ -14,6 +14,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        if x.dtype == torch.float32:  # one fused op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -42,11 +44,15 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: (T,); q: (T, nh, hd); k: (T, nkv, hd)
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, hd/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each token's position, (T, 1, hd/2) each: looked up once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """q: (T, nh, hd), k: (T, nkv, hd) rotated by their positions' (cos, sin)."""
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

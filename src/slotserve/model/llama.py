@@ -12,11 +12,11 @@ from torch import nn
 from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
-from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -25,17 +25,16 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple,
+    def forward(self, x: torch.Tensor, rope: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
         k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
@@ -43,15 +42,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -62,10 +61,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                               cfg.rope_theta)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
@@ -74,8 +71,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, H)
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
