@@ -1,0 +1,265 @@
+"""The CPU performance yardstick (issue "Performance on CPU"): floors, slotserve, peers.
+
+    .venv/bin/python benchmarks/perf.py --out benchmarks/results/perf.json
+    make bench-peers        # builds llama.cpp first, then runs this with every peer
+
+Workload W: 64 chat requests (prompts of about 20-60 tokens with the template), output
+lengths lognormal (median 64, sigma 0.8, clipped to [8, 384]), ignore_eos, greedy, all at
+t=0; and its online form at 4 requests/s (Poisson). The floors are measured in the same
+run: memory bandwidth (a large copy) and fp32 GEMM peak (a large square matmul).
+Everything runs side by side in one process tree, one system at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from slotserve.lab.bench import (
+    BenchResult,
+    BenchSampling,
+    EngineTarget,
+    OpenAITarget,
+    format_table,
+    machine_info,
+    run_bench,
+)
+from slotserve.lab.workload import Workload, generate_workload
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def workload_w(request_rate: float = math.inf) -> Workload:
+    return generate_workload(64, prompts="chat", output_len_median=64, output_len_sigma=0.8,
+                             output_len_min=8, output_len_max=384, seed=0,
+                             request_rate=request_rate)
+
+
+# --------------------------------------------------------------------------- floors
+def measure_floors(repeats: int = 5) -> dict:
+    """Memory bandwidth (GB/s, read + write of a 512 MiB copy) and fp32 GEMM GFLOP/s."""
+    src = torch.randn(128 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
+    bandwidth = 2 * src.numel() * 4 / copy_s / 1e9
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gemm_s = _median_seconds(lambda: a @ b, repeats)
+    return {"bandwidth_gbs": bandwidth, "gemm_gflops": 2 * n ** 3 / gemm_s / 1e9}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dict:
+    """W's compute floor and batch-1 decode floor from the measured machine figures."""
+    tok = target.tokenizer
+    prompt_tokens = sum(len(tok.encode(tok.apply_chat_template(r.messages,
+                                                               add_generation_prompt=True),
+                                       add_special_tokens=False)) for r in workload.requests)
+    output_tokens = sum(r.max_tokens for r in workload.requests)
+    params = target.model_config.num_parameters
+    weight_bytes = 4 * params
+    w_floor = (prompt_tokens + output_tokens) * 2 * params / (floors["gemm_gflops"] * 1e9)
+    return {**floors, "parameters": params, "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "w_floor_s": w_floor,
+            "w_floor_tok_s": output_tokens / w_floor,
+            "batch1_floor_ms": weight_bytes / (floors["bandwidth_gbs"] * 1e9) * 1e3}
+
+
+# --------------------------------------------------------------------------- slotserve
+def slotserve_runs(target: EngineTarget, slots: list[int], online: bool) -> list[BenchResult]:
+    results = []
+    w = workload_w()
+    for n in slots:
+        for policy in ("continuous", "static"):
+            label = f"slotserve {policy} {n} slots"
+            results.append(_run(w, target.configured(policy=policy, max_num_seqs=n), label))
+    if online:
+        for n in slots:
+            label = f"slotserve continuous {n} slots, online 4 req/s"
+            results.append(_run(workload_w(4.0), target.configured(max_num_seqs=n), label))
+    return results
+
+
+def _run(workload: Workload, target, label: str) -> BenchResult:
+    print(f"running {label} ...", file=sys.stderr, flush=True)
+    result = run_bench(workload, target, sampling=BenchSampling(), label=label)
+    print(format_table([result]), file=sys.stderr, flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- llama.cpp
+def llamacpp_runs(server_bin: str, models: dict[str, str], parallels: list[int],
+                  threads: int) -> list[BenchResult]:
+    results = []
+    for name, path in models.items():
+        for parallel in parallels:
+            label = f"llama.cpp server {name} --parallel {parallel}"
+            with llama_server(server_bin, path, parallel, threads) as url:
+                results.append(_run(workload_w(), OpenAITarget(url, endpoint="chat"), label))
+    return results
+
+
+class llama_server:  # noqa: N801 (a context manager used like a function)
+    """llama-server on 127.0.0.1 for the duration of a `with` block."""
+
+    def __init__(self, binary: str, model: str, parallel: int, threads: int,
+                 ctx_per_slot: int = 512) -> None:
+        self.port = _free_port()
+        self.cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--parallel", str(parallel), "--threads", str(threads),
+                    "-c", str(parallel * ctx_per_slot), "--no-warmup"]
+
+    def __enter__(self) -> str:
+        self.log = open(f"/tmp/llama-server-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: see {self.log.name}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become healthy")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- HF transformers
+def hf_static_run(target: EngineTarget, batch: int = 16) -> dict:
+    """HF transformers `generate` in static batches (the tutorials' baseline).
+
+    Each batch is left-padded and runs until its longest request is done; only the tokens
+    each request asked for count as output.
+    """
+    import transformers
+
+    model = _hf_model(target).eval()
+    tok = target.tokenizer
+    w = workload_w()
+    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
+                          add_special_tokens=False) for r in w.requests]
+    lengths = [r.max_tokens for r in w.requests]
+    print(f"running HF transformers static batches of {batch} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        ids, mask = _left_pad(prompts[i:i + batch], pad=0)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=max(lengths[i:i + batch]), min_new_tokens=1,
+                           eos_token_id=None, pad_token_id=0)
+    duration = time.perf_counter() - start
+    return {"label": f"HF transformers {transformers.__version__} static batches of {batch}",
+            "duration_s": duration, "output_throughput": sum(lengths) / duration,
+            "completed": len(prompts)}
+
+
+def _hf_model(target: EngineTarget):
+    import transformers
+
+    c = target.model_config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict(target.weights, strict=False)
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(REPO / "benchmarks/results/perf.json"))
+    p.add_argument("--slots", default="16,64", help="slotserve max_num_seqs values")
+    p.add_argument("--no-online", action="store_true")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                   help="path of llama.cpp's llama-server (skipped when absent)")
+    p.add_argument("--llama-f32", default=None, help="F32 GGUF for llama.cpp (see peers/)")
+    p.add_argument("--parallel", default="16,64")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers static")
+    args = p.parse_args()
+
+    target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
+    floors = floor_figures(measure_floors(), target, workload_w())
+    print(json.dumps(floors, indent=1), file=sys.stderr)
+    results = slotserve_runs(target, [int(s) for s in args.slots.split(",")],
+                             not args.no_online)
+    if args.llama_server:
+        from slotserve.loader import default_model_path
+
+        models = {"Q4_1": default_model_path()}
+        if args.llama_f32:
+            models["F32"] = args.llama_f32
+        results += llamacpp_runs(args.llama_server, models,
+                                 [int(n) for n in args.parallel.split(",")], threads=2)
+    extra = [hf_static_run(target)] if args.hf else []
+    print(format_table(results))
+    import resource
+
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of this process (slotserve runs + HF): {peak_rss_mib:.0f} MiB")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+              "peak_rss_mib": peak_rss_mib,
+              "command": " ".join(sys.argv), "floors": floors,
+              "results": [r.to_dict() for r in results], "hf_static": extra}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
