@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser serve test lint generate clean
+.PHONY: install browser serve test lint generate bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,16 @@ lint: $(STAMP)
 
 test: $(STAMP) lint browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# benchmarks/PERF.md: builds llama.cpp's server (20-30 min), writes an F32 GGUF of the
+# embedded model for it, then runs slotserve, llama.cpp and HF transformers side by side.
+bench-peers: $(STAMP)
+	bash benchmarks/peers/build_llamacpp.sh
+	$(BIN)/python benchmarks/peers/write_f32_gguf.py \
+	  "$$($(BIN)/python -c 'from slotserve.loader import default_model_path as d; print(d())')" \
+	  /tmp/smollm2-f32.gguf
+	$(BIN)/python benchmarks/perf.py --llama-server /tmp/llama-build/bin/llama-server \
+	  --llama-f32 /tmp/smollm2-f32.gguf --hf --out benchmarks/results/perf.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
