@@ -11,7 +11,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         if x.dtype == torch.float32:  # one fused op; same math as below
@@ -35,8 +35,6 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def reset_tables(self) -> None:
         """(Re)compute cos/sin in place, on whatever device the buffers live."""
-        if self.cos.is_meta:
-            return
         d = self.head_dim
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         t = torch.arange(self.max_positions, dtype=torch.float64)

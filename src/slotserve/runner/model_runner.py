@@ -40,7 +40,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(device, dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        self.model = build_model(model_config, torch.device("cpu"))
+        self.model = build_model(model_config)
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
@@ -48,11 +48,20 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """NOTE: preallocated once; blocks are only ever indexed, never reallocated."""
+        """NOTE: preallocated once; blocks are only ever indexed, never reallocated.
+
+        Zeros, not garbage: attention reads whole blocks and masks the tail, and a NaN
+        bit pattern there would survive the mask (0 * NaN). On the CPU, numpy's calloc gives
+        zero pages lazily, so a large pool costs nothing until its blocks are used.
+        """
         cfg = self.config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        new = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return [(new(), new()) for _ in range(cfg.num_hidden_layers)]
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
