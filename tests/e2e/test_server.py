@@ -201,11 +201,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", server.base_url + "/chat/completions", json=body) as r:
             assert r.status_code == 200
+            # NOTE: read with next(), not a for/break: breaking out of iter_lines closes the
+            # stream at once, and the server may abort before the metrics are read.
+            lines = r.iter_lines()
             events = 0
-            for line in r.iter_lines():
-                events += line.startswith("data:")
-                if events >= 3:
-                    break
+            while events < 3:
+                events += next(lines).startswith("data:")
             assert server.metrics()["slotserve:num_requests_running"] == 1
     # Leaving the block closed the connection mid-stream.
     _wait_idle(server, within_s=1.0)

@@ -89,7 +89,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        try:
+            ids = list(prompt)
+        except TypeError:  # a number, None, ...: a clear ValueError like every bad prompt
+            raise ValueError("prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}") from None
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size

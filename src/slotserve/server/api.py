@@ -5,8 +5,18 @@ GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/t
 (the engine's iteration trace).
 
 Every error answers with OpenAI's body {"error": {message, type, param, code}}:
-400 bad input (FastAPI's 422 included), 404 unknown model, 429 queue full (with
-Retry-After), 503 shutting down, 500 anything unexpected (the server keeps serving).
+400 bad input (FastAPI's 422 included; max_tokens above the cap), 404 unknown model,
+413 body too large, 429 queue full (with Retry-After), 503 shutting down or too many
+requests at once, 500 anything unexpected (the server keeps serving).
+
+Limits (`ServerLimits`, from the `serve` flags): a cap on max_tokens, a bound on the body
+size, a bound on the requests served at once (/health and /metrics stay exempt, so an
+operator can still look). A client may name its request with an `X-Request-Id` header
+(as vLLM allows): the engine's id is then `cmpl-<it>` / `chatcmpl-<it>`, in the logs too.
+
+Graceful shutdown (`Server.begin_drain`, driven by `slotserve serve` on SIGTERM / SIGINT):
+new generations get 503 and /health answers 503, running ones go on to their end; whatever
+is left when the drain times out is aborted (its client gets a 503 error).
 
 NOTE: a request's first output is awaited before the response starts, streaming or not,
 so that admission errors (400 / 429 / 503) are real HTTP statuses rather than events inside
@@ -24,8 +34,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,21 +55,53 @@ from slotserve.server.protocol import APIError
 
 logger = logging.getLogger("slotserve.server")
 
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+# The error statuses the spec (/openapi.json) documents, each with OpenAI's error body.
+ERROR_RESPONSE = {"model": p.ErrorResponse, "description": "OpenAI's error body"}
+GENERATION_ERRORS = {status: ERROR_RESPONSE for status in (400, 404, 413, 429, 500, 503)}
+# Client-chosen request ids (X-Request-Id): what is safe in a log line and a URL.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
 
 class ClientGone(Exception):
     """The client disconnected before its result was ready."""
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what clients may ask; None: no bound.
+
+    max_tokens: max_tokens (max_completion_tokens) above it get 400; it also caps the default.
+    max_body_bytes: larger request bodies get 413.
+    max_connections: HTTP requests served at once; beyond it 503. On HTTP/1.1 a connection
+    serves one request at a time, so this bounds the busy connections (idle keep-alive
+    connections of a client's pool do not count).
+    """
+
+    max_tokens: int | None = None
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_body_bytes", "max_connections"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
+
+
 def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...] = (),
-              metrics: ServerMetrics | None = None, retry_after_s: int = 1) -> FastAPI:
+              metrics: ServerMetrics | None = None, retry_after_s: int = 1,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` as `model_name` (also accepting `aliases`).
 
     The caller starts and stops the engine; the app stops admitting requests (503) when
     it shuts down. Each app has its own metrics registry unless `metrics` is given.
+    limits: default ServerLimits() (a 1 MiB body bound, nothing else).
     """
     if metrics is None:
         metrics = ServerMetrics(async_engine.engine)
         metrics.attach(async_engine)
+    limits = limits or ServerLimits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,10 +109,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
         async_engine.stop_accepting()
 
     app = FastAPI(title="slotserve", lifespan=lifespan)
-    app.state.server = Server(async_engine, model_name, aliases, metrics, retry_after_s)
+    app.state.server = Server(async_engine, model_name, aliases, metrics, retry_after_s,
+                              limits)
     _add_error_handlers(app)
     _add_routes(app)
     app.include_router(build_live_router(async_engine))
+    _add_limit_middleware(app, limits)
     return app
 
 
@@ -76,11 +123,11 @@ def _add_routes(app: FastAPI) -> None:
     def server() -> Server:
         return app.state.server
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: p.CompletionRequest, request: Request):
         return await server().completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await server().chat(body, request)
 
@@ -88,13 +135,15 @@ def _add_routes(app: FastAPI) -> None:
     async def models() -> p.ModelList:
         return server().models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSE})
     async def model(model_id: str) -> p.ModelCard:
         server().check_model(model_id)
         return server().models().data[0]
 
-    @app.get("/health")
+    @app.get("/health", responses={503: ERROR_RESPONSE})
     async def health() -> dict:
+        if server().draining:  # NOTE: load balancers stop sending traffic here
+            raise APIError("the server is shutting down", 503, "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -167,17 +216,139 @@ def _field_path(error: dict) -> str:
     return ".".join(path)
 
 
+# --------------------------------------------------------------------------- limits
+def _add_limit_middleware(app: FastAPI, limits: ServerLimits) -> None:
+    """The body bound inside the concurrency bound (Starlette: the last added is outermost)."""
+    if limits.max_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if limits.max_connections is not None:
+        app.add_middleware(ConcurrencyLimit, max_requests=limits.max_connections)
+
+
+async def _send_error(send, error: APIError) -> None:
+    """Answer with the error body from an ASGI middleware (outside FastAPI's handlers)."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ConcurrencyLimit:
+    """ASGI middleware: 503 while `max_requests` HTTP requests are being served.
+
+    /health and /metrics are exempt. NOTE: one event loop runs every request, so the
+    counter needs no lock.
+    """
+
+    EXEMPT = ("/health", "/metrics")
+
+    def __init__(self, app, max_requests: int) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.active = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            return await self.app(scope, receive, send)
+        if self.active >= self.max_requests:
+            logger.warning("refused %s: %d requests in progress (--max-connections)",
+                           scope["path"], self.active)
+            return await _send_error(send, APIError(
+                f"the server is at its limit of {self.max_requests} requests at once "
+                "(--max-connections); retry later", 503, "service_unavailable",
+                code="too_many_connections", headers={"Retry-After": "1"}))
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a request body over `max_bytes`.
+
+    A declared Content-Length over the bound is refused before reading; otherwise the body
+    is read (counting, up to the bound) and handed on whole. NOTE: after the body, `receive`
+    is the server's again, so the app still hears http.disconnect (aborts rely on it).
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            return await _send_error(send, self._too_large(declared))
+        body = await _read_body(receive, self.max_bytes)
+        if body is None:  # the client left while sending
+            return None
+        if len(body) > self.max_bytes:
+            return await _send_error(send, self._too_large(None))
+        await self.app(scope, _replay(body, receive), send)
+
+    def _too_large(self, size: int | None) -> APIError:
+        size_text = f" ({size} bytes)" if size is not None else ""
+        return APIError(f"the request body{size_text} is larger than this server accepts: "
+                        f"{self.max_bytes} bytes (--max-body-bytes)", 413,
+                        code="request_too_large")
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _read_body(receive, max_bytes: int) -> bytes | None:
+    """The whole body, or its first max_bytes + 1 bytes (stops there); None on disconnect."""
+    chunks, size = [], 0
+    while size <= max_bytes:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives `body` once, then defers to `receive`."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
 # --------------------------------------------------------------------------- serving
 class Server:
     """The endpoints' logic, over one AsyncEngine."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, aliases: tuple[str, ...],
-                 metrics: ServerMetrics, retry_after_s: int) -> None:
+                 metrics: ServerMetrics, retry_after_s: int,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.metrics = metrics
         self.retry_after_s = retry_after_s
+        self.limits = limits or ServerLimits()
+        self.draining = False
+        # NOTE: weak, so a generation that ends by any path (error, disconnect, ...) leaves.
+        self._generations: weakref.WeakSet[_Generation] = weakref.WeakSet()
 
     @property
     def tokenizer(self):
@@ -192,11 +363,38 @@ class Server:
             raise APIError(f"The model `{name}` does not exist. This server serves "
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
 
+    # ---------------------------------------------------------------- shutdown
+    def begin_drain(self) -> None:
+        """Graceful shutdown starts: new generations get 503, /health answers 503; the
+        running ones go on (wait for `num_in_flight` to reach 0)."""
+        self.draining = True
+        self.engine.stop_accepting()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generations admitted and not ended (their engine streams are open)."""
+        return self.engine.num_active
+
+    def abort_in_flight(self) -> int:
+        """Abort every generation still running (the drain timed out); their clients get
+        a 503 error. Call from the event loop's thread. Returns how many."""
+        generations = [g for g in self._generations if g.is_open]
+        for generation in generations:
+            self.engine.abort(generation.request_id)
+        return len(generations)
+
     # ---------------------------------------------------------------- endpoints
+    def _generation(self, prefix: str, prompt, params: SamplingParams, prompt_param: str,
+                    request: Request) -> _Generation:
+        generation = _Generation(self, _request_id(prefix, request), prompt, params,
+                                 prompt_param)
+        self._generations.add(generation)
+        return generation
+
     async def completions(self, body: p.CompletionRequest, request: Request):
         self.check_model(body.model)
-        params = body.to_sampling_params()
-        stream = _Generation(self, p.new_id("cmpl"), body.engine_prompt(), params, "prompt")
+        params = body.to_sampling_params(self.limits.max_tokens)
+        stream = self._generation("cmpl", body.engine_prompt(), params, "prompt", request)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._completion_chunks(stream, first, body), stream)
@@ -205,9 +403,9 @@ class Server:
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        params = body.to_sampling_params()
-        stream = _Generation(self, p.new_id("chatcmpl"), self._chat_prompt(body), params,
-                             "messages")
+        params = body.to_sampling_params(self.limits.max_tokens)
+        stream = self._generation("chatcmpl", self._chat_prompt(body), params, "messages",
+                                  request)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._chat_chunks(stream, first, body), stream)
@@ -334,6 +532,15 @@ async def _sse_lines(chunks: AsyncIterator[dict], stream: _Generation) -> AsyncI
     yield "data: [DONE]\n\n"
 
 
+def _request_id(prefix: str, request: Request) -> str:
+    """`prefix-<X-Request-Id>` when the client named its request (safe characters only),
+    else `prefix-<random hex>`."""
+    wanted = request.headers.get("x-request-id", "")
+    if _REQUEST_ID.fullmatch(wanted):
+        return f"{prefix}-{wanted}"
+    return p.new_id(prefix)
+
+
 # --------------------------------------------------------------------------- one generation
 class _Generation:
     """One request's engine stream, with errors mapped to APIError and one log line per
@@ -385,6 +592,11 @@ class _Generation:
 
     async def _next(self) -> RequestOutput:
         return await anext(self.outputs)
+
+    @property
+    def is_open(self) -> bool:
+        """The engine stream has not ended (not refused, finished, failed nor closed)."""
+        return self.outputs.ag_frame is not None
 
     def _check(self, c: CompletionOutput) -> CompletionOutput:
         if c.finish_reason == "error":

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import signal
 import sys
+import time
 
-from slotserve.cli import add_engine_args, engine_kwargs
+import uvicorn
+
+from slotserve.cli import add_engine_args, engine_kwargs, parse_size
 
 logger = logging.getLogger("slotserve.server")
 
 # Quantisation suffixes of GGUF file names ("SmolLM2-135M-Instruct.Q4_1").
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+# After the drain: how long uvicorn lets connections finish writing (the last SSE events,
+# a dashboard's event stream) before it cancels them.
+CLOSE_GRACE_S = 3
+# After a timed-out drain aborts what is left: how long the aborts have to reach the clients.
+ABORT_GRACE_S = 2.0
 
 
 # --------------------------------------------------------------------------- serve
@@ -27,15 +36,47 @@ def add_serve_parser(subparsers) -> None:
                    help="model name of the API (default: from the model file or directory)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="write the engine's iteration trace to this JSON file at shutdown")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT: refuse new requests (503) and let running ones "
+                        "finish for up to this long, then abort the rest and exit "
+                        "(default: 30; a second signal exits at once)")
+    p.add_argument("--max-tokens-cap", type=_positive_int, default=None, metavar="N",
+                   help="requests asking for more than N tokens (max_tokens) get 400; it also "
+                        "caps the default (default: no cap)")
+    p.add_argument("--max-body-bytes", type=_positive_size, default="1M",
+                   metavar="SIZE", help="larger request bodies get 413 (default: 1M)")
+    p.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+                   help="HTTP requests served at once; beyond it 503, /health and /metrics "
+                        "excepted (default: no limit)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return value
+
+
+def server_limits(args: argparse.Namespace):
+    """The ServerLimits the limit flags describe."""
+    from slotserve.server.api import ServerLimits
+
+    return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
+                        max_connections=args.max_connections)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.engine.async_engine import AsyncEngine
     from slotserve.server.api import build_app
 
@@ -44,20 +85,76 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name, aliases = served_model_names(engine.model_config.name, args.model,
                                        args.served_model_name)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    app = build_app(async_engine, name, aliases=aliases)
+    app = build_app(async_engine, name, aliases=aliases, limits=server_limits(args))
     log_startup(engine, name, f"http://{args.host}:{args.port}/v1")
-    # NOTE: uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal
-    # with the handler it found: make that one a clean exit, so the `finally` runs.
+    # NOTE: a second signal makes uvicorn shut down at once and re-raise the signal with
+    # the handler it found: make that one a clean exit, so the `finally` runs.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+    server = DrainingServer(config, app.state.server, args.drain_timeout)
     async_engine.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, workers=1,
-                    log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     except KeyboardInterrupt:
         pass
     finally:
         shutdown(async_engine, args.trace)
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain before its graceful shutdown.
+
+    The first SIGTERM or SIGINT starts the drain: new generations get 503 (the listener
+    stays open, so clients hear why), running ones go on. When none is left, or after
+    `drain_timeout_s` (the rest are aborted: their clients get a 503 error), uvicorn's own
+    shutdown closes the listener and the connections. A second signal skips the drain.
+    """
+
+    def __init__(self, config: uvicorn.Config, api_server, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.api_server = api_server
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None  # NOTE: held, or the loop may drop it
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """Signal handler (main thread): the first signal drains, the next one is uvicorn's."""
+        if self.drain_started or not self.started or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self.drain_started = True
+        # NOTE: a signal handler may interrupt the event loop anywhere: it only schedules.
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, signal_name: str) -> None:
+        self.api_server.begin_drain()
+        logger.info("%s: draining %d running requests (up to %gs; new ones get 503)",
+                    signal_name, self.api_server.num_in_flight, self.drain_timeout_s)
+        self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        """Wait for the running generations; abort what is left at the timeout; then exit."""
+        drained = await self._wait_in_flight(self.drain_timeout_s)
+        if not drained:
+            aborted = self.api_server.abort_in_flight()
+            logger.warning("drain timed out after %gs: aborted %d requests",
+                           self.drain_timeout_s, aborted)
+            await self._wait_in_flight(ABORT_GRACE_S)
+        else:
+            logger.info("drained: no request running")
+        self.should_exit = True
+
+    async def _wait_in_flight(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.api_server.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.api_server.num_in_flight
 
 
 def shutdown(async_engine, trace_path: str | None) -> None:

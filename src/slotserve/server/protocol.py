@@ -83,8 +83,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None  # only empty / absent
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
-                         renames: dict[str, str]) -> SamplingParams:
+                         renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:
         self._reject_unsupported()
+        _check_cap(max_tokens, max_tokens_cap, renames.get("max_tokens", "max_tokens"))
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -129,7 +130,9 @@ class CompletionRequest(_Request):
             prompt = prompt[0]
         return prompt
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field; max_tokens_cap: the server's
+        bound on max_tokens (it also caps the default)."""
         if self.echo:
             raise APIError("echo is not supported", param="echo")
         if self.suffix:
@@ -137,8 +140,10 @@ class CompletionRequest(_Request):
         if self.best_of not in (None, 1, self.n):
             raise APIError("best_of is not supported (leave it out or set it to n)",
                            param="best_of")
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, {})
+        max_tokens = self.max_tokens
+        if max_tokens is None or "max_tokens" not in self.model_fields_set:
+            max_tokens = _capped(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_cap)
+        return self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
 
 
 class TextPart(BaseModel):
@@ -175,7 +180,8 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field (as to CompletionRequest's)."""
         if self.tools:
             raise APIError("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -187,7 +193,10 @@ class ChatCompletionRequest(_Request):
         renames = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if self.max_completion_tokens
                    is not None else "max_tokens"}
-        return self._sampling_params(self.chat_max_tokens, logprobs, renames)
+        max_tokens = self.chat_max_tokens
+        if self.max_completion_tokens is None and self.max_tokens is None:
+            max_tokens = _capped(max_tokens, max_tokens_cap)
+        return self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
 
     @property
     def chat_max_tokens(self) -> int:
@@ -199,6 +208,17 @@ class ChatCompletionRequest(_Request):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
+
+
+def _capped(default: int, cap: int | None) -> int:
+    return default if cap is None else min(default, cap)
+
+
+def _check_cap(max_tokens: int, cap: int | None, param: str) -> None:
+    """A max_tokens above the server's cap is refused (400), not silently lowered."""
+    if cap is not None and isinstance(max_tokens, int) and max_tokens > cap:
+        raise APIError(f"{param} must be at most {cap} on this server (--max-tokens-cap), "
+                       f"got {max_tokens}", param=param, code="max_tokens_exceeded")
 
 
 def invalid_request(message: str, renames: dict[str, str] | None = None) -> APIError:
