@@ -41,8 +41,9 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(
+            self.stop_token_ids or (), "stop_token_ids", "a list of integers"))
         self._validate()
 
     def _validate(self) -> None:
@@ -77,6 +78,12 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _as_tuple(value: object, name: str, expected: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return tuple(value)
 
 
 def _is_int(value: object) -> bool:
