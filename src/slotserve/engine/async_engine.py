@@ -8,6 +8,7 @@ with `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -147,7 +148,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # NOTE: the loop survives; only these requests fail
+            except Exception as exc:  # NOTE: the loop survives; the requests in flight fail
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
@@ -186,8 +187,10 @@ class AsyncEngine:
                     stream.put(out)
 
     def _fail_all(self, exc: Exception) -> None:
+        """A step raised outside the forward: end every request, keep the thread alive."""
         self.engine.abort_all()
-        self.engine.step()  # drains the abort outputs; the streams get the error below
+        with contextlib.suppress(Exception):  # NOTE: a second fault must not kill the thread
+            self.engine.step()  # drains the abort outputs; the streams get the error below
         with self._lock:
             for stream in self._streams.values():
                 stream.put(RuntimeError(f"engine error: {exc}"))
