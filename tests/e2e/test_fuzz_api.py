@@ -164,9 +164,6 @@ def test_the_server_is_whole_after_the_fuzz(fuzz_server):
     assert fuzz_server.proc.returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason="live.simulate_workload checks its work bound only for "
-                   "given lengths/arrivals: GET /debug/simulate?prefill=47066413 (the seed's "
-                   "default workload) simulates for minutes in a thread that blocks shutdown")
 def test_simulate_bounds_the_default_workload(monkeypatch):
     from slotserve.server import live
 

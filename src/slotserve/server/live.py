@@ -116,8 +116,6 @@ def simulate_workload(policy: str, lengths: str | None, slots: int, arrivals: st
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not 1 <= slots <= MAX_SIM_SLOTS:
         raise ValueError(f"slots must be in [1, {MAX_SIM_SLOTS}], got {slots}")
-    if lengths is None and arrivals is None:
-        return simulate(SEED_TOY, slots, policy, prefill)
     outs = _int_list("lengths", lengths) if lengths is not None else [
         r.output_tokens for r in SEED_TOY]
     starts = _int_list("arrivals", arrivals) if arrivals is not None else [0] * len(outs)
