@@ -249,7 +249,6 @@ class EngineStats:
     busy_seconds: float = 0.0
     slot_iterations_busy: int = 0
     finished_by_reason: dict = field(default_factory=dict)
-    finished: list = field(default_factory=list)  # RequestMetrics of recent finishes (bounded)
 
     def on_step(self, plan: SchedulerOutput, result: RunnerOutput, seconds: float,
                 preemptions: int) -> None:
