@@ -38,9 +38,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """(nblocks_total, bs, nkv, hd)[table] -> (..., L, nkv, hd) with L = len(table) * bs."""
-    blocks = cache[block_table]  # (..., nb, bs, nkv, hd)
-    return blocks.flatten(-4, -3)
+    """(nblocks_total, bs, nkv, hd)[table] -> (..., L, nkv, hd) with L = table.shape[-1] * bs.
+
+    NOTE: index_select over the flattened table, not `cache[table]`: on CPU the generic
+    advanced-indexing kernel copies the same bytes 3-4x slower (benchmarks/PERF.md).
+    """
+    blocks = cache.index_select(0, block_table.reshape(-1))  # (n, bs, nkv, hd)
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
@@ -61,12 +65,20 @@ def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor,
     """The torch reference: one query per sequence, at position context_len - 1.
 
     q: (D, nh, hd); block_tables: (D, maxb) padded; context_lens: (D,) -> (D, nh, hd).
+    NOTE: GQA is folded into the query axis: the g = nh / nkv heads that share a KV head
+    become g query rows of one (D, nkv) attention, so K/V are never repeated per head.
+    Heads are grouped as HF does (head h reads KV head h // g).
     """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     k = _gather(k_cache, block_tables)  # (D, Lmax, nkv, hd)
     v = _gather(v_cache, block_tables)
-    k_pos = torch.arange(k.shape[1], device=q.device)
+    max_len = k.shape[1]
+    k_pos = torch.arange(max_len, device=q.device)
     mask = k_pos[None, :] < context_lens[:, None]  # (D, Lmax)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # (D, nh, 1, hd), (D, nkv, L, hd)
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    return out.squeeze(2)  # (D, nh, hd)
+        q.view(num_seqs, num_kv_heads, group, head_dim),  # (D, nkv, g, hd)
+        k.transpose(1, 2), v.transpose(1, 2),  # (D, nkv, Lmax, hd)
+        attn_mask=mask[:, None, None, :].expand(num_seqs, 1, group, max_len), scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
