@@ -148,7 +148,7 @@ class LLMEngine:
         for child_id in self._parents.get(request_id, []):
             request = self.scheduler.abort_request(child_id)
             if request is not None:
-                self._pending.append(self._output(self._sequences[child_id]))
+                self._pending.append(self._process(self._sequences[child_id]))
 
     def abort_all(self) -> None:
         """Abort every request (their outputs come with the next step)."""
@@ -181,15 +181,25 @@ class LLMEngine:
     def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         ids = [seq.request_id for seq in plan.seqs]
         failed = self.scheduler.fail_requests(ids, f"{type(exc).__name__}: {exc}")
-        return [self._output(self._sequences[r.request_id]) for r in failed]
+        return [self._process(self._sequences[r.request_id]) for r in failed]
 
     def _process(self, seq: _Sequence) -> RequestOutput:
-        """Detokenize the new token, check stop strings, build the output."""
-        request = seq.request
+        """Detokenize the new tokens, check stop strings, build the output."""
         if seq.detokenizer is not None and not seq.stop_hit:
-            seq.text += seq.detokenizer.add(request.output_token_ids[seq.sent_tokens:])
-            self._check_stop_strings(seq)
+            self._detokenize(seq)
         return self._output(seq)
+
+    def _detokenize(self, seq: _Sequence) -> None:
+        """Append the new tokens' text; at the finish also what the detokenizer held back.
+
+        NOTE: the flush comes before the stop-string check, so a stop string in the held-back
+        text still cuts the text (and whatever follows it).
+        """
+        request = seq.request
+        seq.text += seq.detokenizer.add(request.output_token_ids[seq.sent_tokens:])
+        if request.is_finished:  # the output may end inside a character (or in a real U+FFFD)
+            seq.text += seq.detokenizer.flush()
+        self._check_stop_strings(seq)
 
     def _check_stop_strings(self, seq: _Sequence) -> None:
         params = seq.request.sampling_params
