@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
@@ -44,8 +44,11 @@ class AsyncEngine:
     """Thread-safe front of an LLMEngine for the server."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        """max_waiting: if given, sets the engine's SchedulerConfig.max_waiting (the bound
+        AsyncEngine enforces); by default the engine's config holds it already."""
         self.engine = engine
-        self.max_waiting = max_waiting
+        if max_waiting is not None:
+            self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -76,6 +79,16 @@ class AsyncEngine:
     def remove_step_listener(self, callback) -> None:
         if callback in self._step_listeners:
             self._step_listeners.remove(callback)
+
+    @property
+    def max_waiting(self) -> int | None:
+        """The bound on waiting requests (None: unbounded): SchedulerConfig.max_waiting."""
+        return self.engine.scheduler_config.max_waiting
+
+    @max_waiting.setter
+    def max_waiting(self, value: int | None) -> None:
+        scheduler = self.engine.scheduler
+        scheduler.config = replace(scheduler.config, max_waiting=value)
 
     @property
     def num_active(self) -> int:
