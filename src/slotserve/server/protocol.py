@@ -233,6 +233,10 @@ def invalid_request(message: str, renames: dict[str, str] | None = None) -> APIE
 
 
 # --------------------------------------------------------------------------- responses
+def _now() -> int:
+    return int(time.time())
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -258,13 +262,24 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """The envelope of every completion and chat response and stream chunk.
+
+    NOTE: subclasses narrow `object`, `choices` and `usage`; a redeclared field keeps the
+    position it has here, so every response's JSON keys come in this (OpenAI's) order.
+    """
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: str
+    created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(_Response):  # also each stream chunk of a completion
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -293,11 +308,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -314,19 +326,15 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now)
     owned_by: str = "slotserve"
     max_model_len: int | None = None
 
