@@ -30,12 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -44,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from slotserve.server.launch import ServerProcess, ServerStartError, cli_flags
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
@@ -654,41 +652,15 @@ def check_final(m: dict[str, float], rss_warm: int | None, rss_end: int | None,
 
 
 # --------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """`slotserve serve` on a free loopback port, its output in log_path; waits for /health."""
-    port = free_port()
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
-    cmd = [sys.executable, "-m", "slotserve.cli", "serve", "--host", "127.0.0.1", "--port",
-           str(port), *flags, *extra]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
+def start_server(log_path: Path, extra: list[str]) -> ServerProcess:
+    """`slotserve serve` with ENGINE_FLAGS on a free loopback port; waits for /health."""
+    server = ServerProcess.launch(log_path, *cli_flags(**ENGINE_FLAGS), *extra, cwd=REPO)
     try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
+        server.wait_ready()
+    except ServerStartError:
+        server.stop()
+        raise
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,22 +681,23 @@ def main(argv: list[str] | None = None) -> int:
                          "pressure (preemptions), while the reference keeps the big pool")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)
-    proc, url, log_path = None, args.url, None
+    server, url, log_path = None, args.url, None
     if url is None:
         log_path = Path(args.log)
         extra = [] if args.num_blocks is None else [f"--num-blocks={args.num_blocks}"]
-        proc, url = start_server(log_path, extra)
+        server = start_server(log_path, extra)
+        url = server.url
     try:
         report = soak(url, requests=args.requests, concurrency=args.concurrency,
                       disconnect=args.disconnect, seed=args.seed, warmup=args.warmup,
                       max_tokens=args.max_tokens,
-                      pid=proc.pid if proc else None, log_path=log_path,
+                      pid=server.proc.pid if server else None, log_path=log_path,
                       reference_llm=None if args.no_reference else offline_llm(),
                       rss_tolerance=args.rss_tolerance, progress=True)
     finally:
-        code = stop_server(proc) if proc else 0
+        code = server.stop() if server else 0
     print(report.summary())
-    if proc:
+    if server:
         print(f"server exit code after SIGTERM: {code}")
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2, default=str))

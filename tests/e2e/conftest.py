@@ -6,49 +6,24 @@ ENGINE_FLAGS; the oracle loads while the server starts.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from slotserve.server import launch
+from slotserve.server.launch import STARTUP_TIMEOUT_S, cli_flags, free_port
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # A small pool and context keep memory and startup low; the same settings for the oracle.
 ENGINE_FLAGS = dict(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=512,
                     num_blocks=512, block_size=16, seed=0)
-STARTUP_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cli_flags(**engine) -> list[str]:
-    return [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
-
-
-@dataclass
-class ServerProcess:
-    url: str  # http://127.0.0.1:PORT
-    proc: subprocess.Popen
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+class ServerProcess(launch.ServerProcess):
+    """The launched server plus what the tests ask of it: openai clients, /metrics."""
 
     def client(self, **kwargs):
         import openai
@@ -71,38 +46,16 @@ class ServerProcess:
         return samples
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # uvicorn's graceful shutdown
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        try:
+            super().wait_ready(timeout)
+        except launch.ServerStartError as e:
+            pytest.fail(str(e))
 
 
 def launch_server(log_dir: Path, *flags: str) -> ServerProcess:
     """Start `python -m slotserve.cli serve` (not waiting for it to be ready)."""
     port = free_port()
-    log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "slotserve.cli", "serve", "--host", "127.0.0.1",
-           "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    return ServerProcess.launch(log_dir / f"server-{port}.log", *flags, port=port, cwd=REPO)
 
 
 @pytest.fixture(scope="session")
