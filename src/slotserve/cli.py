@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV pool size in bytes (e.g. 1G); default: a share of free memory")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: int8 weight-only linear layers on the CPU (opt-in; "
+                        "greedy agreement with fp32 in benchmarks/PERF.md)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "reference"],
+                   help="auto: fastest verified kernels; reference: plain torch ops")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,7 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-                seed=args.seed)
+                seed=args.seed, quantization=args.quantization, kernels=args.kernels)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -124,7 +124,20 @@ class EngineConfig:
     model: str | None = None  # path to an HF directory or a .gguf; None: embedded SmolLM2
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # "auto": the fastest kernels verified against the reference for this device (MKL's
+    # packed GEMM for CPU fp32 linears); "reference": plain torch ops everywhere.
+    kernels: str = "auto"
+    quantization: str | None = None  # "int8": int8 weight-only linears (CPU, opt-in)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_capacity: int = 4096  # iterations kept in the trace ring buffer
+
+    def __post_init__(self) -> None:
+        if self.kernels not in ("auto", "reference"):
+            raise ValueError(f"kernels must be 'auto' or 'reference', got {self.kernels!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization and not self.device.startswith("cpu"):
+            raise ValueError("quantization='int8' runs on the CPU only; "
+                             f"got device {self.device!r}")

@@ -16,12 +16,13 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2"])
-def test_greedy_matches_hf(model_name, request):
+def test_greedy_matches_hf(model_name, kernels, request):
     model = request.getfixturevalue(model_name)
     # Prompts of 3..40 tokens with 20 new tokens: contexts cross the 8-token block boundaries.
     prompts = random_prompts(6, min_len=3, max_len=40, seed=3)
-    llm = tiny_llm(model, block_size=8, num_blocks=128)
+    llm = tiny_llm(model, block_size=8, num_blocks=128, kernels=kernels)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):

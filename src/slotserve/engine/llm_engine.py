@@ -56,7 +56,8 @@ class LLMEngine:
         num_blocks = resolve_num_blocks(config.cache, model_config, sched, config.device,
                                         config.dtype)
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
-                                  config.device, config.dtype, config.seed)
+                                  config.device, config.dtype, config.seed,
+                                  kernels=config.kernels, quantization=config.quantization)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(sched, self.kv)
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,

@@ -69,13 +69,27 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel = None  # a linear_kernels callable, once swap_linear_kernels ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        if self.kernel is not None:
+            return self.kernel(x)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
+
+    def use_kernel(self, kernel) -> None:
+        """From now on run `kernel(x)`, which holds its own copy of the weights.
+
+        NOTE: the parameters are released (one copy of the weights in memory, not two);
+        a layer with a kernel cannot be loaded or moved again.
+        """
+        self.kernel = kernel
+        del self.weight
+        self.bias = None
 
 
 class GatedMLP(nn.Module):

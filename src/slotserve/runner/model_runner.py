@@ -8,6 +8,7 @@ import torch
 from slotserve.attention.metadata import build_metadata
 from slotserve.config import CacheConfig, ModelConfig
 from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.model.linear_kernels import swap_linear_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.sampler import Sampler
 
@@ -34,7 +35,8 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  cache_config: CacheConfig, num_blocks: int, device: str = "cpu",
-                 dtype: str | None = None, seed: int = 0) -> None:
+                 dtype: str | None = None, seed: int = 0, *, kernels: str = "auto",
+                 quantization: str | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(device, dtype)
@@ -44,6 +46,8 @@ class ModelRunner:
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
+        self.linear_kernel = swap_linear_kernels(self.model, kernels=kernels,
+                                                 quantization=quantization)
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
 

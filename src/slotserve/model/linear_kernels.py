@@ -1,0 +1,105 @@
+"""Faster kernels for the model's Linear layers, swapped in after the weights are loaded.
+
+The plain `x @ weight` of `layers.Linear` is the reference. A kernel here takes the layer's
+(in, out) weight once, keeps its own copy in the layout its library wants, and the layer
+then calls it instead (the original weight is released: one copy in memory, not two).
+
+- MKLPackedLinear: fp32, MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
+  reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
+  Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
+  the decode step's skinny matmuls here (benchmarks/PERF.md).
+- Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
+  (symmetric), activations bfloat16. 4x fewer weight bytes per decode step; held to a
+  quality bar (greedy agreement with fp32, `benchmarks/int8_quality.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# NOTE: MKL's packed layout depends on the batch size it was packed for; packed for 64
+# rows it ran every batch from 1 to 256 at least as fast as the plain matmul here.
+MKL_PACK_ROWS = 64
+# NOTE: torch's CPU int8 weight-only kernel is vectorised for bfloat16 activations; with
+# fp32 ones it ran 20-70x slower here.
+INT8_ACTIVATION_DTYPE = torch.bfloat16
+
+
+def mkl_packed_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class MKLPackedLinear:
+    """y = x @ W (+ b) through MKL's packed GEMM; W given (in, out), fp32 on the CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight_out_in = weight.detach().t().contiguous()  # (out, in): the op's convention
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_out_in, MKL_PACK_ROWS)
+        # NOTE: the op also takes the unpacked weight, read only for its shape unless the
+        # batch differs from the one passed next to it, which we never let happen (we pass
+        # x's own row count). A zero-stride view of the right shape costs no memory.
+        self.shape_only = torch.empty((), dtype=weight.dtype).expand(weight_out_in.shape)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape_only, self.bias,
+                                         x.shape[0])
+
+
+class Int8WeightOnlyLinear:
+    """y ~= x @ W (+ b) with W int8 per output channel (symmetric), x in bfloat16.
+
+    torch's `_weight_int8pack_mm` reads the int8 weights and scales them inside its loop
+    (4x fewer bytes than fp32 per decode step). NOTE: weight-only on purpose: quantizing the
+    activations too (fbgemm's dynamic linear, per tensor or per row, even with SmoothQuant
+    scaling) agreed with fp32 on only 55-91% of greedy tokens here (benchmarks/PERF.md).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight_out_in = weight.detach().float().t().contiguous()  # (out, in)
+        amax = weight_out_in.abs().amax(dim=1).clamp(min=1e-12)  # (out,)
+        # NOTE: the kernel takes its scales in the activations' dtype; quantize with that
+        # rounded scale, nudged up by 2^-7 first so that |w| / scale <= 127 still holds.
+        self.scales = (amax / 127.0 * (1 + 2 ** -7)).to(INT8_ACTIVATION_DTYPE)
+        self.qweight = torch.round(weight_out_in / self.scales.float()[:, None]).clamp(
+            -127, 127).to(torch.int8)  # (out, in)
+        self.bias = None if bias is None else bias.detach()
+
+    def dequantized(self) -> torch.Tensor:
+        """The (in, out) fp32 weight this kernel multiplies by (for tests)."""
+        return (self.qweight.float() * self.scales.float()[:, None]).t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        y = torch._weight_int8pack_mm(x.to(INT8_ACTIVATION_DTYPE), self.qweight, self.scales)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",
+                        quantization: str | None = None) -> str:
+    """Give every Linear of `model` its fast kernel; returns the kernel's name.
+
+    kernels="reference" keeps plain torch (the oracle). Quantization wins over kernels.
+    """
+    from slotserve.model.layers import Linear
+
+    factory, name = _choose(model, kernels, quantization)
+    if factory is None:
+        return name
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.use_kernel(factory(module.weight, module.bias))
+    return name
+
+
+def _choose(model: nn.Module, kernels: str, quantization: str | None):
+    param = next(model.parameters())
+    on_cpu_fp32 = param.device.type == "cpu" and param.dtype == torch.float32
+    if quantization == "int8":
+        if not on_cpu_fp32:
+            raise ValueError("quantization='int8' needs the model on the CPU in float32")
+        return Int8WeightOnlyLinear, "int8 weight-only (bf16 activations)"
+    if kernels == "auto" and on_cpu_fp32 and mkl_packed_available():
+        return MKLPackedLinear, "fp32 MKL packed GEMM"
+    return None, "torch reference"

@@ -1,0 +1,111 @@
+"""The fast linear kernels agree with the plain torch reference (layers.Linear)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.config import EngineConfig
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.model.layers import Linear
+from slotserve.model.linear_kernels import (
+    Int8WeightOnlyLinear,
+    MKLPackedLinear,
+    mkl_packed_available,
+    swap_linear_kernels,
+)
+from tests.conftest import tiny_engine
+
+needs_mkl = pytest.mark.skipif(not mkl_packed_available(), reason="torch built without MKL")
+
+
+def random_linear(in_features: int, out_features: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(in_features, out_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return weight, b
+
+
+def reference(x, weight, bias):
+    y = x.double() @ weight.double()
+    return (y if bias is None else y + bias.double()).float()
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_packed_equals_matmul(rows, bias):
+    weight, b = random_linear(96, 200, bias)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    out = MKLPackedLinear(weight, b)(x)
+    assert out.shape == (rows, 200)
+    torch.testing.assert_close(out, reference(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weight_only_matches_its_dequantized_weights(rows, bias):
+    weight, b = random_linear(128, 96, bias)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    kernel = Int8WeightOnlyLinear(weight, b)
+    out = kernel(x)
+    # exactly the product with the int8 weights it holds (bf16 activations, bf16 output)...
+    expected = reference(x.bfloat16().float(), kernel.dequantized(), b)
+    torch.testing.assert_close(out, expected, atol=0.02, rtol=0.02)
+    # ...and those weights are within int8 rounding of the originals: half a step, the
+    # step being one channel's max / 127 (nudged up by under 1%, see the kernel)
+    step = weight.abs().amax(dim=0) / 127  # (out,): one scale per output channel
+    assert ((kernel.dequantized() - weight).abs() <= 0.51 * step).all()
+    error = (out - reference(x, weight, b)).norm() / reference(x, weight, b).norm()
+    assert error < 0.02
+
+
+def test_swap_releases_the_fp32_weights(tiny_llama):
+    engine = tiny_engine(tiny_llama, quantization="int8")
+    assert engine.runner.linear_kernel.startswith("int8")
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.kernel is not None for m in linears)
+    assert all("weight" not in dict(m.named_parameters()) for m in linears)
+
+
+def test_reference_kernels_keep_plain_torch(tiny_llama):
+    engine = tiny_engine(tiny_llama, kernels="reference")
+    assert engine.runner.linear_kernel == "torch reference"
+    assert all(m.kernel is None for m in engine.runner.model.modules()
+               if isinstance(m, Linear))
+
+
+def test_swap_refuses_int8_off_fp32_cpu(tiny_llama):
+    model = tiny_engine(tiny_llama, kernels="reference").runner.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="int8"):
+        swap_linear_kernels(model, quantization="int8")
+
+
+@pytest.mark.parametrize("field,value", [("quantization", "int4"), ("kernels", "fast")])
+def test_bad_kernel_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+    with pytest.raises(ValueError, match="CPU"):
+        EngineConfig(device="cuda", quantization="int8")
+
+
+def test_int8_greedy_agreement_on_smollm2():
+    """The quality bar of the int8 opt-in, on a smaller sample than the benchmark's 32."""
+    from slotserve.engine.llm import engine_config
+    from slotserve.lab.quality import greedy_agreement
+    from slotserve.lab.workload import generate_workload
+    from slotserve.loader import load_model
+
+    loaded = load_model()
+    tok = loaded.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
+                          add_special_tokens=False)
+               for r in generate_workload(6, prompts="chat", seed=1).requests]
+
+    def engine(**kwargs):
+        return LLMEngine(engine_config(max_num_seqs=8, num_blocks=128, **kwargs),
+                         loaded.config, loaded.weights, tok)
+
+    agreement = greedy_agreement(engine(), engine(quantization="int8"), prompts, 32)
+    assert agreement.tokens == 6 * 32
+    assert agreement.teacher_forced >= 0.95, agreement
