@@ -1,0 +1,89 @@
+"""Opt-in int8 weights: greedy agreement with fp32, and batch-1 decode speed, in one run.
+
+    .venv/bin/python benchmarks/int8_quality.py --out benchmarks/results/int8.json
+
+Quality bar (performance issue): greedy agreement with fp32 on at least 95% of tokens over
+32 prompts. Prompts: the built-in chat prompts with SmolLM2's chat template; 64 greedy
+tokens each (ignore_eos). Speed: one request alone, median time per output token over
+128 tokens, for each linear kernel side by side (reference fp32, MKL packed fp32, int8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from slotserve.engine.llm import engine_config
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.lab.bench import machine_info
+from slotserve.lab.quality import greedy_agreement
+from slotserve.lab.workload import generate_workload
+from slotserve.loader import load_model
+from slotserve.sampling import SamplingParams
+
+KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
+           "int8": dict(quantization="int8")}
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    workload = generate_workload(count, prompts="chat", seed=0)
+    return [tokenizer.encode(tokenizer.apply_chat_template(r.messages,
+                                                           add_generation_prompt=True),
+                             add_special_tokens=False) for r in workload.requests]
+
+
+def batch1_ms_per_token(engine: LLMEngine, prompt: list[int], tokens: int) -> float:
+    """Median wall time of one decode step with a single running request."""
+    engine.add_request("b1", prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                    ignore_eos=True))
+    engine.step()  # prefill
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="batch-1 timing rounds per kernel")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    loaded = load_model()
+    engines = {name: LLMEngine(engine_config(max_num_seqs=32, num_blocks=1024, **kw),
+                               loaded.config, loaded.weights, loaded.tokenizer)
+               for name, kw in KERNELS.items()}
+    prompts = chat_prompts(loaded.tokenizer, args.prompts)
+    agreement = greedy_agreement(engines["fp32 auto"], engines["int8"], prompts,
+                                 args.max_tokens)
+    print(f"int8 vs fp32: {agreement}", file=sys.stderr)
+    timings: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):  # interleaved: the host's noise hits every kernel alike
+        for name, engine in engines.items():
+            timings[name].append(batch1_ms_per_token(engine, prompts[0], args.decode_tokens))
+    batch1 = {name: statistics.median(v) for name, v in timings.items()}
+    for name, ms in batch1.items():
+        print(f"batch-1 decode, {name}: {ms:.1f} ms/token ({1e3 / ms:.1f} tok/s) "
+              f"rounds {[round(t, 1) for t in timings[name]]}")
+    print(f"int8 greedy agreement over {agreement.prompts} prompts, {agreement.tokens} "
+          f"tokens: teacher-forced {agreement.teacher_forced:.1%}, free-running "
+          f"{agreement.free_running:.1%}, first divergence (median) after "
+          f"{agreement.first_divergence_median:.0f} tokens")
+    if args.out:
+        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+                  "command": " ".join(sys.argv), "agreement": agreement.to_dict(),
+                  "batch1_ms_per_token": batch1, "batch1_rounds": timings}
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

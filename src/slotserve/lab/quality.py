@@ -1,0 +1,86 @@
+"""Greedy agreement of a candidate engine (e.g. int8) with a reference engine (fp32).
+
+Two measures over the reference's greedy continuations of the same prompts:
+- teacher-forced: the candidate reads prompt + the reference's tokens in one forward and
+  its argmax at each position is compared with the reference's token there (the usual
+  "token agreement": one early disagreement does not spoil the rest);
+- free-running: both generate greedily on their own; the share of positions with the same
+  token (strict: after a first divergence the texts usually part ways).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from slotserve.attention.metadata import build_metadata
+from slotserve.core.outputs import ScheduledSeq
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.sampling import SamplingParams
+
+
+@dataclass
+class Agreement:
+    prompts: int
+    tokens: int
+    teacher_forced: float  # share of positions where the candidate's argmax agrees
+    free_running: float  # share of positions with the same token, generating alone
+    first_divergence_median: float  # tokens generated before the first difference
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def greedy_agreement(reference: LLMEngine, candidate: LLMEngine, prompts: list[list[int]],
+                     max_tokens: int) -> Agreement:
+    """Compare greedy outputs of two engines on the same prompt token ids."""
+    ref_out = _greedy(reference, prompts, max_tokens)
+    cand_out = _greedy(candidate, prompts, max_tokens)
+    forced_hits = free_hits = total = 0
+    first_divergence = []
+    for prompt, ref, cand in zip(prompts, ref_out, cand_out):
+        predicted = teacher_forced_argmax(candidate, prompt, ref)
+        forced_hits += sum(int(p == r) for p, r in zip(predicted, ref))
+        free_hits += sum(int(c == r) for c, r in zip(cand, ref))
+        total += len(ref)
+        first_divergence.append(next((i for i, (c, r) in enumerate(zip(cand, ref)) if c != r),
+                                     len(ref)))
+    first_divergence.sort()
+    return Agreement(len(prompts), total, forced_hits / total, free_hits / total,
+                     float(first_divergence[len(first_divergence) // 2]))
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from slotserve.engine.llm import LLM
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in LLM(engine=engine).generate(prompts, params,
+                                                                 use_tqdm=False)]
+
+
+@torch.inference_mode()
+def teacher_forced_argmax(engine: LLMEngine, prompt: list[int], continuation: list[int]
+                          ) -> list[int]:
+    """The engine's greedy choice after prompt + continuation[:i], for every i, in one pass.
+
+    NOTE: borrows free KV blocks from the engine's pool for the pass and gives them back;
+    call it while the engine is idle.
+    """
+    tokens = prompt + continuation[:-1]
+    request_id = "__teacher_forced__"
+    table = engine.kv.allocate_slots(request_id, len(tokens))
+    if table is None:
+        raise ValueError(f"the KV pool has no room for {len(tokens)} tokens")
+    try:
+        runner = engine.runner
+        seq = ScheduledSeq(request_id, tokens, 0, list(table), True, SamplingParams(), 0,
+                           "prefill")
+        meta = build_metadata([seq], runner.block_size, runner.device)
+        ids = torch.tensor(tokens, device=runner.device)
+        hidden = runner.model(ids, torch.arange(len(tokens), device=runner.device),
+                              runner.kv_caches, meta)  # (L, H)
+        logits = runner.model.compute_logits(hidden[len(prompt) - 1:])  # (len(cont), V)
+        return logits.argmax(dim=-1).tolist()
+    finally:
+        engine.kv.free(request_id)
