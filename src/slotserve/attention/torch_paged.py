@@ -26,6 +26,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
     """
+    if not meta.prefills:  # all decodes: rows 0..T-1 in order, no gather or scatter
+        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                meta.decode_mask, scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
@@ -33,7 +36,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.num_decodes:
         out[meta.decode_rows] = decode_attention(
             q[meta.decode_rows].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale)
+            meta.decode_mask, scale)
     return out
 
 
@@ -51,20 +54,18 @@ def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> to
     # q: (n, nh, hd); context keys 0..L-1; query i sits at position start_pos + i.
     k = _gather(k_cache, seq.block_table)[:seq.context_len]  # (L, nkv, hd)
     v = _gather(v_cache, seq.block_table)[:seq.context_len]
-    q_pos = torch.arange(seq.start_pos, seq.context_len, device=q.device)
-    k_pos = torch.arange(seq.context_len, device=q.device)
-    mask = k_pos[None, :] <= q_pos[:, None]  # (n, L) causal, offset by the cached prefix
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (nh|nkv, n|L, hd)
-        attn_mask=mask, scale=scale, enable_gqa=True)
+        attn_mask=seq.mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # (n, nh, hd)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """The torch reference: one query per sequence, at position context_len - 1.
 
-    q: (D, nh, hd); block_tables: (D, maxb) padded; context_lens: (D,) -> (D, nh, hd).
+    q: (D, nh, hd); block_tables: (D, maxb) padded; mask: (D, maxb * bs), True where a
+    gathered position is part of the context -> (D, nh, hd).
     NOTE: GQA is folded into the query axis: the g = nh / nkv heads that share a KV head
     become g query rows of one (D, nkv) attention, so K/V are never repeated per head.
     Heads are grouped as HF does (head h reads KV head h // g).
@@ -75,10 +76,8 @@ def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor,
     k = _gather(k_cache, block_tables)  # (D, Lmax, nkv, hd)
     v = _gather(v_cache, block_tables)
     max_len = k.shape[1]
-    k_pos = torch.arange(max_len, device=q.device)
-    mask = k_pos[None, :] < context_lens[:, None]  # (D, Lmax)
     out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_kv_heads, group, head_dim),  # (D, nkv, g, hd)
+        q.reshape(num_seqs, num_kv_heads, group, head_dim),  # (D, nkv, g, hd)
         k.transpose(1, 2), v.transpose(1, 2),  # (D, nkv, Lmax, hd)
         attn_mask=mask[:, None, None, :].expand(num_seqs, 1, group, max_len), scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)

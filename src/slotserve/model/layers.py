@@ -47,13 +47,12 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-    """q: (T, nh, hd), k: (T, nkv, hd) rotated by their positions' (cos, sin)."""
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: (T, n, hd) heads rotated by their tokens' positions' (cos, sin) -> a new tensor.
+
+    Queries and keys of a token share one rotation: callers rotate them in one call.
+    """
     cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)  # (T, n, hd/2) each
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

@@ -30,11 +30,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        # q and k side by side, rotated in one call: (T, nh + nkv, hd)
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh|nkv, hd)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
