@@ -49,6 +49,7 @@ bench-peers: $(STAMP)
 	  /tmp/smollm2-f32.gguf
 	$(BIN)/python benchmarks/perf.py --llama-server /tmp/llama-build/bin/llama-server \
 	  --llama-f32 /tmp/smollm2-f32.gguf --hf --out benchmarks/results/perf.json
+	$(BIN)/python benchmarks/int8_quality.py --out benchmarks/results/int8.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -93,6 +93,9 @@ def slotserve_runs(target: EngineTarget, slots: list[int], online: bool) -> list
         for policy in ("continuous", "static"):
             label = f"slotserve {policy} {n} slots"
             results.append(_run(w, target.configured(policy=policy, max_num_seqs=n), label))
+    label = f"slotserve continuous {max(slots)} slots, int8 weights"
+    results.append(_run(w, target.configured(max_num_seqs=max(slots), quantization="int8"),
+                        label))
     if online:
         for n in slots:
             label = f"slotserve continuous {n} slots, online 4 req/s"
@@ -105,6 +108,31 @@ def _run(workload: Workload, target, label: str) -> BenchResult:
     result = run_bench(workload, target, sampling=BenchSampling(), label=label)
     print(format_table([result]), file=sys.stderr, flush=True)
     return result
+
+
+def batch1_runs(target: EngineTarget, server_bin: str | None, models: dict[str, str],
+                rounds: int = 3) -> list[BenchResult]:
+    """One request alone, 128 output tokens: the batch-1 decode speed (TPOT), each system
+    `rounds` times, interleaved so the host's noise hits all alike."""
+    w = generate_workload(1, prompts="chat", output_len=128, seed=0)
+    systems = {"slotserve fp32": target.configured(max_num_seqs=1),
+               "slotserve int8": target.configured(max_num_seqs=1, quantization="int8")}
+    for name, path in (models.items() if server_bin else ()):
+        systems[f"llama.cpp server {name}"] = path
+    results = []
+    for round_ in range(rounds):
+        for name, system in systems.items():
+            label = f"batch-1 decode, {name} (round {round_ + 1})"
+            if isinstance(system, str):
+                results.append(_run_llamacpp(server_bin, system, w, label))
+            else:
+                results.append(_run(w, system, label))
+    return results
+
+
+def _run_llamacpp(server_bin: str, model: str, workload: Workload, label: str) -> BenchResult:
+    with llama_server(server_bin, model, 1, 2) as url:
+        return _run(workload, OpenAITarget(url, endpoint="chat"), label)
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -237,6 +265,7 @@ def main() -> None:
     p.add_argument("--llama-f32", default=None, help="F32 GGUF for llama.cpp (see peers/)")
     p.add_argument("--parallel", default="16,64")
     p.add_argument("--hf", action="store_true", help="also run HF transformers static")
+    p.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode runs")
     args = p.parse_args()
     errors: list[str] = []
 
@@ -245,12 +274,14 @@ def main() -> None:
     print(json.dumps(floors, indent=1), file=sys.stderr)
     results = slotserve_runs(target, [int(s) for s in args.slots.split(",")],
                              not args.no_online)
-    if args.llama_server:
-        from slotserve.loader import default_model_path
+    from slotserve.loader import default_model_path
 
-        models = {"Q4_1": default_model_path()}
-        if args.llama_f32:
-            models["F32"] = args.llama_f32
+    models = {"Q4_1": default_model_path()}
+    if args.llama_f32:
+        models["F32"] = args.llama_f32
+    if not args.no_batch1:
+        results += batch1_runs(target, args.llama_server, models)
+    if args.llama_server:
         peer_results, errors = llamacpp_runs(args.llama_server, models,
                                              [int(n) for n in args.parallel.split(",")], 2)
         results += peer_results

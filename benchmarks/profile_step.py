@@ -22,7 +22,9 @@ from slotserve.loader import load_model
 
 GROUPS = {
     "linear (mm/addmm)": ("aten::mm", "aten::addmm"),
-    "attention gather (index)": ("aten::index",),
+    "linear (int8 weight-only)": ("aten::_weight_int8pack_mm",),
+    "linear (MKL packed)": ("mkl::_mkl_linear",),
+    "attention gather (index/index_select)": ("aten::index", "aten::index_select"),
     "attention (sdpa)": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                          "aten::_scaled_dot_product_attention_math"),
     "kv write (index_copy_)": ("aten::index_copy_",),
@@ -72,14 +74,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--context", type=int, default=100, help="decode from this context length")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    p.add_argument("--quantization", default=None, choices=["int8"])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"kernels {args.kernels}, quantization {args.quantization}")
     for batch in args.batch:
         engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 16 + 16,
-                                         max_num_batched_tokens=2048),
+                                         max_num_batched_tokens=2048, kernels=args.kernels,
+                                         quantization=args.quantization),
                            loaded.config, loaded.weights, loaded.tokenizer)
         fill(engine, batch, args.context)
         step = time_steps(engine, args.steps)

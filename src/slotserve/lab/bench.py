@@ -246,7 +246,8 @@ class EngineTarget:
                 "max_num_seqs": sched.max_num_seqs,
                 "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_model_len": sched.max_model_len, "block_size": cfg.cache.block_size,
-                "num_blocks": engine.kv.num_blocks, "device": cfg.device, "dtype": cfg.dtype}
+                "num_blocks": engine.kv.num_blocks, "device": cfg.device, "dtype": cfg.dtype,
+                "linear_kernel": engine.runner.linear_kernel}
 
 
 def _drive_engine(engine, workload: Workload, prompts: list, sampling: BenchSampling,
