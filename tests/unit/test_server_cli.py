@@ -22,6 +22,19 @@ def test_serve_flags():
     assert args.max_waiting == 3 and args.trace == "t.json" and args.model is None
 
 
+def test_kernel_flags_reach_the_engine_config():
+    from slotserve.cli import engine_kwargs
+    from slotserve.engine.llm import engine_config
+
+    args = build_parser().parse_args(["serve", "--quantization", "int8"])
+    config = engine_config(None, **engine_kwargs(args))
+    assert (config.quantization, config.kernels) == ("int8", "auto")
+    args = build_parser().parse_args(["generate", "hi", "--kernels", "reference"])
+    assert engine_config(None, **engine_kwargs(args)).kernels == "reference"
+    with pytest.raises(SystemExit):  # argparse rejects unknown choices with exit code 2
+        build_parser().parse_args(["serve", "--quantization", "int4"])
+
+
 def test_chat_flags():
     args = build_parser().parse_args(["chat", "--url", "http://h:1"])
     assert args.url == "http://h:1" and args.max_num_seqs == 1
