@@ -35,6 +35,7 @@ from slotserve.lab.bench import (
     run_bench,
 )
 from slotserve.lab.workload import Workload, generate_workload
+from slotserve.server.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,7 +159,7 @@ class llama_server:  # noqa: N801 (a context manager used like a function)
 
     def __init__(self, binary: str, model: str, parallel: int, threads: int,
                  ctx_per_slot: int = 512) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "--parallel", str(parallel), "--threads", str(threads),
                     "-c", str(parallel * ctx_per_slot), "--no-warmup"]
@@ -186,14 +187,6 @@ class llama_server:  # noqa: N801 (a context manager used like a function)
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- HF transformers

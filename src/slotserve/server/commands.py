@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     name, aliases = served_model_names(engine.model_config.name, args.model,
                                        args.served_model_name)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    async_engine = AsyncEngine(engine)  # the waiting bound is in the engine config
     app = build_app(async_engine, name, aliases=aliases, limits=server_limits(args))
     log_startup(engine, name, f"http://{args.host}:{args.port}/v1")
     # NOTE: a second signal makes uvicorn shut down at once and re-raise the signal with
