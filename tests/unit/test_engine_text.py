@@ -95,3 +95,10 @@ def test_an_aborted_request_is_flushed_too(tiny_llama):
     engine.abort_request("r")
     (out,) = engine.step()
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].text == "o\ufffd"
+
+
+def test_a_stop_string_on_the_last_allowed_token_is_the_finish_reason(tiny_llama):
+    ids = byte_ids(b"ab!")
+    outs = run(scripted_engine(tiny_llama, ids),
+               SamplingParams(max_tokens=len(ids), temperature=0, stop=["!"]))
+    assert (outs[-1].finish_reason, outs[-1].text) == ("stop", "ab")

@@ -215,6 +215,10 @@ class LLMEngine:
         seq.stop_hit = True
         if not seq.request.is_finished:
             self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif seq.request.status == RequestStatus.FINISHED_LENGTH:
+            # NOTE: the length cap and a stop string on the same token: the stop string is
+            # the reason (as vLLM reports it); the request has left the scheduler already.
+            seq.request.status = RequestStatus.FINISHED_STOPPED
 
     def _output(self, seq: _Sequence) -> RequestOutput:
         request = seq.request
