@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from slotserve.attention.metadata import build_metadata
+from slotserve.attention.metadata import (
+    GROUP_LENGTH_RATIO,
+    GROUP_MIN_SAVED_BLOCKS,
+    build_metadata,
+    group_by_length,
+)
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.core.outputs import ScheduledSeq
 from slotserve.sampling import SamplingParams
@@ -28,9 +34,10 @@ def dense_attention(q, k, v, start_pos: int, scale: float) -> torch.Tensor:
 def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads):
     gen = torch.Generator().manual_seed(num_heads)
     head_dim, scale = 8, 8 ** -0.5
-    # (cached tokens, new tokens): decodes, a fresh prefill, a chunk after a cached prefix
-    shapes = [(9, 1), (0, 7), (3, 1), (5, 6), (12, 1), (1, 1)]
-    num_blocks = 40
+    # (cached tokens, new tokens): decodes, a fresh prefill, a chunk after a cached prefix,
+    # and one long decode, so that the decodes are attended in groups of similar length
+    shapes = [(9, 1), (0, 7), (3, 1), (5, 6), (12, 1), (1, 1), (290, 1)]
+    num_blocks = 120
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out of order
@@ -59,4 +66,21 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads):
         expected = dense_attention(q[row:row + new], full_k[i], full_v[i], cached, scale)
         torch.testing.assert_close(out[row:row + new], expected, atol=1e-5, rtol=1e-4)
         row += new
-    assert meta.num_decodes == 4 and len(meta.prefills) == 2
+    assert meta.num_decodes == 5 and len(meta.prefills) == 2
+    assert len(meta.decode_groups) == 2  # the 73-block table alone, the short ones together
+
+
+@pytest.mark.parametrize("lens", [[], [3], [5, 5, 5], [1, 2, 3, 90, 100, 45, 44, 20, 7],
+                                  list(range(1, 200, 7))])
+def test_group_by_length_partitions_and_bounds_padding(lens):
+    table_lens = np.array(lens, dtype=np.int64)
+    groups = group_by_length(table_lens)
+    members = np.concatenate(groups) if groups else np.array([], dtype=np.int64)
+    assert sorted(members.tolist()) == list(range(len(lens)))  # each sequence exactly once
+    for group in groups:
+        assert (np.diff(group) > 0).all()  # rows stay in batch order
+        sizes = table_lens[group]
+        padding = int((sizes.max() - sizes).sum())
+        # either similar lengths, or the last group taking the rest since it pads little
+        assert sizes.max() <= GROUP_LENGTH_RATIO * sizes.min() or (
+            group is groups[-1] and padding < GROUP_MIN_SAVED_BLOCKS)

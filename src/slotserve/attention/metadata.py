@@ -26,27 +26,46 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences attended as one padded batch.
+
+    rows (d,): their rows in the flat batch (ascending); block_tables (d, maxb): their
+    tables padded with block 0; context_lens (d,); mask (d, maxb * block_size): which
+    gathered positions are real.
+    """
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """slot_mapping: (T,) flat cache slot of each new token.
 
-    Decode sequences (one new token after cached context) are attended as one batch:
-    decode_rows (D,) are their rows in the flat batch, decode_block_tables (D, maxb) their
-    tables padded with block 0, decode_context_lens (D,) their lengths, decode_mask
-    (D, maxb * block_size) which gathered positions are real. NOTE: masks are built here,
-    once per iteration, not in each layer.
+    Prefills (more than one new token, or a first token) are attended one by one; decodes
+    (one new token after cached context) in a few groups of similar context length.
+    NOTE: masks are built here, once per iteration, not in each layer.
     """
 
     slot_mapping: torch.Tensor
     prefills: list[PrefillSeq]
-    decode_rows: torch.Tensor
-    decode_block_tables: torch.Tensor
-    decode_context_lens: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_groups: list[DecodeGroup]
     block_size: int
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_rows.numel())
+        return sum(int(g.rows.numel()) for g in self.decode_groups)
+
+
+# NOTE: a decode group pads every table to its longest, so one long sequence would make each
+# short one gather (and attend over) as many blocks. Sequences are grouped by length: a group
+# keeps tables at least 1/GROUP_LENGTH_RATIO as long as its longest, unless keeping the rest
+# too would pad fewer than GROUP_MIN_SAVED_BLOCKS blocks (another group costs a few small
+# ops per layer, worth it only when it saves more gathering than that).
+GROUP_LENGTH_RATIO = 2
+GROUP_MIN_SAVED_BLOCKS = 64
 
 
 def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.device
@@ -65,17 +84,33 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
                 int(query_starts[i]), seq.num_tokens, seq.start_pos, seq.context_len,
                 torch.tensor(seq.block_table, dtype=torch.int64, device=device),
                 to(_causal_mask(seq.start_pos, seq.context_len))))
-    tables, context_lens = _padded_tables([seqs[i] for i in decode_idx])
-    key_positions = np.arange(tables.shape[1] * block_size)
-    return AttentionMetadata(
-        slot_mapping=to(slot_mapping),
-        prefills=prefills,
-        decode_rows=to(query_starts[decode_idx].astype(np.int64)),
-        decode_block_tables=to(tables),
-        decode_context_lens=to(context_lens),
-        decode_mask=to(key_positions[None, :] < context_lens[:, None]),
-        block_size=block_size,
-    )
+    table_lens = np.array([len(seqs[i].block_table) for i in decode_idx], dtype=np.int64)
+    groups = []
+    for members in group_by_length(table_lens):
+        chosen = [decode_idx[m] for m in members]
+        tables, context_lens = _padded_tables([seqs[i] for i in chosen])
+        key_positions = np.arange(tables.shape[1] * block_size)
+        groups.append(DecodeGroup(
+            rows=to(query_starts[chosen].astype(np.int64)), block_tables=to(tables),
+            context_lens=to(context_lens),
+            mask=to(key_positions[None, :] < context_lens[:, None])))
+    return AttentionMetadata(to(slot_mapping), prefills, groups, block_size)
+
+
+def group_by_length(table_lens: np.ndarray) -> list[np.ndarray]:
+    """Indices of table_lens split into groups of similar length, each in ascending order."""
+    order = np.argsort(-table_lens, kind="stable")  # longest first
+    groups, start = [], 0
+    while start < len(order):
+        longest = table_lens[order[start]]
+        rest = table_lens[order[start:]]
+        if int((longest - rest).sum()) < GROUP_MIN_SAVED_BLOCKS:
+            end = len(order)
+        else:
+            end = start + int((rest * GROUP_LENGTH_RATIO >= longest).sum())
+        groups.append(np.sort(order[start:end]))
+        start = end
+    return groups
 
 
 def _slots(seq: ScheduledSeq, block_size: int) -> np.ndarray:

@@ -26,17 +26,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
     """
-    if not meta.prefills:  # all decodes: rows 0..T-1 in order, no gather or scatter
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                meta.decode_mask, scale)
+    groups = meta.decode_groups
+    if not meta.prefills and len(groups) == 1:  # all decodes, rows 0..T-1 in order
+        return decode_attention(q, k_cache, v_cache, groups[0].block_tables, groups[0].mask,
+                                scale)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq, scale)
-    if meta.num_decodes:
-        out[meta.decode_rows] = decode_attention(
-            q[meta.decode_rows].contiguous(), k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_mask, scale)
+    for group in groups:
+        out[group.rows] = decode_attention(q[group.rows], k_cache, v_cache,
+                                           group.block_tables, group.mask, scale)
     return out
 
 
