@@ -218,6 +218,45 @@ def hf_static_run(target: EngineTarget, batch: int = 16) -> dict:
             "completed": len(prompts)}
 
 
+def hf_continuous_run(target: EngineTarget) -> dict:
+    """HF transformers' own continuous batching (`init_continuous_batching`'s manager), each
+    request with its own max_new_tokens; the issue asks for it "if it runs"."""
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = _hf_model(target).eval()
+    tok = target.tokenizer
+    w = workload_w()
+    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
+                          add_special_tokens=False) for r in w.requests]
+    lengths = [r.max_tokens for r in w.requests]
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                              max_new_tokens=max(lengths))
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
+                          max_generated_length=max(lengths), num_requests=len(prompts))
+    print("running HF transformers continuous batching ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    generated = 0
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   timeout=5, warmup=False,
+                                                   workload_hints=hints) as manager:
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            manager.add_request(prompt, request_id=f"w{i}", max_new_tokens=n)
+        finished = 0
+        while finished < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                finished += 1
+                generated += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped before the end")
+    duration = time.perf_counter() - start
+    return {"label": f"HF transformers {transformers.__version__} continuous batching",
+            "duration_s": duration, "output_throughput": generated / duration,
+            "completed": finished, "generated_tokens": generated}
+
+
 def _hf_model(target: EngineTarget):
     import transformers
 
@@ -257,7 +296,8 @@ def main() -> None:
                    help="path of llama.cpp's llama-server (skipped when absent)")
     p.add_argument("--llama-f32", default=None, help="F32 GGUF for llama.cpp (see peers/)")
     p.add_argument("--parallel", default="16,64")
-    p.add_argument("--hf", action="store_true", help="also run HF transformers static")
+    p.add_argument("--hf", action="store_true",
+                   help="also run HF transformers (static batches, and its continuous batching)")
     p.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode runs")
     args = p.parse_args()
     errors: list[str] = []
@@ -278,7 +318,10 @@ def main() -> None:
         peer_results, errors = llamacpp_runs(args.llama_server, models,
                                              [int(n) for n in args.parallel.split(",")], 2)
         results += peer_results
-    extra = [hf_static_run(target)] if args.hf else []
+    extra = [hf_static_run(target), hf_continuous_run(target)] if args.hf else []
+    for row in extra:
+        print(f"{row['label']}: {row['duration_s']:.1f} s, "
+              f"{row['output_throughput']:.1f} output tok/s", file=sys.stderr)
     print(format_table(results))
     import resource
 
