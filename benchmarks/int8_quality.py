@@ -30,10 +30,7 @@ KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    workload = generate_workload(count, prompts="chat", seed=0)
-    return [tokenizer.encode(tokenizer.apply_chat_template(r.messages,
-                                                           add_generation_prompt=True),
-                             add_special_tokens=False) for r in workload.requests]
+    return generate_workload(count, prompts="chat", seed=0).chat_prompt_ids(tokenizer)
 
 
 def batch1_ms_per_token(engine: LLMEngine, prompt: list[int], tokens: int) -> float:

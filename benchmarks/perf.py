@@ -72,11 +72,8 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dict:
     """W's compute floor and batch-1 decode floor from the measured machine figures."""
-    tok = target.tokenizer
-    prompt_tokens = sum(len(tok.encode(tok.apply_chat_template(r.messages,
-                                                               add_generation_prompt=True),
-                                       add_special_tokens=False)) for r in workload.requests)
-    output_tokens = sum(r.max_tokens for r in workload.requests)
+    prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
+    output_tokens = workload.total_max_tokens
     params = target.model_config.num_parameters
     weight_bytes = 4 * params
     w_floor = (prompt_tokens + output_tokens) * 2 * params / (floors["gemm_gflops"] * 1e9)
@@ -198,12 +195,7 @@ def hf_static_run(target: EngineTarget, batch: int = 16) -> dict:
     """
     import transformers
 
-    model = _hf_model(target).eval()
-    tok = target.tokenizer
-    w = workload_w()
-    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
-                          add_special_tokens=False) for r in w.requests]
-    lengths = [r.max_tokens for r in w.requests]
+    model, prompts, lengths = _hf_inputs(target)
     print(f"running HF transformers static batches of {batch} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -225,12 +217,7 @@ def hf_continuous_run(target: EngineTarget) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model = _hf_model(target).eval()
-    tok = target.tokenizer
-    w = workload_w()
-    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
-                          add_special_tokens=False) for r in w.requests]
-    lengths = [r.max_tokens for r in w.requests]
+    model, prompts, lengths = _hf_inputs(target)
     config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                               max_new_tokens=max(lengths))
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)),
@@ -255,6 +242,13 @@ def hf_continuous_run(target: EngineTarget) -> dict:
     return {"label": f"HF transformers {transformers.__version__} continuous batching",
             "duration_s": duration, "output_throughput": generated / duration,
             "completed": finished, "generated_tokens": generated}
+
+
+def _hf_inputs(target: EngineTarget) -> tuple:
+    """HF's model on slotserve's weights, W's prompt ids and each request's output length."""
+    w = workload_w()
+    return (_hf_model(target).eval(), w.chat_prompt_ids(target.tokenizer),
+            [r.max_tokens for r in w.requests])
 
 
 def _hf_model(target: EngineTarget):

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from slotserve.server.launch import ServerProcess, ServerStartError, cli_flags
+from slotserve.server.launch import ServerProcess, ServerStartError, cli_flags, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
@@ -482,24 +482,12 @@ def check_server_side(results: list[Result], log_text: str) -> tuple[Counter, li
     return counts, problems
 
 
-def metric_values(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=30).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
 def wait_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
     """Metrics once nothing runs or waits and every block is free (aborts land at the next
     iteration boundary), or the last ones read at the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = metric_values(url)
+        m = scrape_metrics(url, timeout=30)
         idle = (m["slotserve:num_requests_running"] == 0 == m["slotserve:num_requests_waiting"]
                 and m["slotserve:kv_blocks_free"] == m["slotserve:kv_blocks_total"])
         if idle or time.monotonic() > deadline:
@@ -587,7 +575,7 @@ def soak(url: str, *, requests: int, concurrency: int = 16, disconnect: float = 
          progress: bool = False) -> SoakReport:
     """Warm up (a burst of long prompts, then `warmup` requests of the mix), run the
     workload, check everything; the report lists the failures."""
-    peak = peak_workload(int(metric_values(url)["slotserve:kv_blocks_total"]))
+    peak = peak_workload(int(scrape_metrics(url, timeout=30)["slotserve:kv_blocks_total"]))
     asyncio.run(run_workload(url, peak, ENGINE_FLAGS["max_num_seqs"]))
     asyncio.run(run_workload(url, make_workload(warmup, seed + 1, disconnect, "warmup",
                                                 max_tokens), concurrency))

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from slotserve.server import launch
-from slotserve.server.launch import STARTUP_TIMEOUT_S, cli_flags, free_port
+from slotserve.server.launch import STARTUP_TIMEOUT_S, cli_flags, free_port, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -37,13 +35,7 @@ class ServerProcess(launch.ServerProcess):
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics: 'name' or 'name{label="value"}' -> value."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
+        return scrape_metrics(self.url)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         try:

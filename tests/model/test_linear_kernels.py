@@ -97,14 +97,11 @@ def test_int8_greedy_agreement_on_smollm2():
     from slotserve.loader import load_model
 
     loaded = load_model()
-    tok = loaded.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True),
-                          add_special_tokens=False)
-               for r in generate_workload(6, prompts="chat", seed=1).requests]
+    prompts = generate_workload(6, prompts="chat", seed=1).chat_prompt_ids(loaded.tokenizer)
 
     def engine(**kwargs):
         return LLMEngine(engine_config(max_num_seqs=8, num_blocks=128, **kwargs),
-                         loaded.config, loaded.weights, tok)
+                         loaded.config, loaded.weights, loaded.tokenizer)
 
     agreement = greedy_agreement(engine(), engine(quantization="int8"), prompts, 32)
     assert agreement.tokens == 6 * 32

@@ -105,6 +105,13 @@ class Workload:
     def total_max_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
+    def chat_prompt_ids(self, tokenizer) -> list[list[int]]:
+        """Each request's prompt token ids: its messages through the chat template (the
+        template writes the special tokens, so encode adds none)."""
+        return [tokenizer.encode(tokenizer.apply_chat_template(r.messages,
+                                                               add_generation_prompt=True),
+                                 add_special_tokens=False) for r in self.requests]
+
     @property
     def span(self) -> float:
         """Seconds from the first arrival to the last."""

@@ -36,6 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Samples of a server's /metrics: 'name' or 'name{label="value",...}' -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=timeout).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
 def cli_flags(**engine) -> list[str]:
     """`serve` flags from keyword arguments: max_num_seqs=8 -> "--max-num-seqs=8"."""
     return [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
