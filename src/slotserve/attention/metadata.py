@@ -30,13 +30,12 @@ class DecodeGroup:
     """Decode sequences attended as one padded batch.
 
     rows (d,): their rows in the flat batch (ascending); block_tables (d, maxb): their
-    tables padded with block 0; context_lens (d,); mask (d, maxb * block_size): which
-    gathered positions are real.
+    tables padded with block 0; mask (d, maxb * block_size): which gathered positions are
+    real (the first context_len of each row).
     """
 
     rows: torch.Tensor
     block_tables: torch.Tensor
-    context_lens: torch.Tensor
     mask: torch.Tensor
 
 
@@ -92,7 +91,6 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
         key_positions = np.arange(tables.shape[1] * block_size)
         groups.append(DecodeGroup(
             rows=to(query_starts[chosen].astype(np.int64)), block_tables=to(tables),
-            context_lens=to(context_lens),
             mask=to(key_positions[None, :] < context_lens[:, None])))
     return AttentionMetadata(to(slot_mapping), prefills, groups, block_size)
 
