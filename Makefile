@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser serve test lint generate bench-peers clean
+.PHONY: install kernels browser serve test lint generate bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# The fused CPU kernels (src/slotserve/csrc) compile on first use (about a minute, then
+# cached); building them here keeps that minute out of a server's start or a test's timeout.
+kernels: $(STAMP)
+	@$(BIN)/python -c 'from slotserve.model.cpu_ops import load_cpu_ops as l; \
+	  print("fused CPU kernels:", "ready" if l() else "unavailable, plain torch ops in use")'
+
 # The browser tests drive Debian's chromium through playwright (no browser download).
 browser:
 	@if [ ! -x /usr/bin/chromium ]; then \
@@ -28,7 +34,7 @@ browser:
 	  else echo "note: /usr/bin/chromium missing (apt-get install chromium); browser tests skip"; fi; \
 	fi
 
-serve: $(STAMP)
+serve: $(STAMP) kernels
 	$(BIN)/slotserve serve $(ARGS)
 
 generate: $(STAMP)
@@ -37,7 +43,7 @@ generate: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
-test: $(STAMP) lint browser
+test: $(STAMP) lint browser kernels
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # benchmarks/PERF.md: builds llama.cpp's server (20-30 min), writes an F32 GGUF of the

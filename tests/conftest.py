@@ -85,3 +85,18 @@ def smollm2_hf():
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def cpu_ops():
+    """The compiled fused CPU kernels; a failed build fails the test where a compiler exists."""
+    import shutil
+
+    from slotserve.model.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        if shutil.which("c++") is None:
+            pytest.skip("no C++ compiler here: the fused CPU kernels cannot be built")
+        pytest.fail("the fused CPU kernels did not build (see the logged warning)")
+    return ops

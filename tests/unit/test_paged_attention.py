@@ -30,8 +30,10 @@ def dense_attention(q, k, v, start_pos: int, scale: float) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-ops"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads):
+def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, request):
+    ops = request.getfixturevalue("cpu_ops") if fused else None
     gen = torch.Generator().manual_seed(num_heads)
     head_dim, scale = 8, 8 ** -0.5
     # (cached tokens, new tokens): decodes, a fresh prefill, a chunk after a cached prefix,
@@ -53,13 +55,13 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads):
         for pos in range(cached):
             block, offset = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             k_cache[block, offset], v_cache[block, offset] = full_k[i][pos], full_v[i][pos]
-    meta = build_metadata(seqs, BLOCK_SIZE, torch.device("cpu"))
+    meta = build_metadata(seqs, BLOCK_SIZE, torch.device("cpu"), group_decodes=not fused)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
-    write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+    write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping, ops)
     q = torch.randn(new_k.shape[0], num_heads, head_dim, generator=gen)
 
-    out = paged_attention(q, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k_cache, v_cache, meta, scale, ops)
 
     row = 0
     for i, (cached, new) in enumerate(shapes):
@@ -67,7 +69,8 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads):
         torch.testing.assert_close(out[row:row + new], expected, atol=1e-5, rtol=1e-4)
         row += new
     assert meta.num_decodes == 5 and len(meta.prefills) == 2
-    assert len(meta.decode_groups) == 2  # the 73-block table alone, the short ones together
+    # torch: the 73-block table alone, the short ones together; fused: no padding, one group
+    assert len(meta.decode_groups) == (1 if fused else 2)
 
 
 @pytest.mark.parametrize("lens", [[], [3], [5, 5, 5], [1, 2, 3, 90, 100, 45, 44, 20, 7],

@@ -30,12 +30,13 @@ class DecodeGroup:
     """Decode sequences attended as one padded batch.
 
     rows (d,): their rows in the flat batch (ascending); block_tables (d, maxb): their
-    tables padded with block 0; mask (d, maxb * block_size): which gathered positions are
-    real (the first context_len of each row).
+    tables padded with block 0; context_lens (d,); mask (d, maxb * block_size): which
+    gathered positions are real (the first context_len of each row).
     """
 
     rows: torch.Tensor
     block_tables: torch.Tensor
+    context_lens: torch.Tensor
     mask: torch.Tensor
 
 
@@ -67,9 +68,13 @@ GROUP_LENGTH_RATIO = 2
 GROUP_MIN_SAVED_BLOCKS = 64
 
 
-def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.device
-                   ) -> AttentionMetadata:
-    """Compute slots and per-sequence views for one iteration (numpy, no per-token Python)."""
+def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
+                   group_decodes: bool = True) -> AttentionMetadata:
+    """Compute slots and per-sequence views for one iteration (numpy, no per-token Python).
+
+    group_decodes=False puts all decodes in one group: for a kernel that reads only each
+    sequence's own context, padding costs nothing and one group is one call per layer.
+    """
     to = lambda a: torch.from_numpy(a).to(device)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
@@ -85,13 +90,15 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
                 to(_causal_mask(seq.start_pos, seq.context_len))))
     table_lens = np.array([len(seqs[i].block_table) for i in decode_idx], dtype=np.int64)
     groups = []
-    for members in group_by_length(table_lens):
+    members_of_groups = (group_by_length(table_lens) if group_decodes
+                         else [np.arange(len(decode_idx))] if decode_idx else [])
+    for members in members_of_groups:
         chosen = [decode_idx[m] for m in members]
         tables, context_lens = _padded_tables([seqs[i] for i in chosen])
         key_positions = np.arange(tables.shape[1] * block_size)
         groups.append(DecodeGroup(
             rows=to(query_starts[chosen].astype(np.int64)), block_tables=to(tables),
-            mask=to(key_positions[None, :] < context_lens[:, None])))
+            context_lens=to(context_lens), mask=to(key_positions[None, :] < context_lens[:, None])))
     return AttentionMetadata(to(slot_mapping), prefills, groups, block_size)
 
 

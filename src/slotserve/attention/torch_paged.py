@@ -9,35 +9,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slotserve.attention.metadata import AttentionMetadata, PrefillSeq
+from slotserve.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V (T, nkv, hd) at their flat cache slots (T,)."""
+             slot_mapping: torch.Tensor, ops=None) -> None:
+    """Store the new tokens' K/V (T, nkv, hd) at their flat cache slots (T,).
+
+    ops: the fused CPU kernels (model/cpu_ops.py) do it in one call, or None for torch's.
+    """
+    if ops is not None:
+        return ops.write_kv_(k_cache, v_cache, k, v, slot_mapping)
     nkv, hd = k.shape[1], k.shape[2]
     k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, ops=None) -> torch.Tensor:
     """Attention of every new token over its own sequence's cached context.
 
     q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
+    ops: the fused CPU kernels (model/cpu_ops.py) for the decodes, or None for torch's.
     """
     groups = meta.decode_groups
     if not meta.prefills and len(groups) == 1:  # all decodes, rows 0..T-1 in order
-        return decode_attention(q, k_cache, v_cache, groups[0].block_tables, groups[0].mask,
-                                scale)
+        return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, ops)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq, scale)
     for group in groups:
-        out[group.rows] = decode_attention(q[group.rows], k_cache, v_cache,
-                                           group.block_tables, group.mask, scale)
+        out[group.rows] = _decode_group_attention(q[group.rows], k_cache, v_cache, group,
+                                                  scale, ops)
     return out
+
+
+def _decode_group_attention(q, k_cache, v_cache, group: DecodeGroup, scale: float, ops):
+    if ops is not None:
+        return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
+                                          group.context_lens, scale)
+    return decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; same math as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -99,7 +102,11 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (T, I) each
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # (T, I) each
         return self.down_proj(F.silu(gate) * up)

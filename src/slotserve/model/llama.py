@@ -26,18 +26,23 @@ class LlamaAttention(nn.Module):
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.scale = self.head_dim ** -0.5
+        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
 
     def forward(self, x: torch.Tensor, rope: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
         # q and k side by side, rotated in one call: (T, nh + nkv, hd)
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), rope)
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim)
+        if self.ops is not None:
+            self.ops.rotary_(qk, *rope)  # in place, inside qkv
+        else:
+            qk = apply_rotary(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh|nkv, hd)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, nh, hd)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.ops)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -8,6 +8,7 @@ import torch
 from slotserve.attention.metadata import build_metadata
 from slotserve.config import CacheConfig, ModelConfig
 from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.model.cpu_ops import use_cpu_ops
 from slotserve.model.linear_kernels import swap_linear_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.sampler import Sampler
@@ -48,6 +49,9 @@ class ModelRunner:
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         self.linear_kernel = swap_linear_kernels(self.model, kernels=kernels,
                                                  quantization=quantization)
+        self.fused_cpu_ops = use_cpu_ops(self.model, kernels)
+        if self.fused_cpu_ops:
+            self.linear_kernel += " + fused CPU ops"
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
 
@@ -72,7 +76,10 @@ class ModelRunner:
         """Run one iteration: all scheduled tokens in one forward, then sample."""
         seqs = plan.seqs
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
-        meta = build_metadata(seqs, self.block_size, self.device)
+        # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
+        # avoid, so all decodes go in one group (one call per layer).
+        meta = build_metadata(seqs, self.block_size, self.device,
+                              group_decodes=not self.fused_cpu_ops)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
         sampling = [s for s in seqs if s.sample]
         if not sampling:

@@ -1,0 +1,76 @@
+"""Fused CPU kernels (`slotserve/csrc/cpu_ops.cpp`), compiled on first use.
+
+`load_cpu_ops()` builds the extension with torch.utils.cpp_extension (g++ and ninja; about
+a minute once, then cached under ~/.cache/torch_extensions) and returns its module, or None
+when it cannot be built: the engine then runs the plain torch ops, which stay the reference
+that tests/model/test_fused_ops.py compares these kernels against.
+
+The module's functions, all fp32 on the CPU:
+- rms_norm(x (T, H), weight (H,), eps) -> (T, H)
+- silu_mul(gate_up (T, 2I)) -> (T, I)
+- rotary_(x (T, n, hd), cos, sin (T, hd/2) each): rotate-half RoPE, in place
+- write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V
+- paged_decode_attention(q (D, nh, hd), k_cache, v_cache, block_tables (D, maxb),
+  context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sysconfig
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
+# NOTE: -march=native: the build is cached per machine (torch keys it by source and flags).
+# No -ffast-math: linked into a shared object it flushes denormals for the whole process.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# SLOTSERVE_CPU_OPS=0 turns the kernels off without touching the code (for A/B runs).
+ENV_SWITCH = "SLOTSERVE_CPU_OPS"
+
+
+def _put_venv_scripts_on_path() -> None:
+    """torch finds ninja on PATH; the `ninja` dependency installs it next to this Python."""
+    scripts = sysconfig.get_path("scripts")
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def load_cpu_ops():
+    """The compiled kernels' module, or None (logged once) if they cannot be built here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_venv_scripts_on_path()
+        return load(name="slotserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
+        log.warning("fused CPU kernels unavailable, using plain torch ops: %s", exc)
+        return None
+
+
+def use_cpu_ops(model, kernels: str = "auto") -> bool:
+    """Give the model's norms, MLPs and attention the fused kernels where they apply.
+
+    They apply with kernels="auto" to a float32 model on the CPU (int8 weight-only models
+    included: their activations are float32). Returns whether the model now uses them.
+    """
+    import torch
+
+    param = next(model.parameters())
+    if kernels != "auto" or param.device.type != "cpu" or param.dtype != torch.float32:
+        return False
+    ops = load_cpu_ops()
+    if ops is None:
+        return False
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+    return True
+

@@ -1,0 +1,98 @@
+"""The fused CPU kernels (csrc/cpu_ops.cpp) equal the torch ops they replace.
+
+Paged decode attention and the K/V write are also checked against dense attention in
+tests/unit/test_paged_attention.py; whole models against HF in test_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slotserve.attention.torch_paged import decode_attention
+from slotserve.model.layers import apply_rotary
+from tests.conftest import tiny_engine, tiny_hf_model
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_equals_torch(cpu_ops, rows):
+    x, weight = torch.randn(rows, 96) * 3, torch.randn(96)
+    expected = F.rms_norm(x, (96,), weight, 1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_silu_mul_equals_torch_over_the_whole_range(cpu_ops, rows):
+    gate_up = torch.randn(rows, 2 * 64) * 20  # large |gate|: exp under- and overflow paths
+    gate_up[0, :4] = torch.tensor([-200.0, -88.0, 88.0, 200.0])
+    gate, up = gate_up.split(64, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_in_place_rotates_only_the_view(cpu_ops):
+    tokens, heads, head_dim = 5, 6, 16
+    qkv = torch.randn(tokens, heads * head_dim + 32)  # a view of the first columns is rotated
+    angles = torch.rand(tokens, 1, head_dim // 2) * 6.3
+    rope = angles.cos(), angles.sin()
+    view = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    expected, untouched = apply_rotary(view, rope), qkv[:, heads * head_dim:].clone()
+
+    cpu_ops.rotary_(view, *rope)
+
+    torch.testing.assert_close(view, expected)
+    assert torch.equal(qkv[:, heads * head_dim:], untouched)
+
+
+@pytest.mark.parametrize("seqs,max_len", [(1, 9), (1, 600), (7, 300)])
+def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
+    # (1, 9) runs on the calling thread, (7, 300) on the pool (SERIAL_POSITIONS in the .cpp)
+    gen = torch.Generator().manual_seed(seqs)
+    block_size, num_blocks, num_kv_heads, group, head_dim = 16, 300, 2, 3, 32
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    lens = torch.randint(1, max_len + 1, (seqs,), generator=gen)
+    lens[0] = max_len
+    max_blocks = -(-max_len // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * max_blocks].view(seqs, max_blocks)
+    q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=gen)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)
+
+    expected = decode_attention(q, k_cache, v_cache, tables, mask, 0.2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_kernels_reject_bad_input(cpu_ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    k_cache = torch.zeros(4, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.write_kv_(k_cache, k_cache.clone(), torch.ones(1, 1, 8), torch.ones(1, 1, 8),
+                          torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), k_cache, k_cache,
+                                       torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
+
+
+def test_engine_uses_the_kernels_by_default_and_not_for_the_reference(cpu_ops):
+    hf = tiny_hf_model()
+    fused, reference = tiny_engine(hf), tiny_engine(hf, kernels="reference")
+    assert fused.runner.fused_cpu_ops and "fused CPU ops" in fused.runner.linear_kernel
+    assert not reference.runner.fused_cpu_ops
+    assert fused.runner.model.layers[0].mlp.ops is cpu_ops
+
+
+def test_switched_off_by_environment(monkeypatch):
+    from slotserve.model import cpu_ops as module
+
+    monkeypatch.setenv(module.ENV_SWITCH, "0")
+    module.load_cpu_ops.cache_clear()
+    try:
+        engine = tiny_engine(tiny_hf_model())
+        assert not engine.runner.fused_cpu_ops
+        assert engine.runner.model.layers[0].mlp.ops is None
+    finally:
+        module.load_cpu_ops.cache_clear()
