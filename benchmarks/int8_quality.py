@@ -26,7 +26,9 @@ from slotserve.loader import load_model
 from slotserve.sampling import SamplingParams
 
 KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
-           "int8": dict(quantization="int8")}
+           "int8": dict(quantization="int8"),  # int16 activations, the fused CPU kernel
+           "int8 reference": dict(kernels="reference", quantization="int8")}  # bf16, torch's
+INT8_ENGINES = ("int8", "int8 reference")
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -60,9 +62,8 @@ def main() -> None:
                                loaded.config, loaded.weights, loaded.tokenizer)
                for name, kw in KERNELS.items()}
     prompts = chat_prompts(loaded.tokenizer, args.prompts)
-    agreement = greedy_agreement(engines["fp32 auto"], engines["int8"], prompts,
-                                 args.max_tokens)
-    print(f"int8 vs fp32: {agreement}", file=sys.stderr)
+    agreements = {name: greedy_agreement(engines["fp32 auto"], engines[name], prompts,
+                                         args.max_tokens) for name in INT8_ENGINES}
     timings: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):  # interleaved: the host's noise hits every kernel alike
         for name, engine in engines.items():
@@ -71,13 +72,15 @@ def main() -> None:
     for name, ms in batch1.items():
         print(f"batch-1 decode, {name}: {ms:.1f} ms/token ({1e3 / ms:.1f} tok/s) "
               f"rounds {[round(t, 1) for t in timings[name]]}")
-    print(f"int8 greedy agreement over {agreement.prompts} prompts, {agreement.tokens} "
-          f"tokens: teacher-forced {agreement.teacher_forced:.1%}, free-running "
-          f"{agreement.free_running:.1%}, first divergence (median) after "
-          f"{agreement.first_divergence_median:.0f} tokens")
+    for name, agreement in agreements.items():
+        print(f"{name} greedy agreement with fp32 over {agreement.prompts} prompts, "
+              f"{agreement.tokens} tokens: teacher-forced {agreement.teacher_forced:.1%}, "
+              f"free-running {agreement.free_running:.1%}, first divergence (median) after "
+              f"{agreement.first_divergence_median:.0f} tokens")
     if args.out:
         report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-                  "command": " ".join(sys.argv), "agreement": agreement.to_dict(),
+                  "command": " ".join(sys.argv),
+                  "agreement": {n: a.to_dict() for n, a in agreements.items()},
                   "batch1_ms_per_token": batch1, "batch1_rounds": timings}
         Path(args.out).write_text(json.dumps(report, indent=1))
 

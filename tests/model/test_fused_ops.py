@@ -75,6 +75,9 @@ def test_kernels_reject_bad_input(cpu_ops):
     with pytest.raises(RuntimeError, match="context length"):
         cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), k_cache, k_cache,
                                        torch.tensor([[0, 1]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), k_cache, k_cache,
+                                       torch.tensor([[0, 4]]), torch.tensor([3]), 1.0)
 
 
 def test_engine_uses_the_kernels_by_default_and_not_for_the_reference(cpu_ops):

@@ -42,22 +42,44 @@ def test_mkl_packed_equals_matmul(rows, bias):
     torch.testing.assert_close(out, reference(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-ops"])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_weight_only_matches_its_dequantized_weights(rows, bias):
-    weight, b = random_linear(128, 96, bias)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
-    kernel = Int8WeightOnlyLinear(weight, b)
+def test_int8_weight_only_matches_its_dequantized_weights(rows, bias, fused, request):
+    # in > 4096: the fused kernel flushes its int32 sums, and 4200 % 32 leaves a tail;
+    # torch's kernel takes only multiples of 64 (see test_torch_int8_refuses_odd_widths)
+    in_features = 4200 if fused else 4224
+    weight, b = random_linear(in_features, 96, bias)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    kernel = Int8WeightOnlyLinear(weight, b, request.getfixturevalue("cpu_ops") if fused
+                                  else None)
     out = kernel(x)
-    # exactly the product with the int8 weights it holds (bf16 activations, bf16 output)...
-    expected = reference(x.bfloat16().float(), kernel.dequantized(), b)
-    torch.testing.assert_close(out, expected, atol=0.02, rtol=0.02)
+    # the product with the int8 weights it holds: torch's kernel rounds activations and
+    # output to bfloat16, the fused one activations to int16 (one scale per row)
+    expected = reference(x if fused else x.bfloat16().float(), kernel.dequantized(), b)
+    tolerance = 1e-3 if fused else 0.02
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
     # ...and those weights are within int8 rounding of the originals: half a step, the
     # step being one channel's max / 127 (nudged up by under 1%, see the kernel)
     step = weight.abs().amax(dim=0) / 127  # (out,): one scale per output channel
     assert ((kernel.dequantized() - weight).abs() <= 0.51 * step).all()
     error = (out - reference(x, weight, b)).norm() / reference(x, weight, b).norm()
     assert error < 0.02
+
+
+def test_torch_int8_refuses_odd_widths():
+    # NOTE: torch 2.13's _weight_int8pack_mm crashes the process on such widths
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Int8WeightOnlyLinear(torch.randn(200, 8), None)
+
+
+def test_fused_int8_survives_extreme_activations(cpu_ops):
+    # every product at its int8 x int16 maximum: int32 lanes would overflow unflushed
+    in_features = 20_000
+    kernel = Int8WeightOnlyLinear(torch.full((in_features, 3), 0.5), None, cpu_ops)
+    x = torch.full((2, in_features), 1000.0)
+    expected = reference(x, kernel.dequantized(), None)
+    torch.testing.assert_close(kernel(x), expected, rtol=1e-5, atol=0)
 
 
 def test_swap_releases_the_fp32_weights(tiny_llama):

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <bit>
@@ -139,6 +140,56 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   }
 }
 
+// Tables and lengths checked once, so that the kernel never reads outside the cache.
+void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                  int64_t num_blocks, int64_t block_size) {
+  const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(context_lens.numel() == seqs, "one context length per block table");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    TORCH_CHECK(lens[seq] > 0 && lens[seq] <= max_blocks * block_size, "bad context length");
+    for (int64_t b = 0; b * block_size < lens[seq]; ++b) {
+      const int64_t block = tables[seq * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+  }
+}
+
+// The g query heads `queries` of one sequence that share one KV head, over `len` cached
+// positions; `row_of(pos)` is that head's offset of position pos in the cache tensors.
+// scores: scratch; out: g rows of hd.
+template <typename RowOf>
+void attend(const float* const* queries, int64_t group, const float* k_cache,
+            const float* v_cache, int64_t len, RowOf row_of, int64_t head_dim, float scale,
+            std::vector<float>& scores, float* const* out) {
+  scores.resize(group * len);  // (g, len)
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const float* key = k_cache + row_of(pos);
+    for (int64_t j = 0; j < group; ++j)
+      scores[j * len + pos] = dot(queries[j], key, head_dim) * scale;
+  }
+  for (int64_t j = 0; j < group; ++j) {  // softmax over the context, in place
+    float* s = scores.data() + j * len;
+    const float top = *std::max_element(s, s + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = vec_exp(s[pos] - top));
+    const float inv = 1.f / total;
+    for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
+    std::fill_n(out[j], head_dim, 0.f);
+  }
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const float* value = v_cache + row_of(pos);
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = scores[j * len + pos];
+      float* o = out[j];
+#pragma omp simd
+      for (int64_t i = 0; i < head_dim; ++i) o[i] += p * value[i];
+    }
+  }
+}
+
 // One query per sequence over its cached context, read straight from the paged cache.
 // q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
 // block_tables: (D, maxb) int64; context_lens: (D,) int64 -> out (D, nh, hd).
@@ -157,66 +208,140 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  TORCH_CHECK(group * num_kv_heads == num_heads, "num_heads must be a multiple of nkv");
+  constexpr int64_t MAX_GROUP = 64;
+  TORCH_CHECK(group * num_kv_heads == num_heads && group <= MAX_GROUP,
+              "num_heads must be a multiple of nkv, at most 64 times it");
+  check_tables(block_tables, context_lens, k_cache.size(0), block_size);
   auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   const int64_t row = num_kv_heads * head_dim;  // floats between two cached positions
   // NOTE: waking a second thread costs more than attending a short context: small batches
   // (tables of fewer than SERIAL_POSITIONS positions in all) run on the calling thread.
   constexpr int64_t SERIAL_POSITIONS = 1024;
-  const int64_t tasks = seqs * num_kv_heads;
+  const int64_t tasks = seqs * num_kv_heads;  // one (sequence, KV head) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * head_dim);
+    std::vector<float> scores;
+    const float* queries[MAX_GROUP];
+    float* outs[MAX_GROUP];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = lens[seq];
-      TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "bad context length");
       const int64_t* table = tables + seq * max_blocks;
-      auto cached = [&](const float* cache, int64_t pos) {  // K or V row of one position
-        return cache + (table[pos / block_size] * block_size + pos % block_size) * row +
+      auto row_of = [&](int64_t pos) {
+        return (table[pos / block_size] * block_size + pos % block_size) * row +
                kv_head * head_dim;
       };
-      const float* queries[64];
-      TORCH_CHECK(group <= 64, "at most 64 query heads per KV head");
-      for (int64_t j = 0; j < group; ++j)
-        queries[j] = qp + seq * q.stride(0) + (kv_head * group + j) * q.stride(1);
-      scores.resize(group * len);  // (g, len)
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* key = cached(kp, pos);
-        for (int64_t j = 0; j < group; ++j)
-          scores[j * len + pos] = dot(queries[j], key, head_dim) * float(scale);
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t head = kv_head * group + j;
+        queries[j] = q.data_ptr<float>() + seq * q.stride(0) + head * q.stride(1);
+        outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
       }
-      for (int64_t j = 0; j < group; ++j) {  // softmax over the context, in place
-        float* s = scores.data() + j * len;
-        const float top = *std::max_element(s, s + len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = vec_exp(s[pos] - top));
-        const float inv = 1.f / total;
-        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);  // (g, hd)
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* value = cached(vp, pos);
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * len + pos];
-          float* a = acc.data() + j * head_dim;
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) a[i] += p * value[i];
-        }
-      }
-      for (int64_t j = 0; j < group; ++j)
-        std::copy_n(acc.data() + j * head_dim, head_dim,
-                    op + (seq * num_heads + kv_head * group + j) * head_dim);
+      attend(queries, group, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), lens[seq],
+             row_of, head_dim, float(scale), scores, outs);
     }
   });
   return out;
+}
+
+// ---- int8 weights x int16 activations -----------------------------------------------
+// Weight-only int8 would convert every weight to float (one core's vector units, not the
+// memory, set the pace then). Instead each token's activations are quantized to int16 with
+// one scale per token (|error| <= max|x| / 65534, finer than bfloat16's 8 bits), and the
+// products are summed in int32 by AVX-512's 16-bit dot product: 32 weights per instruction.
+
+constexpr int64_t INT16_MAX_Q = 32767;
+// NOTE: a lane adds 2 products of at most 127 * 32767 per 32 inputs; flushing the int32
+// lanes to float every FLUSH_EVERY inputs keeps them below 2^31 whatever the values.
+constexpr int64_t FLUSH_EVERY = 4096;
+
+// x (T, in) fp32 -> int16 (T, in) and each row's scale, x ~= q * scale.
+std::pair<torch::Tensor, torch::Tensor> quantize_rows_int16(const torch::Tensor& x) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  auto q = torch::empty({rows, in}, x.options().dtype(torch::kInt16));
+  auto scales = torch::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int16_t* qp = q.data_ptr<int16_t>();
+  float* sp = scales.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * in;
+    float top = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < in; ++i) top = std::max(top, std::abs(xr[i]));
+    sp[r] = top > 0.f ? top / INT16_MAX_Q : 1.f;
+    const float inv = 1.f / sp[r];
+#pragma omp simd
+    for (int64_t i = 0; i < in; ++i) qp[r * in + i] = int16_t(std::nearbyint(xr[i] * inv));
+  }
+  return {q, scales};
+}
+
+// sum_i w[i] * x_t[i] for `tokens` (1..4) int16 rows x_t, as floats; one pass over w.
+template <int TOKENS>
+void dot_int8_int16(const int8_t* w, const int16_t* x, int64_t in, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512BW__)
+  __m512 total[TOKENS];
+  for (int t = 0; t < TOKENS; ++t) total[t] = _mm512_setzero_ps();
+  while (i + 32 <= in) {
+    __m512i lanes[TOKENS];
+    for (int t = 0; t < TOKENS; ++t) lanes[t] = _mm512_setzero_si512();
+    const int64_t stop = std::min(in, i + FLUSH_EVERY);
+    for (; i + 32 <= stop; i += 32) {
+      const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + i)));
+      for (int t = 0; t < TOKENS; ++t) {
+        const __m512i x16 = _mm512_loadu_si512(x + t * in + i);
+#if defined(__AVX512VNNI__)
+        lanes[t] = _mm512_dpwssd_epi32(lanes[t], w16, x16);
+#else
+        lanes[t] = _mm512_add_epi32(lanes[t], _mm512_madd_epi16(w16, x16));
+#endif
+      }
+    }
+    for (int t = 0; t < TOKENS; ++t)
+      total[t] = _mm512_add_ps(total[t], _mm512_cvtepi32_ps(lanes[t]));
+  }
+  for (int t = 0; t < TOKENS; ++t) out[t] = _mm512_reduce_add_ps(total[t]);
+#else
+  for (int t = 0; t < TOKENS; ++t) out[t] = 0.f;
+#endif
+  for (; i < in; ++i)  // the tail (or everything, without AVX-512)
+    for (int t = 0; t < TOKENS; ++t) out[t] += float(int32_t(w[i]) * x[t * in + i]);
+}
+
+// y (T, out) ~= x (T, in) @ (qweight (out, in) int8 * scales (out,))^T.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
+  check_cpu_float(x, "x");
+  check_cpu_float(scales, "scales");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(),
+              "qweight must be contiguous int8 (out, in)");
+  x = x.contiguous();
+  const int64_t tokens = x.size(0), in = x.size(1), outs = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == in, "x and qweight disagree on in_features");
+  auto [xq, x_scales] = quantize_rows_int16(x);
+  auto y = torch::empty({tokens, outs}, x.options());
+  const int16_t* xp = xq.data_ptr<int16_t>();
+  const float* xs = x_scales.data_ptr<float>();
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* ws = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // NOTE: tokens in fours, each weight row read once per four (the x rows stay in L1).
+  at::parallel_for(0, outs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += 4) {
+      const int64_t n = std::min<int64_t>(4, tokens - t0);
+      for (int64_t o = begin; o < end; ++o) {
+        float dots[4];
+        const int8_t* w = wp + o * in;
+        const int16_t* x0 = xp + t0 * in;
+        if (n == 4) dot_int8_int16<4>(w, x0, in, dots);
+        else if (n == 3) dot_int8_int16<3>(w, x0, in, dots);
+        else if (n == 2) dot_int8_int16<2>(w, x0, in, dots);
+        else dot_int8_int16<1>(w, x0, in, dots);
+        for (int64_t t = 0; t < n; ++t) yp[(t0 + t) * outs + o] = dots[t] * xs[t0 + t] * ws[o];
+      }
+    }
+  });
+  return y;
 }
 
 }  // namespace
@@ -226,6 +351,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate-up output");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
+  m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V context");
 }

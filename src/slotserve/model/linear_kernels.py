@@ -9,21 +9,28 @@ then calls it instead (the original weight is released: one copy in memory, not 
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
-  (symmetric), activations bfloat16. 4x fewer weight bytes per decode step; held to a
+  (symmetric), activations int16 through the fused CPU kernel (bfloat16 through torch's
+  kernel with kernels="reference"). 4x fewer weight bytes per decode step; held to a
   quality bar (greedy agreement with fp32, `benchmarks/int8_quality.py`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+from slotserve.model.cpu_ops import load_cpu_ops
 
 # NOTE: MKL's packed layout depends on the batch size it was packed for; packed for 64
 # rows it ran every batch from 1 to 256 at least as fast as the plain matmul here.
 MKL_PACK_ROWS = 64
-# NOTE: torch's CPU int8 weight-only kernel is vectorised for bfloat16 activations; with
-# fp32 ones it ran 20-70x slower here.
+# NOTE: torch's CPU int8 weight-only kernel (the reference int8 path) is vectorised for
+# bfloat16 activations; with fp32 ones it ran 20-70x slower here.
 INT8_ACTIVATION_DTYPE = torch.bfloat16
+# NOTE: ...and it crashes the process (torch 2.13) unless in_features is a multiple of 64.
+TORCH_INT8_WIDTH_MULTIPLE = 64
 
 
 def mkl_packed_available() -> bool:
@@ -48,31 +55,42 @@ class MKLPackedLinear:
 
 
 class Int8WeightOnlyLinear:
-    """y ~= x @ W (+ b) with W int8 per output channel (symmetric), x in bfloat16.
+    """y ~= x @ W (+ b) with W int8 per output channel (symmetric).
 
-    torch's `_weight_int8pack_mm` reads the int8 weights and scales them inside its loop
-    (4x fewer bytes than fp32 per decode step). NOTE: weight-only on purpose: quantizing the
-    activations too (fbgemm's dynamic linear, per tensor or per row, even with SmoothQuant
-    scaling) agreed with fp32 on only 55-91% of greedy tokens here (benchmarks/PERF.md).
+    With `ops` (the fused CPU kernels, model/cpu_ops.py) each token's activations are
+    quantized to int16 (one scale per token) and multiplied in integers by AVX-512's 16-bit
+    dot product; without, torch's `_weight_int8pack_mm` takes them in bfloat16. Either way
+    a decode step reads 1 byte per weight instead of 4. NOTE: the weights are int8, the
+    activations keep 16 bits: quantizing them to int8 too (fbgemm's dynamic linear, per
+    tensor or per row, even with SmoothQuant scaling) agreed with fp32 on only 55-91% of
+    greedy tokens here (benchmarks/PERF.md).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops=None) -> None:
+        if ops is None and weight.shape[0] % TORCH_INT8_WIDTH_MULTIPLE:
+            raise ValueError(f"int8 without the fused CPU kernels needs in_features a "
+                             f"multiple of {TORCH_INT8_WIDTH_MULTIPLE}, got {weight.shape[0]}")
         weight_out_in = weight.detach().float().t().contiguous()  # (out, in)
         amax = weight_out_in.abs().amax(dim=1).clamp(min=1e-12)  # (out,)
-        # NOTE: the kernel takes its scales in the activations' dtype; quantize with that
+        # NOTE: torch's kernel takes its scales in the activations' dtype; quantize with that
         # rounded scale, nudged up by 2^-7 first so that |w| / scale <= 127 still holds.
         self.scales = (amax / 127.0 * (1 + 2 ** -7)).to(INT8_ACTIVATION_DTYPE)
-        self.qweight = torch.round(weight_out_in / self.scales.float()[:, None]).clamp(
+        self.scales_fp32 = self.scales.float()  # the same values, for the fused kernel
+        self.qweight = torch.round(weight_out_in / self.scales_fp32[:, None]).clamp(
             -127, 127).to(torch.int8)  # (out, in)
         self.bias = None if bias is None else bias.detach()
+        self.ops = ops
 
     def dequantized(self) -> torch.Tensor:
         """The (in, out) fp32 weight this kernel multiplies by (for tests)."""
-        return (self.qweight.float() * self.scales.float()[:, None]).t()
+        return (self.qweight.float() * self.scales_fp32[:, None]).t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
-        y = torch._weight_int8pack_mm(x.to(INT8_ACTIVATION_DTYPE), self.qweight, self.scales)
-        y = y.to(x.dtype)
+        if self.ops is not None:
+            y = self.ops.int8_linear(x, self.qweight, self.scales_fp32)
+        else:
+            y = torch._weight_int8pack_mm(x.to(INT8_ACTIVATION_DTYPE), self.qweight,
+                                          self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -99,6 +117,10 @@ def _choose(model: nn.Module, kernels: str, quantization: str | None):
     if quantization == "int8":
         if not on_cpu_fp32:
             raise ValueError("quantization='int8' needs the model on the CPU in float32")
+        ops = load_cpu_ops() if kernels == "auto" else None
+        if ops is not None:
+            return (functools.partial(Int8WeightOnlyLinear, ops=ops),
+                    "int8 weights x int16 activations (fused CPU kernel)")
         return Int8WeightOnlyLinear, "int8 weight-only (bf16 activations)"
     if kernels == "auto" and on_cpu_fp32 and mkl_packed_available():
         return MKLPackedLinear, "fp32 MKL packed GEMM"
