@@ -109,23 +109,31 @@ def _run(workload: Workload, target, label: str) -> BenchResult:
 
 
 def batch1_runs(target: EngineTarget, server_bin: str | None, models: dict[str, str],
-                rounds: int = 3) -> list[BenchResult]:
+                rounds: int = 3) -> tuple[list[BenchResult], list[float]]:
     """One request alone, 128 output tokens: the batch-1 decode speed (TPOT), each system
-    `rounds` times, interleaved so the host's noise hits all alike."""
+    `rounds` times, interleaved so the host's noise hits all alike.
+
+    Also returns the batch-1 floor (ms) measured again just before each round: the host's
+    bandwidth moves between minutes, and a floor from the start of the run would not say
+    how close a later round came to its own.
+    """
     w = generate_workload(1, prompts="chat", output_len=128, seed=0)
     systems = {"slotserve fp32": target.configured(max_num_seqs=1),
                "slotserve int8": target.configured(max_num_seqs=1, quantization="int8")}
     for name, path in (models.items() if server_bin else ()):
         systems[f"llama.cpp server {name}"] = path
-    results = []
+    results, round_floors_ms = [], []
+    weight_bytes = 4 * target.model_config.num_parameters
     for round_ in range(rounds):
+        bandwidth = measure_floors()["bandwidth_gbs"]
+        round_floors_ms.append(weight_bytes / (bandwidth * 1e9) * 1e3)
         for name, system in systems.items():
             label = f"batch-1 decode, {name} (round {round_ + 1})"
             if isinstance(system, str):
                 results.append(_run_llamacpp(server_bin, system, w, label))
             else:
                 results.append(_run(w, system, label))
-    return results
+    return results, round_floors_ms
 
 
 def _run_llamacpp(server_bin: str, model: str, workload: Workload, label: str) -> BenchResult:
@@ -307,22 +315,29 @@ def main() -> None:
     if args.llama_f32:
         models["F32"] = args.llama_f32
     if not args.no_batch1:
-        results += batch1_runs(target, args.llama_server, models)
+        batch1_results, floors["batch1_round_floors_ms"] = batch1_runs(
+            target, args.llama_server, models)
+        results += batch1_results
+        print(f"batch-1 floor before each round: {floors['batch1_round_floors_ms']}",
+              file=sys.stderr)
     if args.llama_server:
         peer_results, errors = llamacpp_runs(args.llama_server, models,
                                              [int(n) for n in args.parallel.split(",")], 2)
         results += peer_results
+    import resource
+
+    # NOTE: read before HF's runs: its continuous batching alone takes ~15 GB here.
+    rss_before_hf_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     extra = [hf_static_run(target), hf_continuous_run(target)] if args.hf else []
     for row in extra:
         print(f"{row['label']}: {row['duration_s']:.1f} s, "
               f"{row['output_throughput']:.1f} output tok/s", file=sys.stderr)
     print(format_table(results))
-    import resource
-
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"peak RSS of this process (slotserve runs + HF): {peak_rss_mib:.0f} MiB")
+    print(f"peak RSS of this process: {rss_before_hf_mib:.0f} MiB after the slotserve runs, "
+          f"{peak_rss_mib:.0f} MiB in all (with HF)")
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-              "peak_rss_mib": peak_rss_mib,
+              "peak_rss_mib": peak_rss_mib, "peak_rss_mib_before_hf": rss_before_hf_mib,
               "command": " ".join(sys.argv), "floors": floors,
               "results": [r.to_dict() for r in results], "hf_static": extra,
               "errors": errors}

@@ -56,7 +56,9 @@ def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
     lens[0] = max_len
     max_blocks = -(-max_len // block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:seqs * max_blocks].view(seqs, max_blocks)
-    q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=gen)
+    # q as the model passes it: a view into a wider (qkv-like) row
+    qkv = torch.randn(seqs, (num_kv_heads * group + 5) * head_dim, generator=gen)
+    q = qkv[:, :num_kv_heads * group * head_dim].view(seqs, num_kv_heads * group, head_dim)
     mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
 
     got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2)

@@ -67,6 +67,27 @@ def test_int8_weight_only_matches_its_dequantized_weights(rows, bias, fused, req
     assert error < 0.02
 
 
+@pytest.mark.parametrize("rows", [2, 3, 7])  # 7 = 4 + 3: two passes over the weights
+@pytest.mark.parametrize("in_features", [20, 33, 576])  # < 32, a 1-element tail, SmolLM2's
+def test_fused_int8_every_row_count_and_width(cpu_ops, rows, in_features):
+    weight, _ = random_linear(in_features, 40, False, seed=in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 3
+    kernel = Int8WeightOnlyLinear(weight, None, cpu_ops)
+    torch.testing.assert_close(kernel(x), reference(x, kernel.dequantized(), None),
+                               atol=1e-3, rtol=1e-3)
+
+
+def test_fused_int8_passes_nan_through_and_zero_rows_stay_zero(cpu_ops):
+    weight, _ = random_linear(64, 8, False)
+    kernel = Int8WeightOnlyLinear(weight, None, cpu_ops)
+    x = torch.randn(3, 64)
+    x[0, 5], x[1] = float("nan"), 0.0
+    out = kernel(x)
+    assert out[0].isnan().all() and (out[1] == 0).all()
+    torch.testing.assert_close(out[2], reference(x[2:], kernel.dequantized(), None)[0],
+                               atol=1e-3, rtol=1e-3)
+
+
 def test_torch_int8_refuses_odd_widths():
     # NOTE: torch 2.13's _weight_int8pack_mm crashes the process on such widths
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -23,6 +25,8 @@ def test_greedy_matches_hf(model_name, kernels, request):
     # Prompts of 3..40 tokens with 20 new tokens: contexts cross the 8-token block boundaries.
     prompts = random_prompts(6, min_len=3, max_len=40, seed=3)
     llm = tiny_llm(model, block_size=8, num_blocks=128, kernels=kernels)
+    if kernels == "auto" and shutil.which("c++"):  # the fused kernels are what is tested
+        assert llm.engine.runner.fused_cpu_ops
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outputs):

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <vector>
 
@@ -48,7 +49,10 @@ float dot(const float* a, const float* b, int64_t n) {
 // y (T, H) = x / rms(x) * weight, row by row.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "x must be (T, H), weight (H,)");
+  check_cpu_float(weight, "weight");
   x = x.contiguous();
+  weight = weight.contiguous();
   const int64_t rows = x.size(0), hidden = x.size(1);
   auto y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -69,6 +73,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // gate_up (T, 2I) -> silu(gate) * up (T, I).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
   gate_up = gate_up.contiguous();
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto y = torch::empty({rows, inter}, gate_up.options());
@@ -91,9 +96,14 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (T, n, hd) with unit stride in hd");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
+  check_cpu_float(cos, "cos");
+  check_cpu_float(sin, "sin");
+  TORCH_CHECK(cos.numel() == tokens * half && sin.numel() == tokens * half,
+              "cos and sin must hold (T, hd/2) values");
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -122,14 +132,21 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
                torch::Tensor slot_mapping) {
   check_cpu_float(k_cache, "k_cache");
   check_cpu_float(v_cache, "v_cache");
+  check_cpu_float(k, "k");
+  check_cpu_float(v, "v");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit stride in hd");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes() &&
+                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "k, v must be (T, nkv, hd) and the caches (num_blocks, bs, nkv, hd)");
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot per new token");
   const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
   const int64_t num_slots = k_cache.numel() / (heads * head_dim);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < tokens; ++t)  // all checked before anything is written
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t dst = (slots[t] * heads + h) * head_dim;
       std::copy_n(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), head_dim,
@@ -207,6 +224,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   context_lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == head_dim &&
+                  num_kv_heads > 0 && block_tables.size(0) == seqs,
+              "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   constexpr int64_t MAX_GROUP = 64;
   TORCH_CHECK(group * num_kv_heads == num_heads && group <= MAX_GROUP,
@@ -265,11 +285,17 @@ std::pair<torch::Tensor, torch::Tensor> quantize_rows_int16(const torch::Tensor&
   float* sp = scales.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = xp + r * in;
-    float top = 0.f;
-#pragma omp simd reduction(max : top)
-    for (int64_t i = 0; i < in; ++i) top = std::max(top, std::abs(xr[i]));
-    sp[r] = top > 0.f ? top / INT16_MAX_Q : 1.f;
-    const float inv = 1.f / sp[r];
+    float top = 0.f, sum = 0.f;  // sum: NaN or inf if any x is (max would skip a NaN)
+#pragma omp simd reduction(max : top) reduction(+ : sum)
+    for (int64_t i = 0; i < in; ++i) {
+      top = std::max(top, std::abs(xr[i]));
+      sum += xr[i] * 0.f;
+    }
+    // NOTE: a non-finite row gets a NaN scale (its outputs NaN, as torch's would be); a
+    // row too small to scale is a row of zeros.
+    const bool usable = std::isfinite(sum) && top >= FLT_MIN;
+    sp[r] = !std::isfinite(sum) ? NAN : usable ? top / INT16_MAX_Q : 0.f;
+    const float inv = usable ? INT16_MAX_Q / top : 0.f;
 #pragma omp simd
     for (int64_t i = 0; i < in; ++i) qp[r * in + i] = int16_t(std::nearbyint(xr[i] * inv));
   }
@@ -305,8 +331,11 @@ void dot_int8_int16(const int8_t* w, const int16_t* x, int64_t in, float* out) {
 #else
   for (int t = 0; t < TOKENS; ++t) out[t] = 0.f;
 #endif
-  for (; i < in; ++i)  // the tail (or everything, without AVX-512)
-    for (int t = 0; t < TOKENS; ++t) out[t] += float(int32_t(w[i]) * x[t * in + i]);
+  // The tail (everything, without AVX-512), summed exactly in int64 and added once.
+  int64_t rest[TOKENS] = {};
+  for (; i < in; ++i)
+    for (int t = 0; t < TOKENS; ++t) rest[t] += int32_t(w[i]) * x[t * in + i];
+  for (int t = 0; t < TOKENS; ++t) out[t] += float(rest[t]);
 }
 
 // y (T, out) ~= x (T, in) @ (qweight (out, in) int8 * scales (out,))^T.
@@ -316,8 +345,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(),
               "qweight must be contiguous int8 (out, in)");
   x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2, "x must be (T, in), qweight (out, in)");
   const int64_t tokens = x.size(0), in = x.size(1), outs = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == in, "x and qweight disagree on in_features");
+  TORCH_CHECK(scales.numel() == outs && scales.is_contiguous(), "one scale per output");
   auto [xq, x_scales] = quantize_rows_int16(x);
   auto y = torch::empty({tokens, outs}, x.options());
   const int16_t* xp = xq.data_ptr<int16_t>();

@@ -17,15 +17,17 @@ The module's functions, all fp32 on the CPU:
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import sysconfig
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
-# NOTE: -march=native: the build is cached per machine (torch keys it by source and flags).
+# NOTE: -march=native: see _build_name for how builds for other CPUs stay apart.
 # No -ffast-math: linked into a shared object it flushes denormals for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # SLOTSERVE_CPU_OPS=0 turns the kernels off without touching the code (for A/B runs).
@@ -39,6 +41,17 @@ def _put_venv_scripts_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+def _build_name() -> str:
+    """NOTE: -march=native code runs only on CPUs like the one that built it, and torch keys
+    its build cache by source and flags, not by CPU: the CPU's features go into the name."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            features = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        features = platform.machine() + platform.processor()
+    return "slotserve_cpu_ops_" + hashlib.sha1(features.encode()).hexdigest()[:10]
+
+
 @functools.cache
 def load_cpu_ops():
     """The compiled kernels' module, or None (logged once) if they cannot be built here."""
@@ -48,7 +61,7 @@ def load_cpu_ops():
         from torch.utils.cpp_extension import load
 
         _put_venv_scripts_on_path()
-        return load(name="slotserve_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
         log.warning("fused CPU kernels unavailable, using plain torch ops: %s", exc)
