@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from profile_step import fill
+from profile_step import fill, time_steps
 
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
@@ -40,15 +40,6 @@ def make_engine(loaded, batch: int, quantization: str | None, fused: bool) -> LL
     return engine
 
 
-def median_step_ms(engine: LLMEngine, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def compare(loaded, batch: int, quantization: str | None, rounds: int, steps: int) -> dict:
     engines = {"fused": make_engine(loaded, batch, quantization, True),
                "torch ops": make_engine(loaded, batch, quantization, False)}
@@ -58,7 +49,7 @@ def compare(loaded, batch: int, quantization: str | None, rounds: int, steps: in
     rounds_ms = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
-            rounds_ms[name].append(median_step_ms(engine, steps))
+            rounds_ms[name].append(time_steps(engine, steps) * 1e3)  # median step
     ratios = [t / f for f, t in zip(rounds_ms["fused"], rounds_ms["torch ops"])]
     return {"batch": batch, "quantization": quantization, "rounds_ms": rounds_ms,
             "median_ms": {name: statistics.median(v) for name, v in rounds_ms.items()},
