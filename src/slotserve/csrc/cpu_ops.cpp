@@ -1,10 +1,13 @@
-// Fused CPU kernels for the decode step: each replaces several small eager torch ops.
+// Fused CPU kernels: each replaces several small eager torch ops (or, for the int8 matmul,
+// a slower torch kernel).
 //
 // At batch 1 a decode step of SmolLM2-135M spent about a third of its time outside the
 // matmuls, in some 25 small torch ops per layer (RMSNorm alone is 9 ops in torch 2.13's CPU
 // build); these kernels do the same math in one pass each. The torch code in
-// slotserve/model/layers.py and slotserve/attention/torch_paged.py stays the reference:
-// tests/model/test_fused_ops.py checks every kernel here against it.
+// slotserve/model/layers.py, slotserve/attention/torch_paged.py and
+// slotserve/model/linear_kernels.py stays the reference: tests/model/test_fused_ops.py,
+// tests/unit/test_paged_attention.py and tests/model/test_linear_kernels.py check every
+// kernel here against it.
 //
 // Plain loops, fp32 accumulation; `#pragma omp simd` lets the compiler vectorise the
 // reductions (no -ffast-math: it would flush denormals for the whole process).

@@ -3,7 +3,7 @@
 `load_cpu_ops()` builds the extension with torch.utils.cpp_extension (g++ and ninja; about
 a minute once, then cached under ~/.cache/torch_extensions) and returns its module, or None
 when it cannot be built: the engine then runs the plain torch ops, which stay the reference
-that tests/model/test_fused_ops.py compares these kernels against.
+that the tests compare these kernels against.
 
 The module's functions, all fp32 on the CPU:
 - rms_norm(x (T, H), weight (H,), eps) -> (T, H)
@@ -12,6 +12,8 @@ The module's functions, all fp32 on the CPU:
 - write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V
 - paged_decode_attention(q (D, nh, hd), k_cache, v_cache, block_tables (D, maxb),
   context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks
+- int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
+  matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
 """
 
 from __future__ import annotations
