@@ -301,14 +301,16 @@ def main() -> None:
     p.add_argument("--hf", action="store_true",
                    help="also run HF transformers (static batches, and its continuous batching)")
     p.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode runs")
+    p.add_argument("--batch1-only", action="store_true",
+                   help="only the batch-1 decode runs (no workload W)")
     args = p.parse_args()
     errors: list[str] = []
 
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
     floors = floor_figures(measure_floors(), target, workload_w())
     print(json.dumps(floors, indent=1), file=sys.stderr)
-    results = slotserve_runs(target, [int(s) for s in args.slots.split(",")],
-                             not args.no_online)
+    results = [] if args.batch1_only else slotserve_runs(
+        target, [int(s) for s in args.slots.split(",")], not args.no_online)
     from slotserve.loader import default_model_path
 
     models = {"Q4_1": default_model_path()}
@@ -320,7 +322,7 @@ def main() -> None:
         results += batch1_results
         print(f"batch-1 floor before each round: {floors['batch1_round_floors_ms']}",
               file=sys.stderr)
-    if args.llama_server:
+    if args.llama_server and not args.batch1_only:
         peer_results, errors = llamacpp_runs(args.llama_server, models,
                                              [int(n) for n in args.parallel.split(",")], 2)
         results += peer_results
