@@ -26,6 +26,7 @@ from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.bench import machine_info
 from slotserve.loader import load_model
+from slotserve.model.cpu_ops import set_cpu_ops
 
 
 def make_engine(loaded, batch: int, quantization: str | None, fused: bool) -> LLMEngine:
@@ -33,9 +34,7 @@ def make_engine(loaded, batch: int, quantization: str | None, fused: bool) -> LL
                                      max_num_batched_tokens=2048, quantization=quantization),
                        loaded.config, loaded.weights, loaded.tokenizer)
     if not fused:  # the same engine with the torch ops back (and decode groups as torch's)
-        for module in engine.runner.model.modules():
-            if hasattr(module, "ops"):
-                module.ops = None
+        set_cpu_ops(engine.runner.model, None)
         engine.runner.fused_cpu_ops = False
     return engine
 

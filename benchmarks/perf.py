@@ -75,12 +75,16 @@ def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dic
     prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
     output_tokens = workload.total_max_tokens
     params = target.model_config.num_parameters
-    weight_bytes = 4 * params
     w_floor = (prompt_tokens + output_tokens) * 2 * params / (floors["gemm_gflops"] * 1e9)
     return {**floors, "parameters": params, "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "w_floor_s": w_floor,
             "w_floor_tok_s": output_tokens / w_floor,
-            "batch1_floor_ms": weight_bytes / (floors["bandwidth_gbs"] * 1e9) * 1e3}
+            "batch1_floor_ms": batch1_floor_ms(params, floors["bandwidth_gbs"])}
+
+
+def batch1_floor_ms(params: int, bandwidth_gbs: float) -> float:
+    """One decode step's floor: every fp32 weight read once at the copy bandwidth."""
+    return 4 * params / (bandwidth_gbs * 1e9) * 1e3
 
 
 # --------------------------------------------------------------------------- slotserve
@@ -123,10 +127,9 @@ def batch1_runs(target: EngineTarget, server_bin: str | None, models: dict[str, 
     for name, path in (models.items() if server_bin else ()):
         systems[f"llama.cpp server {name}"] = path
     results, round_floors_ms = [], []
-    weight_bytes = 4 * target.model_config.num_parameters
+    params = target.model_config.num_parameters
     for round_ in range(rounds):
-        bandwidth = measure_floors()["bandwidth_gbs"]
-        round_floors_ms.append(weight_bytes / (bandwidth * 1e9) * 1e3)
+        round_floors_ms.append(batch1_floor_ms(params, measure_floors()["bandwidth_gbs"]))
         for name, system in systems.items():
             label = f"batch-1 decode, {name} (round {round_ + 1})"
             if isinstance(system, str):

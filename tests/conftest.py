@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -87,16 +89,18 @@ def smollm2_hf():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
+# Where a C++ compiler exists, the fused CPU kernels must build (and be used by "auto").
+HAS_CXX = shutil.which("c++") is not None
+
+
 @pytest.fixture(scope="session")
 def cpu_ops():
     """The compiled fused CPU kernels; a failed build fails the test where a compiler exists."""
-    import shutil
-
     from slotserve.model.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None:
-        if shutil.which("c++") is None:
+        if not HAS_CXX:
             pytest.skip("no C++ compiler here: the fused CPU kernels cannot be built")
         pytest.fail("the fused CPU kernels did not build (see the logged warning)")
     return ops

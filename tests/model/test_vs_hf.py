@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from slotserve import SamplingParams
-from tests.conftest import random_prompts, tiny_llm
+from tests.conftest import HAS_CXX, random_prompts, tiny_llm
 
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
@@ -25,7 +23,7 @@ def test_greedy_matches_hf(model_name, kernels, request):
     # Prompts of 3..40 tokens with 20 new tokens: contexts cross the 8-token block boundaries.
     prompts = random_prompts(6, min_len=3, max_len=40, seed=3)
     llm = tiny_llm(model, block_size=8, num_blocks=128, kernels=kernels)
-    if kernels == "auto" and shutil.which("c++"):  # the fused kernels are what is tested
+    if kernels == "auto" and HAS_CXX:  # the fused kernels are what is tested
         assert llm.engine.runner.fused_cpu_ops
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params)

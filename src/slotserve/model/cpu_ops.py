@@ -70,22 +70,32 @@ def load_cpu_ops():
         return None
 
 
+def on_cpu_fp32(model) -> bool:
+    """Whether the model's parameters are float32 on the CPU (where these kernels apply)."""
+    import torch
+
+    param = next(model.parameters())
+    return param.device.type == "cpu" and param.dtype == torch.float32
+
+
+def set_cpu_ops(model, ops) -> None:
+    """Hand `ops` (or None: the torch ops) to every module of the model that takes them."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
 def use_cpu_ops(model, kernels: str = "auto") -> bool:
     """Give the model's norms, MLPs and attention the fused kernels where they apply.
 
     They apply with kernels="auto" to a float32 model on the CPU (int8 weight-only models
     included: their activations are float32). Returns whether the model now uses them.
     """
-    import torch
-
-    param = next(model.parameters())
-    if kernels != "auto" or param.device.type != "cpu" or param.dtype != torch.float32:
+    if kernels != "auto" or not on_cpu_fp32(model):
         return False
     ops = load_cpu_ops()
     if ops is None:
         return False
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
+    set_cpu_ops(model, ops)
     return True
 

@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from slotserve.model.cpu_ops import load_cpu_ops
+from slotserve.model.cpu_ops import load_cpu_ops, on_cpu_fp32
 
 # NOTE: MKL's packed layout depends on the batch size it was packed for; packed for 64
 # rows it ran every batch from 1 to 256 at least as fast as the plain matmul here.
@@ -112,16 +112,15 @@ def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",
 
 
 def _choose(model: nn.Module, kernels: str, quantization: str | None):
-    param = next(model.parameters())
-    on_cpu_fp32 = param.device.type == "cpu" and param.dtype == torch.float32
+    cpu_fp32 = on_cpu_fp32(model)
     if quantization == "int8":
-        if not on_cpu_fp32:
+        if not cpu_fp32:
             raise ValueError("quantization='int8' needs the model on the CPU in float32")
         ops = load_cpu_ops() if kernels == "auto" else None
         if ops is not None:
             return (functools.partial(Int8WeightOnlyLinear, ops=ops),
                     "int8 weights x int16 activations (fused CPU kernel)")
         return Int8WeightOnlyLinear, "int8 weight-only (bf16 activations)"
-    if kernels == "auto" and on_cpu_fp32 and mkl_packed_available():
+    if kernels == "auto" and cpu_fp32 and mkl_packed_available():
         return MKLPackedLinear, "fp32 MKL packed GEMM"
     return None, "torch reference"
