@@ -55,6 +55,11 @@ class AttentionMetadata:
     block_size: int
 
     @property
+    def decode_only(self) -> bool:
+        """Every token is a decode and all are one group, rows 0..T-1 in order."""
+        return not self.prefills and len(self.decode_groups) == 1
+
+    @property
     def num_decodes(self) -> int:
         return sum(int(g.rows.numel()) for g in self.decode_groups)
 

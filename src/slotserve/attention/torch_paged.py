@@ -33,7 +33,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ops: the fused CPU kernels (model/cpu_ops.py) for the decodes, or None for torch's.
     """
     groups = meta.decode_groups
-    if not meta.prefills and len(groups) == 1:  # all decodes, rows 0..T-1 in order
+    if meta.decode_only:
         return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, ops)
     out = torch.empty_like(q)
     for seq in meta.prefills:

@@ -14,6 +14,8 @@ The module's functions, all fp32 on the CPU:
   context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks
 - int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
+- DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
+  call, the GIL released; built by LlamaForCausalLM.build_decode_stack
 """
 
 from __future__ import annotations
@@ -79,10 +81,15 @@ def on_cpu_fp32(model) -> bool:
 
 
 def set_cpu_ops(model, ops) -> None:
-    """Hand `ops` (or None: the torch ops) to every module of the model that takes them."""
+    """Hand `ops` (or None: the torch ops) to every module of the model that takes them.
+
+    A model with a `decode_stack` also gets the C++ stack of its layers (or loses it).
+    """
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
+    if hasattr(model, "decode_stack"):
+        model.decode_stack = None if ops is None else model.build_decode_stack(ops)
 
 
 def use_cpu_ops(model, kernels: str = "auto") -> bool:

@@ -83,6 +83,12 @@ class Linear(nn.Module):
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
 
+    def cpp_weights(self, ops):
+        """This layer's weights for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        if self.kernel is not None:
+            return self.kernel.cpp_weights(ops)
+        return ops.linear_weights("plain", self.weight, None, self.bias)
+
     def use_kernel(self, kernel) -> None:
         """From now on run `kernel(x)`, which holds its own copy of the weights.
 

@@ -53,6 +53,10 @@ class MKLPackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.shape_only, self.bias,
                                          x.shape[0])
 
+    def cpp_weights(self, ops):
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.linear_weights("mkl", self.packed, self.shape_only, self.bias)
+
 
 class Int8WeightOnlyLinear:
     """y ~= x @ W (+ b) with W int8 per output channel (symmetric).
@@ -92,6 +96,12 @@ class Int8WeightOnlyLinear:
             y = torch._weight_int8pack_mm(x.to(INT8_ACTIVATION_DTYPE), self.qweight,
                                           self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def cpp_weights(self, ops):
+        """The fused kernel's call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        if self.ops is None:
+            raise ValueError("the C++ decode stack runs int8 only through the fused kernel")
+        return ops.linear_weights("int8", self.qweight, self.scales_fp32, self.bias)
 
 
 def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",

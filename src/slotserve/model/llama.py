@@ -74,14 +74,38 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # The C++ DecodeStack (csrc/cpu_ops.cpp) runs the layers of all-decode iterations in
+        # one call, once model/cpu_ops.py's set_cpu_ops built it; None: every layer in Python.
+        self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, H)
         rope = self.rotary.tables(positions)
+        if self.decode_stack is not None and meta.decode_only:
+            group = meta.decode_groups[0]
+            caches = [cache for kv_cache in kv_caches for cache in kv_cache]  # k0, v0, k1, ...
+            return self.decode_stack.forward(x, *rope, caches, meta.slot_mapping,
+                                             group.block_tables, group.context_lens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
+
+    def build_decode_stack(self, ops):
+        """The C++ DecodeStack of `ops` (the fused CPU kernels) over this model's weights.
+
+        NOTE: it holds the same tensors (no copy) and calls the same kernels as the layers'
+        forward with the same ops, in the same order: the two agree to the last bit.
+        """
+        cfg, first = self.config, self.layers[0]
+        stack = ops.DecodeStack(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                self.norm.eps, first.self_attn.scale, self.norm.weight)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                            *(linear.cpp_weights(ops) for linear in
+                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+        return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
         return self.lm_head(hidden).float()

@@ -1,0 +1,79 @@
+"""The C++ DecodeStack (csrc/cpu_ops.cpp) equals the model's Python layers on the same kernels.
+
+It runs the decoder layers of all-decode iterations in one call; whole models against HF
+(through the stack) are in test_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve import SamplingParams
+from slotserve.model import linear_kernels
+from slotserve.model.cpu_ops import set_cpu_ops
+from tests.conftest import random_prompts, tiny_engine, tiny_hf_model
+
+
+def run_comparing_stack_and_python(engine, prompts, max_tokens: int) -> int:
+    """Run the engine; every forward runs twice, Python layers then stack, and must agree.
+
+    Returns how many forwards were all-decode (those the stack runs).
+    """
+    model = engine.runner.model
+    stack, forward = model.decode_stack, model.forward
+    decode_only_forwards = 0
+
+    def both(input_ids, positions, kv_caches, meta):
+        nonlocal decode_only_forwards
+        model.decode_stack = None
+        expected = forward(input_ids, positions, kv_caches, meta)
+        model.decode_stack = stack  # writes the same K/V to the same slots again
+        got = forward(input_ids, positions, kv_caches, meta)
+        assert torch.equal(got, expected)
+        decode_only_forwards += meta.decode_only
+        return got
+
+    model.forward = both
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return decode_only_forwards
+
+
+@pytest.mark.parametrize("kind,quantization,mkl", [
+    ("llama", None, True),     # fp32, MKL's packed GEMM (the default on CPU)
+    ("qwen2", None, True),     # qkv bias, passed to MKL's op
+    ("qwen2", None, False),    # no MKL: plain torch.mm / addmm
+    ("qwen2", "int8", True),   # the fused int8 kernel, bias added after
+])
+def test_stack_equals_python_layers_bit_for_bit(cpu_ops, monkeypatch, kind, quantization, mkl):
+    if not mkl:
+        monkeypatch.setattr(linear_kernels, "mkl_packed_available", lambda: False)
+    engine = tiny_engine(tiny_hf_model(kind), quantization=quantization, block_size=16)
+    assert engine.runner.model.decode_stack is not None
+
+    # contexts of 3-70 tokens growing by 24: tables of 1 to 6 blocks, crossing block ends
+    decode_only = run_comparing_stack_and_python(engine, random_prompts(5), max_tokens=24)
+
+    assert decode_only >= 15
+
+
+def test_stack_follows_the_kernel_choice(cpu_ops):
+    hf = tiny_hf_model()
+    fused, reference = tiny_engine(hf), tiny_engine(hf, kernels="reference")
+    assert reference.runner.model.decode_stack is None
+    model = fused.runner.model
+    set_cpu_ops(model, None)
+    assert model.decode_stack is None and model.layers[0].mlp.ops is None
+    set_cpu_ops(model, cpu_ops)
+    assert model.decode_stack is not None
+
+
+def test_linear_weights_reject_bad_kinds(cpu_ops):
+    with pytest.raises(RuntimeError, match="plain, mkl or int8"):
+        cpu_ops.linear_weights("fp8", torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="needs its second tensor"):
+        cpu_ops.linear_weights("int8", torch.zeros(2, 2, dtype=torch.int8))
