@@ -47,7 +47,8 @@ def test_rotary_in_place_rotates_only_the_view(cpu_ops):
 
 @pytest.mark.parametrize("seqs,max_len", [(1, 9), (1, 600), (7, 300)])
 def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
-    # (1, 9) runs on the calling thread, (7, 300) on the pool (SERIAL_POSITIONS in the .cpp)
+    # (1, 9) runs on the calling thread, (7, 300) on the pool (SERIAL_POSITIONS in the .cpp),
+    # one task per sequence over whole cached rows (the 1-sequence cases: one per KV head)
     gen = torch.Generator().manual_seed(seqs)
     block_size, num_blocks, num_kv_heads, group, head_dim = 16, 300, 2, 3, 32
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)

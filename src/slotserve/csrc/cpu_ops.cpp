@@ -183,27 +183,29 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
 // thread at every block boundary: asking for the K/V rows 16 positions ahead made decode
 // attention 7-21% faster at batch 16-64 here (none at batch 1).
 constexpr int64_t PREFETCH_POSITIONS = 16;
-inline void prefetch_row(const float* row, int64_t head_dim) {
-  for (int64_t i = 0; i < head_dim; i += 16)  // 16 floats: one cache line
+inline void prefetch_row(const float* row, int64_t width) {
+  for (int64_t i = 0; i < width; i += 16)  // 16 floats: one cache line
     __builtin_prefetch(row + i);
 }
 
-// The g query heads `queries` of one sequence that share one KV head, over `len` cached
-// positions; `row_of(pos)` is that head's offset of position pos in the cache tensors.
-// scores: scratch; out: g rows of hd.
+// The n query heads `queries` of one sequence over `len` cached positions: query j reads
+// the K/V head at offset kv_offsets[j] (floats) of each cached row; `row_of(pos)` is the
+// offset of position pos's row in the cache tensors, and [first, first + width) the part of
+// the row any of the n reads. scores: scratch; out: n rows of hd.
 template <typename RowOf>
-void attend(const float* const* queries, int64_t group, const float* k_cache,
-            const float* v_cache, int64_t len, RowOf row_of, int64_t head_dim, float scale,
+void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
+            const float* k_cache, const float* v_cache, int64_t len, RowOf row_of,
+            int64_t first, int64_t width, int64_t head_dim, float scale,
             std::vector<float>& scores, float* const* out) {
-  scores.resize(group * len);  // (g, len)
+  scores.resize(n * len);  // (n, len)
   for (int64_t pos = 0; pos < len; ++pos) {
     if (pos + PREFETCH_POSITIONS < len)
-      prefetch_row(k_cache + row_of(pos + PREFETCH_POSITIONS), head_dim);
-    const float* key = k_cache + row_of(pos);
-    for (int64_t j = 0; j < group; ++j)
-      scores[j * len + pos] = dot(queries[j], key, head_dim) * scale;
+      prefetch_row(k_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
+    const float* keys = k_cache + row_of(pos);
+    for (int64_t j = 0; j < n; ++j)
+      scores[j * len + pos] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
   }
-  for (int64_t j = 0; j < group; ++j) {  // softmax over the context, in place
+  for (int64_t j = 0; j < n; ++j) {  // softmax over the context, in place
     float* s = scores.data() + j * len;
     const float top = *std::max_element(s, s + len);
     float total = 0.f;
@@ -215,10 +217,11 @@ void attend(const float* const* queries, int64_t group, const float* k_cache,
   }
   for (int64_t pos = 0; pos < len; ++pos) {
     if (pos + PREFETCH_POSITIONS < len)
-      prefetch_row(v_cache + row_of(pos + PREFETCH_POSITIONS), head_dim);
-    const float* value = v_cache + row_of(pos);
-    for (int64_t j = 0; j < group; ++j) {
+      prefetch_row(v_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
+    const float* values = v_cache + row_of(pos);
+    for (int64_t j = 0; j < n; ++j) {
       const float p = scores[j * len + pos];
+      const float* value = values + kv_offsets[j];
       float* o = out[j];
 #pragma omp simd
       for (int64_t i = 0; i < head_dim; ++i) o[i] += p * value[i];
@@ -229,8 +232,9 @@ void attend(const float* const* queries, int64_t group, const float* k_cache,
 // One query per sequence over its cached context, read straight from the paged cache.
 // q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
 // block_tables: (D, maxb) int64; context_lens: (D,) int64 -> out (D, nh, hd).
-// NOTE: the g = nh / nkv query heads sharing a KV head are done together (head h reads KV
-// head h / g, as HF groups them), so each K/V row is read once per sequence.
+// NOTE: query head h reads KV head h / (nh / nkv), as HF groups them. A task reads whole
+// cached rows (all KV heads of a position, contiguous) when there are enough sequences to
+// keep the threads busy, and one KV head's part of each row otherwise.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
@@ -247,37 +251,42 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                   num_kv_heads > 0 && block_tables.size(0) == seqs,
               "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  constexpr int64_t MAX_GROUP = 64;
-  TORCH_CHECK(group * num_kv_heads == num_heads && group <= MAX_GROUP,
-              "num_heads must be a multiple of nkv, at most 64 times it");
+  constexpr int64_t MAX_HEADS = 256;
+  TORCH_CHECK(group * num_kv_heads == num_heads && num_heads <= MAX_HEADS,
+              "num_heads must be a multiple of nkv, at most 256");
   check_tables(block_tables, context_lens, k_cache.size(0), block_size);
   auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t row = num_kv_heads * head_dim;  // floats between two cached positions
+  const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
+  const int64_t heads_per_task = kv_per_task * group;
   // NOTE: waking a second thread costs more than attending a short context: small batches
   // (tables of fewer than SERIAL_POSITIONS positions in all) run on the calling thread.
   constexpr int64_t SERIAL_POSITIONS = 1024;
-  const int64_t tasks = seqs * num_kv_heads;  // one (sequence, KV head) each
+  const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    const float* queries[MAX_GROUP];
-    float* outs[MAX_GROUP];
+    const float* queries[MAX_HEADS];
+    float* outs[MAX_HEADS];
+    int64_t kv_offsets[MAX_HEADS];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t seq = task / tasks_per_seq, kv_first = task % tasks_per_seq * kv_per_task;
       const int64_t* table = tables + seq * max_blocks;
       auto row_of = [&](int64_t pos) {
-        return (table[pos / block_size] * block_size + pos % block_size) * row +
-               kv_head * head_dim;
+        return (table[pos / block_size] * block_size + pos % block_size) * row;
       };
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t head = kv_head * group + j;
+      for (int64_t j = 0; j < heads_per_task; ++j) {
+        const int64_t head = kv_first * group + j;
         queries[j] = q.data_ptr<float>() + seq * q.stride(0) + head * q.stride(1);
         outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
+        kv_offsets[j] = head / group * head_dim;
       }
-      attend(queries, group, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), lens[seq],
-             row_of, head_dim, float(scale), scores, outs);
+      attend(queries, kv_offsets, heads_per_task, k_cache.data_ptr<float>(),
+             v_cache.data_ptr<float>(), lens[seq], row_of, kv_first * head_dim,
+             kv_per_task * head_dim, head_dim, float(scale), scores, outs);
     }
   });
   return out;
