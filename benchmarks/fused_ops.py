@@ -1,14 +1,16 @@
-"""A/B: the fused CPU kernels against the plain torch ops they replace, per decode step.
+"""A/B/C: the fused CPU kernels, with and without the C++ decode stack, against torch ops.
 
     .venv/bin/python benchmarks/fused_ops.py --batch 1 16 64 --out benchmarks/results/fused-ops.json
 
-For each batch size (and fp32 / int8 weights), two engines on the embedded SmolLM2-135M
-with the same linear kernels: one with the fused kernels of slotserve/csrc/cpu_ops.cpp, one
-with them taken out again (the torch reference ops: RMSNorm, SiLU, RoPE, K/V write, decode
-attention by gather + SDPA). Both decode `batch` requests from a ~100-token context; their
-step times are measured in interleaved rounds (this host's noise moves whole minutes, so
-only the ratio within a round means much). Reported: the median step per engine and the
-median of the per-round ratios.
+For each batch size (and fp32 / int8 weights), three engines on the embedded SmolLM2-135M
+with the same linear kernels: "stack" (the default: the fused kernels of
+slotserve/csrc/cpu_ops.cpp, all-decode iterations run by its DecodeStack in one C++ call),
+"python layers" (the same kernels called layer by layer from Python) and "torch ops" (the
+fused kernels taken out again: torch's RMSNorm, SiLU, RoPE, K/V write, decode attention by
+gather + SDPA). All decode `batch` requests from a ~100-token context; their step times
+are measured in interleaved rounds (this host's noise moves whole minutes, so only the
+ratio within a round means much). Reported: the median step per engine and the median of
+the per-round ratios against "stack".
 """
 
 from __future__ import annotations
@@ -29,30 +31,38 @@ from slotserve.loader import load_model
 from slotserve.model.cpu_ops import set_cpu_ops
 
 
-def make_engine(loaded, batch: int, quantization: str | None, fused: bool) -> LLMEngine:
+VARIANTS = ("stack", "python layers", "torch ops")
+
+
+def make_engine(loaded, batch: int, quantization: str | None, variant: str = "stack"
+                ) -> LLMEngine:
     engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 24 + 16,
                                      max_num_batched_tokens=2048, quantization=quantization),
                        loaded.config, loaded.weights, loaded.tokenizer)
-    if not fused:  # the same engine with the torch ops back (and decode groups as torch's)
+    assert engine.runner.fused_cpu_ops, "the fused kernels did not build"
+    if variant == "python layers":
+        engine.runner.model.decode_stack = None
+    elif variant == "torch ops":  # the torch ops back (and decode groups as torch's)
         set_cpu_ops(engine.runner.model, None)
         engine.runner.fused_cpu_ops = False
     return engine
 
 
 def compare(loaded, batch: int, quantization: str | None, rounds: int, steps: int) -> dict:
-    engines = {"fused": make_engine(loaded, batch, quantization, True),
-               "torch ops": make_engine(loaded, batch, quantization, False)}
-    assert engines["fused"].runner.fused_cpu_ops, "the fused kernels did not build"
+    engines = {variant: make_engine(loaded, batch, quantization, variant)
+               for variant in VARIANTS}
     for engine in engines.values():
         fill(engine, batch, 100)
     rounds_ms = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
             rounds_ms[name].append(time_steps(engine, steps) * 1e3)  # median step
-    ratios = [t / f for f, t in zip(rounds_ms["fused"], rounds_ms["torch ops"])]
+    speedups = {name: [t / s for s, t in zip(rounds_ms["stack"], rounds_ms[name])]
+                for name in VARIANTS[1:]}  # per round: its step / the stack's step
     return {"batch": batch, "quantization": quantization, "rounds_ms": rounds_ms,
             "median_ms": {name: statistics.median(v) for name, v in rounds_ms.items()},
-            "speedup_median": statistics.median(ratios), "speedups": ratios}
+            "speedup_median": {name: statistics.median(v) for name, v in speedups.items()},
+            "speedups": speedups}
 
 
 def main() -> None:
@@ -70,10 +80,12 @@ def main() -> None:
         for batch in args.batch:
             row = compare(loaded, batch, None if quantization == "none" else quantization,
                           args.rounds, args.steps)
-            med = row["median_ms"]
-            print(f"{quantization:5s} batch {batch:3d}: fused {med['fused']:6.1f} ms, torch ops "
-                  f"{med['torch ops']:6.1f} ms, speedup x{row['speedup_median']:.2f} "
-                  f"(rounds {[round(s, 2) for s in row['speedups']]})", flush=True)
+            med, speedup = row["median_ms"], row["speedup_median"]
+            print(f"{quantization:5s} batch {batch:3d}: "
+                  + ", ".join(f"{name} {med[name]:6.1f} ms" for name in VARIANTS)
+                  + "; the stack's speedup over "
+                  + ", ".join(f"{name} x{speedup[name]:.2f}" for name in VARIANTS[1:]),
+                  flush=True)
             rows.append(row)
     if args.out:
         report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
