@@ -30,7 +30,6 @@ from slotserve.lab.bench import machine_info
 from slotserve.loader import load_model
 from slotserve.model.cpu_ops import set_cpu_ops
 
-
 VARIANTS = ("stack", "python layers", "torch ops")
 
 

@@ -75,11 +75,31 @@ def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dic
     prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
     output_tokens = workload.total_max_tokens
     params = target.model_config.num_parameters
-    w_floor = (prompt_tokens + output_tokens) * 2 * params / (floors["gemm_gflops"] * 1e9)
+    token_s = 2 * params / (floors["gemm_gflops"] * 1e9)  # one token's matmuls at GEMM peak
+    w_floor = (prompt_tokens + output_tokens) * token_s
+    step_floor_s = batch1_floor_ms(params, floors["bandwidth_gbs"]) / 1e3
+    schedule_floor = prompt_tokens * token_s + sum(
+        max(step_floor_s, running * token_s)
+        for running in running_per_step([r.max_tokens for r in workload.requests]))
     return {**floors, "parameters": params, "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "w_floor_s": w_floor,
             "w_floor_tok_s": output_tokens / w_floor,
-            "batch1_floor_ms": batch1_floor_ms(params, floors["bandwidth_gbs"])}
+            "w_schedule_floor_s": schedule_floor,
+            "w_schedule_floor_tok_s": output_tokens / schedule_floor,
+            "batch1_floor_ms": step_floor_s * 1e3}
+
+
+def running_per_step(output_lengths: list[int]) -> list[int]:
+    """Requests still decoding at each step when all start together (64 slots on W).
+
+    W's schedule floor: the prompts at GEMM peak, then each of these decode steps at the
+    larger of its tokens' matmuls at GEMM peak and one read of the weights. Unlike the
+    compute floor, which counts only tokens, it charges the long tail, where a few requests
+    still decode and every step reads all the weights for them. (Only a scheduler that knew
+    every output length in advance could spread W's work evenly enough to approach the
+    compute floor.)
+    """
+    return [sum(n > step for n in output_lengths) for step in range(max(output_lengths))]
 
 
 def batch1_floor_ms(params: int, bandwidth_gbs: float) -> float:
