@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slotserve.core.outputs import ScheduledSeq
-from slotserve.runner.sampler import Sampler, apply_filters
+from slotserve.runner.sampler import Sampler, apply_filters, argmax_rows
 from slotserve.sampling import SamplingParams
 
 
@@ -75,3 +75,18 @@ def test_logprobs_top_n_and_sampled_token():
     expected = logits.log_softmax(-1)[0]
     assert set(logprobs[0]) == {0, 1}
     assert logprobs[0][0] == pytest.approx(float(expected[0]))
+
+
+def test_argmax_rows_equals_torch_on_ties_nan_and_inf():
+    logits = torch.randn(6, 1000)
+    logits[1, 5] = logits[1, 9] = 100.0  # a tie: the first
+    logits[2, 7] = logits[2, 3] = float("nan")  # NaN wins, the first NaN
+    logits[3] = float("-inf")
+    logits[4, 2] = logits[4, 0] = float("inf")
+    expected = logits.argmax(dim=-1)
+
+    got = argmax_rows(logits)
+
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert got.tolist()[1:5] == [5, 3, 0, 0]
+    assert torch.equal(argmax_rows(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # strided
