@@ -68,6 +68,34 @@ def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim,group,num_kv_heads,block_size,seqs", [
+    (64, 3, 3, 16, 1),    # SmolLM2-135M's shape, one sequence (one task per KV head)
+    (64, 3, 3, 16, 9),    # ... many sequences (a task per sequence, whole rows)
+    (64, 5, 2, 16, 6),    # 5 query heads per KV head: register chunks of 4 + 1
+    (64, 1, 4, 8, 5),     # no GQA; blocks of 8 (no prefetch of the next block)
+    (128, 3, 2, 16, 6),   # head_dim 128: chunks of 2 + 1
+    (128, 4, 1, 32, 2),   # blocks of 32
+])
+def test_decode_attention_register_path_equals_torch(cpu_ops, head_dim, group, num_kv_heads,
+                                                     block_size, seqs):
+    # head_dim 64 and 128 take the AVX-512 path where the CPU has it (the generic one if not)
+    gen = torch.Generator().manual_seed(head_dim + group + seqs)
+    num_blocks, max_len = 200, 150
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    lens = torch.randint(1, max_len + 1, (seqs,), generator=gen)
+    lens[0] = max_len  # ends inside a block for every block size here
+    max_blocks = -(-max_len // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * max_blocks].view(seqs, max_blocks)
+    q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=gen)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+
+    got = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+
+    expected = decode_attention(q, k_cache, v_cache, tables, mask, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_kernels_reject_bad_input(cpu_ops):
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

@@ -24,6 +24,7 @@
 #include <cfloat>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -188,6 +189,19 @@ inline void prefetch_row(const float* row, int64_t width) {
     __builtin_prefetch(row + i);
 }
 
+// Each of the n rows of scores (n, len), in place.
+void softmax_rows(float* scores, int64_t n, int64_t len) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* s = scores + j * len;
+    const float top = *std::max_element(s, s + len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = vec_exp(s[pos] - top));
+    const float inv = 1.f / total;
+    for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
+  }
+}
+
 // The n query heads `queries` of one sequence over `len` cached positions: query j reads
 // the K/V head at offset kv_offsets[j] (floats) of each cached row; `row_of(pos)` is the
 // offset of position pos's row in the cache tensors, and [first, first + width) the part of
@@ -205,16 +219,8 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
     for (int64_t j = 0; j < n; ++j)
       scores[j * len + pos] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
   }
-  for (int64_t j = 0; j < n; ++j) {  // softmax over the context, in place
-    float* s = scores.data() + j * len;
-    const float top = *std::max_element(s, s + len);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = vec_exp(s[pos] - top));
-    const float inv = 1.f / total;
-    for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
-    std::fill_n(out[j], head_dim, 0.f);
-  }
+  softmax_rows(scores.data(), n, len);
+  for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], head_dim, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
     if (pos + PREFETCH_POSITIONS < len)
       prefetch_row(v_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
@@ -228,6 +234,84 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
     }
   }
 }
+
+#if defined(__AVX512F__)
+// f(pos, offset of pos's row, offset of the row PREFETCH_POSITIONS ahead or -1) for each of a
+// sequence's first `len` cached positions, block by block (no division per position).
+static_assert(PREFETCH_POSITIONS == 16, "the row ahead is the same row of the next block");
+template <typename F>
+inline void for_each_row(const int64_t* table, int64_t len, int64_t block_size, int64_t row,
+                         F f) {
+  for (int64_t b = 0, start = 0; start < len; ++b, start += block_size) {
+    const int64_t base = table[b] * block_size * row;
+    const bool next = block_size == PREFETCH_POSITIONS && start + block_size < len;
+    const int64_t ahead = next ? table[b + 1] * block_size * row : -1;
+    for (int64_t i = 0; i < std::min(block_size, len - start); ++i)
+      f(start + i, base + i * row, next ? ahead + i * row : -1);
+  }
+}
+
+// The G query heads that share one KV head (head_dim = 16 * NV), with the queries and the
+// outputs held in AVX-512 registers while the context streams by: per cached position NV
+// loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
+// cost several times that in loop overhead (measured: compute, not memory, set its pace).
+// scores: scratch (G, len). kv_offset: the KV head's offset (floats) in a cached row.
+template <int NV, int G>
+void attend_kv_head_avx512(const float* const* queries, float* const* out,
+                           const float* k_cache, const float* v_cache, const int64_t* table,
+                           int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
+                           float scale, float* scores) {
+  __m512 q[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < NV; ++v) q[j][v] = _mm512_loadu_ps(queries[j] + 16 * v);
+  for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(k_cache + ahead + kv_offset, 16 * NV);
+    __m512 key[NV];
+    for (int v = 0; v < NV; ++v) key[v] = _mm512_loadu_ps(k_cache + at + kv_offset + 16 * v);
+    for (int j = 0; j < G; ++j) {
+      __m512 acc = _mm512_mul_ps(q[j][0], key[0]);
+      for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[j][v], key[v], acc);
+      scores[j * len + pos] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  });
+  softmax_rows(scores, G, len);
+  __m512 o[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < NV; ++v) o[j][v] = _mm512_setzero_ps();
+  for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
+    if (ahead >= 0) prefetch_row(v_cache + ahead + kv_offset, 16 * NV);
+    __m512 value[NV];
+    for (int v = 0; v < NV; ++v) value[v] = _mm512_loadu_ps(v_cache + at + kv_offset + 16 * v);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * len + pos]);
+      for (int v = 0; v < NV; ++v) o[j][v] = _mm512_fmadd_ps(p, value[v], o[j][v]);
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out[j] + 16 * v, o[j][v]);
+}
+
+// The `group` query heads of one KV head, in register-sized chunks (at most 16 registers of
+// outputs: 4 heads of 64, 2 of 128).
+template <int NV>
+void attend_kv_head_chunks(const float* const* queries, float* const* out, int64_t group,
+                           const float* k_cache, const float* v_cache, const int64_t* table,
+                           int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
+                           float scale, std::vector<float>& scores) {
+  constexpr int MAX_G = 16 / NV;
+  scores.resize(MAX_G * len);
+  for (int64_t j = 0; j < group; j += MAX_G) {
+    const auto args = std::make_tuple(queries + j, out + j, k_cache, v_cache, table, len,
+                                      block_size, row, kv_offset, scale, scores.data());
+    switch (std::min<int64_t>(MAX_G, group - j)) {
+      case 1: std::apply(attend_kv_head_avx512<NV, 1>, args); break;
+      case 2: std::apply(attend_kv_head_avx512<NV, 2>, args); break;
+      case 3: std::apply(attend_kv_head_avx512<NV, MAX_G >= 3 ? 3 : 1>, args); break;
+      default: std::apply(attend_kv_head_avx512<NV, MAX_G >= 4 ? 4 : 1>, args); break;
+    }
+  }
+}
+#endif
 
 // One query per sequence over its cached context, read straight from the paged cache.
 // q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
@@ -284,6 +368,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
         outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
         kv_offsets[j] = head / group * head_dim;
       }
+#if defined(__AVX512F__)
+      if (head_dim == 64 || head_dim == 128) {
+        for (int64_t h = 0; h < kv_per_task; ++h) {
+          const auto chunks = head_dim == 64 ? attend_kv_head_chunks<4> : attend_kv_head_chunks<8>;
+          chunks(queries + h * group, outs + h * group, group, k_cache.data_ptr<float>(),
+                 v_cache.data_ptr<float>(), table, lens[seq], block_size, row,
+                 (kv_first + h) * head_dim, float(scale), scores);
+        }
+        continue;
+      }
+#endif
       attend(queries, kv_offsets, heads_per_task, k_cache.data_ptr<float>(),
              v_cache.data_ptr<float>(), lens[seq], row_of, kv_first * head_dim,
              kv_per_task * head_dim, head_dim, float(scale), scores, outs);
