@@ -14,7 +14,6 @@ for each, and the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from slotserve.attention.torch_paged import decode_attention
-from slotserve.lab.bench import machine_info
+from slotserve.lab.bench import write_report
 from slotserve.model.cpu_ops import CFLAGS, load_cpu_ops
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,9 +102,7 @@ def main() -> None:
               f"x{row['speedup_median']:.2f}", flush=True)
         rows.append(row)
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-                  "command": " ".join(sys.argv), "rows": rows}
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_report(args.out, rows=rows)
 
 
 if __name__ == "__main__":

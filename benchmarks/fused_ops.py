@@ -16,17 +16,13 @@ the per-round ratios against "stack".
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
-from pathlib import Path
 
 from profile_step import fill, time_steps
 
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.lab.bench import machine_info
+from slotserve.lab.bench import write_report
 from slotserve.loader import load_model
 from slotserve.model.cpu_ops import set_cpu_ops
 
@@ -87,9 +83,7 @@ def main() -> None:
                   flush=True)
             rows.append(row)
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-                  "command": " ".join(sys.argv), "rows": rows}
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_report(args.out, rows=rows)
 
 
 if __name__ == "__main__":

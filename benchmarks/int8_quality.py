@@ -11,15 +11,12 @@ tokens each (ignore_eos). Speed: one request alone, median time per output token
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.lab.bench import machine_info
+from slotserve.lab.bench import write_report
 from slotserve.lab.quality import greedy_agreement
 from slotserve.lab.workload import generate_workload
 from slotserve.loader import load_model
@@ -78,11 +75,8 @@ def main() -> None:
               f"free-running {agreement.free_running:.1%}, first divergence (median) after "
               f"{agreement.first_divergence_median:.0f} tokens")
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-                  "command": " ".join(sys.argv),
-                  "agreement": {n: a.to_dict() for n, a in agreements.items()},
-                  "batch1_ms_per_token": batch1, "batch1_rounds": timings}
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        write_report(args.out, agreement={n: a.to_dict() for n, a in agreements.items()},
+                     batch1_ms_per_token=batch1, batch1_rounds=timings)
 
 
 if __name__ == "__main__":

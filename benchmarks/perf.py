@@ -31,8 +31,8 @@ from slotserve.lab.bench import (
     EngineTarget,
     OpenAITarget,
     format_table,
-    machine_info,
     run_bench,
+    write_report,
 )
 from slotserve.lab.workload import Workload, generate_workload
 from slotserve.server.launch import free_port
@@ -361,13 +361,9 @@ def main() -> None:
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this process: {rss_before_hf_mib:.0f} MiB after the slotserve runs, "
           f"{peak_rss_mib:.0f} MiB in all (with HF)")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-              "peak_rss_mib": peak_rss_mib, "peak_rss_mib_before_hf": rss_before_hf_mib,
-              "command": " ".join(sys.argv), "floors": floors,
-              "results": [r.to_dict() for r in results], "hf_static": extra,
-              "errors": errors}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_report(args.out, peak_rss_mib=peak_rss_mib, peak_rss_mib_before_hf=rss_before_hf_mib,
+                 floors=floors, results=[r.to_dict() for r in results], hf_static=extra,
+                 errors=errors)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

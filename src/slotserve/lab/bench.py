@@ -169,6 +169,14 @@ def machine_info() -> dict:
     return info
 
 
+def write_report(path: str | Path, **fields) -> None:
+    """A benchmark script's JSON report: when, where and by which command, then `fields`."""
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+              "command": " ".join(sys.argv), **fields}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
 # ====================================================================== sampling
 
 
