@@ -32,15 +32,18 @@ GROUPS = {
     "decode attention (fused kernel)": ("cpu_ops::paged_decode_attention",),
     "norm/silu/rope/kv write (fused kernels)": ("cpu_ops::rms_norm", "cpu_ops::silu_mul",
                                                 "cpu_ops::rotary_", "cpu_ops::write_kv_"),
+    # the stack's own time: its kernels (attention, norms, SiLU, RoPE, K/V write, the int8
+    # matmul) and glue; the MKL matmuls it calls go through torch's dispatcher and count above
+    "decode stack, all but MKL/torch ops (C++)": ("DecodeStack::forward",),
 }
 
 
 class LabelledOps:
-    """The fused kernels' module, each call labelled for torch.profiler (it cannot see them:
-    they are plain pybind functions, not torch ops)."""
+    """The fused kernels' module (or the DecodeStack), each call labelled for torch.profiler
+    (it cannot see them: they are plain pybind functions, not torch ops)."""
 
-    def __init__(self, ops) -> None:
-        self.ops = ops
+    def __init__(self, ops, prefix: str = "cpu_ops") -> None:
+        self.ops, self.prefix = ops, prefix
 
     def __getattr__(self, name: str):
         from torch.profiler import record_function
@@ -48,18 +51,21 @@ class LabelledOps:
         kernel = getattr(self.ops, name)
 
         def labelled(*args):
-            with record_function(f"cpu_ops::{name}"):
+            with record_function(f"{self.prefix}::{name}"):
                 return kernel(*args)
         return labelled
 
 
 def label_fused_ops(engine: LLMEngine) -> None:
-    for module in engine.runner.model.modules():
+    model = engine.runner.model
+    for module in model.modules():
         if getattr(module, "ops", None) is not None:
             module.ops = LabelledOps(module.ops)
         kernel = getattr(module, "kernel", None)
         if getattr(kernel, "ops", None) is not None:
             kernel.ops = LabelledOps(kernel.ops)
+    if getattr(model, "decode_stack", None) is not None:
+        model.decode_stack = LabelledOps(model.decode_stack, "DecodeStack")
 
 
 def fill(engine: LLMEngine, batch: int, context: int) -> None:
@@ -107,17 +113,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--python-layers", action="store_true",
+                   help="no C++ decode stack: the fused kernels called layer by layer (the "
+                        "profile then shows each kernel)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"kernels {args.kernels}, quantization {args.quantization}")
+          f"kernels {args.kernels}, quantization {args.quantization}, "
+          f"{'Python layers' if args.python_layers else 'decode stack'}")
     for batch in args.batch:
         engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 16 + 16,
                                          max_num_batched_tokens=2048, kernels=args.kernels,
                                          quantization=args.quantization),
                            loaded.config, loaded.weights, loaded.tokenizer)
+        if args.python_layers:
+            engine.runner.model.decode_stack = None
         fill(engine, batch, args.context)
         step = time_steps(engine, args.steps)
         label_fused_ops(engine)  # after the timing: labels cost a little per call
