@@ -90,3 +90,5 @@ def test_argmax_rows_equals_torch_on_ties_nan_and_inf():
     assert got.dtype == torch.int64 and torch.equal(got, expected)
     assert got.tolist()[1:5] == [5, 3, 0, 0]
     assert torch.equal(argmax_rows(logits[:, ::2]), logits[:, ::2].argmax(dim=-1))  # strided
+    half = logits[:2].bfloat16()  # numpy has no bfloat16: torch's argmax then
+    assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
