@@ -578,7 +578,8 @@ class DecodeStack {
       rotary_(qk, cos, sin);  // in place, inside qkv
       torch::Tensor q = qk.narrow(1, 0, num_heads_);                // (D, nh, hd)
       torch::Tensor k = qk.narrow(1, num_heads_, num_kv_heads_);    // (D, nkv, hd)
-      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({D, num_kv_heads_, head_dim_});
+      torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
+                            .view({D, num_kv_heads_, head_dim_});  // (D, nkv, hd)
       write_kv_(k_cache, v_cache, k, v, slot_mapping);
       torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                   context_lens, scale_);  // (D, nh, hd)
