@@ -20,6 +20,8 @@ The module's functions, all fp32 on the CPU:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -56,17 +58,42 @@ def _build_name() -> str:
     return "slotserve_cpu_ops_" + hashlib.sha1(features.encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path):
+    """Held while loading (and maybe building) the kernels: one slotserve process at a time.
+
+    NOTE: torch builds under a lock file (`lock` in the build directory) and waits without end
+    while it exists: a build killed half-way (Ctrl-C during the first start) left it behind
+    and every later start hung. This lock is an flock, which the OS releases when its holder
+    dies: whoever holds it knows that a torch lock still there is a dead build's.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "slotserve.flock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process's kernel build in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            log.warning("removing the lock of a kernel build that did not finish: %s", leftover)
+            leftover.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load_cpu_ops():
     """The compiled kernels' module, or None (logged once) if they cannot be built here."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         _put_venv_scripts_on_path()
-        return load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        name = _build_name()
+        with exclusive_build(Path(_get_build_directory(name, verbose=False))):
+            return load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
         log.warning("fused CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
