@@ -52,6 +52,8 @@ class ModelRunner:
         self.fused_cpu_ops = use_cpu_ops(self.model, kernels)
         if self.fused_cpu_ops:
             self.linear_kernel += " + fused CPU ops"
+        if getattr(self.model, "decode_stack", None) is not None:
+            self.linear_kernel += " (decodes: one C++ call for all layers)"
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
 
