@@ -76,8 +76,8 @@ def compare(kernels: dict, seqs: int, context: int, rounds: int) -> dict:
     ratios = [b / f for f, b in zip(*rounds_ms.values())]
     kv_mb = seqs * context * NUM_KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS / 1e6  # read per step
     return {"seqs": seqs, "context": context, "kv_mb": kv_mb, "rounds_ms": rounds_ms,
-        "median_ms": {name: statistics.median(v) for name, v in rounds_ms.items()},
-        "speedup_median": statistics.median(ratios)}
+            "median_ms": {name: statistics.median(v) for name, v in rounds_ms.items()},
+            "speedup_median": statistics.median(ratios)}
 
 
 def main() -> None:

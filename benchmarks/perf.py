@@ -49,15 +49,20 @@ def workload_w(request_rate: float = math.inf) -> Workload:
 # --------------------------------------------------------------------------- floors
 def measure_floors(repeats: int = 5) -> dict:
     """Memory bandwidth (GB/s, read + write of a 512 MiB copy) and fp32 GEMM GFLOP/s."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gemm_s = _median_seconds(lambda: a @ b, repeats)
+    return {"bandwidth_gbs": measure_bandwidth_gbs(repeats),
+            "gemm_gflops": 2 * n ** 3 / gemm_s / 1e9}
+
+
+def measure_bandwidth_gbs(repeats: int = 5) -> float:
+    """Copy bandwidth, GB/s: read + write of a 512 MiB tensor."""
     src = torch.randn(128 * 1024 * 1024)
     dst = torch.empty_like(src)
     dst.copy_(src)
     copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
-    bandwidth = 2 * src.numel() * 4 / copy_s / 1e9
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    gemm_s = _median_seconds(lambda: a @ b, repeats)
-    return {"bandwidth_gbs": bandwidth, "gemm_gflops": 2 * n ** 3 / gemm_s / 1e9}
+    return 2 * src.numel() * 4 / copy_s / 1e9
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -149,7 +154,7 @@ def batch1_runs(target: EngineTarget, server_bin: str | None, models: dict[str, 
     results, round_floors_ms = [], []
     params = target.model_config.num_parameters
     for round_ in range(rounds):
-        round_floors_ms.append(batch1_floor_ms(params, measure_floors()["bandwidth_gbs"]))
+        round_floors_ms.append(batch1_floor_ms(params, measure_bandwidth_gbs()))
         for name, system in systems.items():
             label = f"batch-1 decode, {name} (round {round_ + 1})"
             if isinstance(system, str):
