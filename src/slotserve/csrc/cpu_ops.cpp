@@ -512,13 +512,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // One linear layer's weights, in whichever form its kernel (model/linear_kernels.py) keeps.
 struct LinearWeights {
-  std::string kind;  // "plain": a = W (in, out); "mkl": a = packed, b = shape-only (out, in)
-                     // view; "int8": a = qweight (out, in), b = scales (out,)
+  enum class Kind { kPlain, kMkl, kInt8 };
+  Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
+              // int8: a = qweight (out, in), b = scales (out,)
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
-    if (kind == "mkl") {
+    if (kind == Kind::kMkl) {
       static auto mkl_linear =
           c10::Dispatcher::singleton()
               .findSchemaOrThrow("mkl::_mkl_linear", "")
@@ -527,7 +528,7 @@ struct LinearWeights {
                                    int64_t)>();
       return mkl_linear.call(x, a, b, bias, x.size(0));
     }
-    if (kind == "plain") return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
+    if (kind == Kind::kPlain) return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
     torch::Tensor y = int8_linear(x, a, b);
     return bias ? y.add_(*bias) : y;
   }
@@ -535,10 +536,12 @@ struct LinearWeights {
 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias) {
+  using Kind = LinearWeights::Kind;
   TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8",
               "linear kind must be plain, mkl or int8, got ", kind);
   TORCH_CHECK(kind == "plain" || b, kind, " linear needs its second tensor");
-  return {kind, a, b ? *b : torch::Tensor(), bias};
+  const Kind parsed = kind == "plain" ? Kind::kPlain : kind == "mkl" ? Kind::kMkl : Kind::kInt8;
+  return {parsed, a, b ? *b : torch::Tensor(), bias};
 }
 
 struct DecoderLayerWeights {
