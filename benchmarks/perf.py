@@ -13,6 +13,7 @@ Everything runs side by side in one process tree, one system at a time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 from slotserve.lab.bench import (
@@ -92,6 +94,71 @@ def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dic
             "w_schedule_floor_s": schedule_floor,
             "w_schedule_floor_tok_s": output_tokens / schedule_floor,
             "batch1_floor_ms": step_floor_s * 1e3}
+
+
+# NOTE: the batch sizes W's decode steps are timed at (interpolated between), and the rows
+# of one prefill chunk (perf.py's engines run max_num_batched_tokens=512).
+MATMUL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_CHUNK = 512
+
+
+def measure_matmul_ms(target: EngineTarget, repeats: int = 5) -> dict:
+    """The matmuls of one forward of `rows` tokens as slotserve runs them (its default
+    kernels: MKL's packed GEMM), in ms: the decoder layers' linears, and the LM head apart
+    (it runs only for the tokens sampled). {"layers": {rows: ms}, "lm_head": {rows: ms}}.
+    """
+    from slotserve.model.linear_kernels import swap_linear_kernels
+    from slotserve.model.registry import build_model
+
+    model = build_model(target.model_config)
+    model.load_hf_weights(target.weights)
+    swap_linear_kernels(model.eval())
+    linears = [linear for layer in model.layers for linear in
+               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                layer.mlp.down_proj)]
+    def all_layers(xs: list[torch.Tensor]) -> None:
+        for linear, x in zip(linears, xs):
+            linear(x)
+
+    timings = {"layers": {}, "lm_head": {}}
+    with torch.inference_mode():
+        for rows in (*MATMUL_BATCHES, PREFILL_CHUNK):
+            xs = [torch.randn(rows, linear.in_features) for linear in linears]
+            hidden = torch.randn(rows, model.lm_head.in_features)
+            timings["layers"][rows] = _median_seconds(
+                functools.partial(all_layers, xs), repeats) * 1e3
+            timings["lm_head"][rows] = _median_seconds(
+                functools.partial(model.lm_head, hidden), repeats) * 1e3
+    return timings
+
+
+def matmul_bound(matmul_ms: dict, prompt_tokens: int, output_lengths: list[int]) -> float:
+    """W's wall time (s) if its schedule (all requests started together) ran nothing but
+    its matmuls at the speeds measured by measure_matmul_ms: the prompts in chunks of
+    PREFILL_CHUNK rows, then each decode step at its batch size (interpolated). No
+    attention, no sampling, no Python: an engine that runs these matmuls cannot be faster.
+
+    NOTE: a request with n output tokens runs n - 1 decode forwards (its first token comes
+    from the prefill) but n LM-head rows.
+    """
+    def at(table: dict, rows: int) -> float:
+        sizes = sorted(table)
+        return float(np.interp(rows, sizes, [table[n] for n in sizes]))
+
+    layers, head = matmul_ms["layers"], matmul_ms["lm_head"]
+    running = running_per_step(output_lengths)
+    prefill_ms = prompt_tokens / PREFILL_CHUNK * layers[PREFILL_CHUNK]
+    decode_ms = sum(at(layers, n) for n in running[1:]) + sum(at(head, n) for n in running)
+    return (prefill_ms + decode_ms) / 1e3
+
+
+def matmul_figures(target: EngineTarget, workload: Workload, output_tokens: int) -> dict:
+    """The measured matmul times and W's matmul bound (s, output tok/s)."""
+    matmul_ms = measure_matmul_ms(target)
+    prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
+    bound_s = matmul_bound(matmul_ms, prompt_tokens, [r.max_tokens for r in workload.requests])
+    return {"matmul_ms": matmul_ms, "w_matmul_bound_s": bound_s,
+            "w_matmul_bound_tok_s": output_tokens / bound_s}
 
 
 def running_per_step(output_lengths: list[int]) -> list[int]:
@@ -329,6 +396,8 @@ def main() -> None:
     p.add_argument("--hf", action="store_true",
                    help="also run HF transformers (static batches, and its continuous batching)")
     p.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode runs")
+    p.add_argument("--floors-only", action="store_true",
+                   help="only the floors and W's matmul bound (about a minute)")
     p.add_argument("--batch1-only", action="store_true",
                    help="only the batch-1 decode runs (no workload W)")
     args = p.parse_args()
@@ -336,7 +405,10 @@ def main() -> None:
 
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
     floors = floor_figures(measure_floors(), target, workload_w())
+    floors.update(matmul_figures(target, workload_w(), floors["output_tokens"]))
     print(json.dumps(floors, indent=1), file=sys.stderr)
+    if args.floors_only:
+        return
     results = [] if args.batch1_only else slotserve_runs(
         target, [int(s) for s in args.slots.split(",")], not args.no_online)
     from slotserve.loader import default_model_path
