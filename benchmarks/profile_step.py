@@ -4,7 +4,8 @@
 
 Builds the engine on the embedded SmolLM2-135M (fp32), fills the batch with `batch`
 requests of ~40-token prompts, lets them reach steady decode, then times `steps` iterations
-and profiles a few with torch.profiler, grouping ops into linear / attention / other.
+and profiles a few with torch.profiler, grouping ops into linear / attention / other
+(`--wall`: no profiler, each part of the step timed by wall clock instead).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -19,6 +21,7 @@ from slotserve import SamplingParams
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import load_model
+from slotserve.runner import model_runner
 
 GROUPS = {
     "linear (mm/addmm)": ("aten::mm", "aten::addmm"),
@@ -86,6 +89,56 @@ def time_steps(engine: LLMEngine, steps: int) -> float:
     return statistics.median(times)
 
 
+class PartTimers:
+    """Wall time of each part of an engine step, without the profiler: the engine's and the
+    runner's methods wrapped in timers (a few us each), summed per step (some parts run
+    once per request)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.per_step: dict[str, list[float]] = {}
+        self.this_step: dict[str, float] = {}
+        runner, model = engine.runner, engine.runner.model
+        parts = {"schedule": (engine.scheduler, "schedule"),
+                 "inputs": (runner, "_prepare_inputs"),
+                 "metadata": (model_runner, "build_metadata"),
+                 "embedding": (model.embed_tokens, "forward"),
+                 "rope tables": (model.rotary, "tables"),
+                 "LM head": (model, "compute_logits"),
+                 "sampling": (runner, "sampler"),
+                 "scheduler update": (engine.scheduler, "update"),
+                 "outputs (detokenize)": (engine, "_process"),
+                 "trace": (engine.trace, "record"),
+                 "stats": (engine.stats, "on_step")}
+        if model.decode_stack is not None:
+            parts["decode stack (all layers)"] = (model, "decode_stack")
+        for label, (owner, name) in parts.items():
+            setattr(owner, name, self._timed(label, getattr(owner, name)))
+        engine.step = self._per_step(engine.step)
+
+    def _timed(self, label: str, fn):
+        if not callable(fn):  # the DecodeStack: time its forward
+            return SimpleNamespace(forward=self._timed(label, fn.forward))
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.this_step[label] = self.this_step.get(label, 0.0) + time.perf_counter() - t
+            return result
+        return timed
+
+    def _per_step(self, step):
+        def timed_step():
+            self.this_step = {}
+            result = step()
+            for label, seconds in self.this_step.items():
+                self.per_step.setdefault(label, []).append(seconds)
+            return result
+        return timed_step
+
+    def medians_ms(self) -> dict[str, float]:
+        return {k: statistics.median(v) * 1e3 for k, v in self.per_step.items()}
+
+
 def breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
     from torch.profiler import profile
 
@@ -113,6 +166,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--wall", action="store_true",
+                   help="instead of the profiler: each part's median wall time (engine, "
+                        "inputs, decode stack, LM head, sampling, ...) over the timed steps")
     p.add_argument("--python-layers", action="store_true",
                    help="no C++ decode stack: the fused kernels called layer by layer (the "
                         "profile then shows each kernel)")
@@ -131,6 +187,15 @@ def main() -> None:
         if args.python_layers:
             engine.runner.model.decode_stack = None
         fill(engine, batch, args.context)
+        if args.wall:
+            timers = PartTimers(engine)
+            step = time_steps(engine, args.steps)
+            parts = timers.medians_ms()
+            rest = step * 1e3 - sum(parts.values())
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            print(f"batch {batch:3d}: step {step * 1e3:7.2f} ms | wall ms (medians): {detail}; "
+                  f"not in these parts {rest:.2f}", flush=True)
+            continue
         step = time_steps(engine, args.steps)
         label_fused_ops(engine)  # after the timing: labels cost a little per call
         parts = breakdown(engine, 5)
