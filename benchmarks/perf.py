@@ -102,17 +102,18 @@ MATMUL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNK = 512
 
 
-def measure_matmul_ms(target: EngineTarget, repeats: int = 5) -> dict:
-    """The matmuls of one forward of `rows` tokens as slotserve runs them (its default
-    kernels: MKL's packed GEMM), in ms: the decoder layers' linears, and the LM head apart
-    (it runs only for the tokens sampled). {"layers": {rows: ms}, "lm_head": {rows: ms}}.
+def measure_matmul_ms(target: EngineTarget, repeats: int = 5, kernels: str = "auto") -> dict:
+    """The matmuls of one forward of `rows` tokens as slotserve runs them (`kernels` as
+    EngineConfig's; "auto": the weight panels where the fused kernels run with AVX-512), in
+    ms: the decoder layers' linears, and the LM head apart (it runs only for the tokens
+    sampled). {"layers": {rows: ms}, "lm_head": {rows: ms}}.
     """
     from slotserve.model.linear_kernels import swap_linear_kernels
     from slotserve.model.registry import build_model
 
     model = build_model(target.model_config)
     model.load_hf_weights(target.weights)
-    swap_linear_kernels(model.eval())
+    swap_linear_kernels(model.eval(), kernels=kernels)
     linears = [linear for layer in model.layers for linear in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj)]

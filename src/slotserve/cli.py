@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from slotserve.config import KERNELS
+
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -39,8 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: int8 weight-only linear layers on the CPU (opt-in; "
                         "greedy agreement with fp32 in benchmarks/PERF.md)")
-    g.add_argument("--kernels", default="auto", choices=["auto", "reference"],
-                   help="auto: fastest verified kernels; reference: plain torch ops")
+    g.add_argument("--kernels", default="auto", choices=list(KERNELS),
+                   help="auto: fastest verified kernels; mkl: the same but fp32 linears "
+                        "through MKL's packed GEMM; reference: plain torch ops")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -117,6 +117,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
+KERNELS = ("auto", "mkl", "reference")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the model weights."""
@@ -124,8 +127,10 @@ class EngineConfig:
     model: str | None = None  # path to an HF directory or a .gguf; None: embedded SmolLM2
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    # "auto": the fastest kernels verified against the reference for this device (MKL's
-    # packed GEMM for CPU fp32 linears); "reference": plain torch ops everywhere.
+    # "auto": the fastest kernels verified against the reference for this device (on the
+    # CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else MKL's packed
+    # GEMM); "mkl": the same but fp32 linears through MKL's packed GEMM (for comparisons);
+    # "reference": plain torch ops everywhere.
     kernels: str = "auto"
     quantization: str | None = None  # "int8": int8 weight-only linears (CPU, opt-in)
     seed: int = 0
@@ -134,8 +139,8 @@ class EngineConfig:
     trace_capacity: int = 4096  # iterations kept in the trace ring buffer
 
     def __post_init__(self) -> None:
-        if self.kernels not in ("auto", "reference"):
-            raise ValueError(f"kernels must be 'auto' or 'reference', got {self.kernels!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.quantization and not self.device.startswith("cpu"):

@@ -43,16 +43,20 @@ def run_comparing_stack_and_python(engine, prompts, max_tokens: int) -> int:
     return decode_only_forwards
 
 
-@pytest.mark.parametrize("kind,quantization,mkl", [
-    ("llama", None, True),     # fp32, MKL's packed GEMM (the default on CPU)
-    ("qwen2", None, True),     # qkv bias, passed to MKL's op
-    ("qwen2", None, False),    # no MKL: plain torch.mm / addmm
-    ("qwen2", "int8", True),   # the fused int8 kernel, bias added after
+@pytest.mark.parametrize("kind,quantization,linears", [
+    ("llama", None, "auto"),   # fp32 weight panels (the default on CPUs with AVX-512)
+    ("qwen2", None, "auto"),   # qkv bias, added after the panel kernel
+    ("llama", None, "mkl"),    # fp32, MKL's packed GEMM
+    ("qwen2", None, "mkl"),    # qkv bias, passed to MKL's op
+    ("qwen2", None, "plain"),  # no MKL: plain torch.mm / addmm
+    ("qwen2", "int8", "auto"),  # the fused int8 kernel, bias added after
 ])
-def test_stack_equals_python_layers_bit_for_bit(cpu_ops, monkeypatch, kind, quantization, mkl):
-    if not mkl:
+def test_stack_equals_python_layers_bit_for_bit(cpu_ops, monkeypatch, kind, quantization,
+                                                linears):
+    if linears == "plain":
         monkeypatch.setattr(linear_kernels, "mkl_packed_available", lambda: False)
-    engine = tiny_engine(tiny_hf_model(kind), quantization=quantization, block_size=16)
+    engine = tiny_engine(tiny_hf_model(kind), quantization=quantization, block_size=16,
+                         kernels="auto" if linears == "auto" else "mkl")
     assert engine.runner.model.decode_stack is not None
 
     # contexts of 3-70 tokens growing by 24: tables of 1 to 6 blocks, crossing block ends
@@ -73,7 +77,9 @@ def test_stack_follows_the_kernel_choice(cpu_ops):
 
 
 def test_linear_weights_reject_bad_kinds(cpu_ops):
-    with pytest.raises(RuntimeError, match="plain, mkl or int8"):
+    with pytest.raises(RuntimeError, match="plain, mkl, int8 or panel"):
         cpu_ops.linear_weights("fp8", torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="needs out_features"):
+        cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(2, 2)))
     with pytest.raises(RuntimeError, match="needs its second tensor"):
         cpu_ops.linear_weights("int8", torch.zeros(2, 2, dtype=torch.int8))

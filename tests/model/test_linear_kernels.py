@@ -11,7 +11,9 @@ from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     Int8WeightOnlyLinear,
     MKLPackedLinear,
+    PanelLinear,
     mkl_packed_available,
+    panel_kernel_available,
     swap_linear_kernels,
 )
 from tests.conftest import tiny_engine
@@ -40,6 +42,48 @@ def test_mkl_packed_equals_matmul(rows, bias):
     out = MKLPackedLinear(weight, b)(x)
     assert out.shape == (rows, 200)
     torch.testing.assert_close(out, reference(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+# in 95: an odd input count (the last input joins the even sums); 96: even. out 200: a
+# last panel of 8 outputs (200 = 6 x 32 + 8); 40: one full panel and one of 8 (masked).
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("in_features,out_features", [(95, 200), (96, 40), (3, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_equals_matmul(cpu_ops, rows, in_features, out_features, bias):
+    weight, b = random_linear(in_features, out_features, bias, seed=in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    out = PanelLinear(weight, b, cpu_ops)(x)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, reference(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_panel_linear_rows_do_not_depend_on_the_batch(cpu_ops):
+    """A row's output is the same to the last bit alone or in a batch of any size, in any
+    tile (the kernel's NOTE): batch invariance needs no tolerance on this path."""
+    weight, _ = random_linear(576, 96, False)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(1))
+    kernel = PanelLinear(weight, None, cpu_ops)
+    full = kernel(x)
+    for rows in (1, 2, 5, 6, 7, 12, 13, 33):
+        assert torch.equal(kernel(x[:rows]), full[:rows]), rows
+        assert torch.equal(kernel(x[-rows:]), full[-rows:]), rows
+
+
+def test_panel_linear_checks_its_inputs(cpu_ops):
+    panels = cpu_ops.pack_panels(torch.randn(40, 8))  # 2 panels: 33-64 outputs fit
+    with pytest.raises(RuntimeError, match="out_features"):
+        cpu_ops.panel_linear(torch.randn(1, 8), panels, 70)
+    with pytest.raises(RuntimeError, match="in_features"):
+        cpu_ops.panel_linear(torch.randn(1, 9), panels, 40)
+
+
+def test_auto_kernels_pick_panels_where_vectorised_and_mkl_on_request(tiny_llama, cpu_ops):
+    auto, mkl = tiny_engine(tiny_llama), tiny_engine(tiny_llama, kernels="mkl")
+    if panel_kernel_available(cpu_ops):
+        assert auto.runner.linear_kernel.startswith("fp32 weight panels")
+    if mkl_packed_available():
+        assert mkl.runner.linear_kernel.startswith("fp32 MKL packed GEMM")
+    assert mkl.runner.fused_cpu_ops  # "mkl" changes only the fp32 linears
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-ops"])

@@ -16,7 +16,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("kernels", ["auto", "mkl", "reference"])
 @pytest.mark.parametrize("model_name", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2"])
 def test_greedy_matches_hf(model_name, kernels, request):
     model = request.getfixturevalue(model_name)

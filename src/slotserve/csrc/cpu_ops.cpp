@@ -25,6 +25,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -503,6 +504,139 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return y;
 }
 
+// ---- fp32 linear over weight panels ---------------------------------------------------
+// A decode step multiplies 1-64 rows by skinny matrices (576 wide for SmolLM2-135M). MKL's
+// packed GEMM ran them 1.2-2x slower than one read of the weights allows at 2-16 rows,
+// where a step is still bound by reading the weights (benchmarks/PERF.md). Here the weights
+// are kept in panels of 32 output columns, each panel k-major (row k holds the panel's 32
+// weights of input k), and a micro-tile of up to 6 rows of x keeps 6 x 32 outputs in
+// registers while it walks the panel: the weights stream from memory once per call (once
+// per panel and rows of x in L2 for the later tiles), with software prefetch far ahead.
+//
+// NOTE: every output is the same sum in the same order (even and odd inputs summed apart,
+// then added) whatever the number of rows or which tile a row falls in: a row's result does
+// not depend on the batch it is in, to the last bit (tests/model/test_linear_kernels.py).
+
+constexpr int64_t PANEL_WIDTH = 32;  // outputs per panel: two 16-float vectors
+constexpr int PANEL_TILE_ROWS = 6;   // 6 rows x 2 vectors x (even, odd) = 24 accumulators
+constexpr int64_t PANEL_PREFETCH_BYTES = 8192;  // 8 KB ahead: 4 KB was slower at 4-16 rows
+
+// weight (out, in) -> panels (ceil(out / 32), in, 32), the last one padded with zeros.
+torch::Tensor pack_panels(torch::Tensor weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  const int64_t outs = weight.size(0), in = weight.size(1);
+  const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
+  auto padded = torch::zeros({panels * PANEL_WIDTH, in}, weight.options());
+  padded.narrow(0, 0, outs).copy_(weight);
+  return padded.view({panels, PANEL_WIDTH, in}).transpose(1, 2).contiguous();
+}
+
+// y[r, :cols] = x[r, :] . panel for ROWS rows of x (row stride in), y's row stride outs.
+template <int ROWS>
+void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
+                int64_t cols) {
+#if defined(__AVX512F__)
+  __m512 even[ROWS][2], odd[ROWS][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= in; k += 2) {
+    const float* w = panel + k * PANEL_WIDTH;  // inputs k and k + 1: 64 weights, 256 bytes
+    for (int line = 0; line < 4; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64 * line,
+                   _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * in + k]), b = _mm512_set1_ps(x[r * in + k + 1]);
+      even[r][0] = _mm512_fmadd_ps(a, w0, even[r][0]);
+      even[r][1] = _mm512_fmadd_ps(a, w1, even[r][1]);
+      odd[r][0] = _mm512_fmadd_ps(b, w2, odd[r][0]);
+      odd[r][1] = _mm512_fmadd_ps(b, w3, odd[r][1]);
+    }
+  }
+  if (k < in) {  // an odd number of inputs: the last one joins the even sums
+    const float* w = panel + k * PANEL_WIDTH;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * in + k]);
+      even[r][0] = _mm512_fmadd_ps(a, w0, even[r][0]);
+      even[r][1] = _mm512_fmadd_ps(a, w1, even[r][1]);
+    }
+  }
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + r * outs, low, _mm512_add_ps(even[r][0], odd[r][0]));
+    _mm512_mask_storeu_ps(y + r * outs + 16, high, _mm512_add_ps(even[r][1], odd[r][1]));
+  }
+#else
+  // The same sums in the same order, without AVX-512 (fma keeps each step's rounding).
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float even = 0.f, odd = 0.f;
+      int64_t k = 0;
+      for (; k + 2 <= in; k += 2) {
+        even = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], even);
+        odd = std::fma(x[r * in + k + 1], panel[(k + 1) * PANEL_WIDTH + j], odd);
+      }
+      if (k < in) even = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], even);
+      y[r * outs + j] = even + odd;
+    }
+#endif
+}
+
+template <int... R>
+void panel_tile_of(int rows, const float* x, const float* panel, int64_t in, float* y,
+                   int64_t outs, int64_t cols, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? (panel_tile<R + 1>(x, panel, in, y, outs, cols), 0) : 0), ...);
+}
+
+// Whether panel_tile runs its AVX-512 code (else the plain loops: right, but slower than
+// MKL's GEMM, so model/linear_kernels.py then picks MKL).
+bool panel_linear_vectorised() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y (T, out) = x (T, in) @ W^T, W given as pack_panels(W (out, in)).
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features) {
+  check_cpu_float(x, "x");
+  check_cpu_float(panels, "panels");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == in, "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // The rows in tiles as even as possible (64 rows: 6 6 6 6 5 5 5 5 5 5 5 5, not ... 6 4).
+  const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+  const int64_t base = tokens / tiles, extra = tokens % tiles;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
+      for (int64_t t = 0, row = 0; t < tiles; ++t) {
+        const int rows = int(base + (t < extra ? 1 : 0));
+        panel_tile_of(rows, xp + row * in, pp + p * in * PANEL_WIDTH, in,
+                      yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
+                      std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+        row += rows;
+      }
+    }
+  });
+  return y;
+}
+
 // ---- the decode stack: every decoder layer of an all-decode iteration in one call -----
 // At batch 1 a step's kernels are short (a few us each) and the Python around them (module
 // calls, views, ~15 calls per layer) cost 2-3 ms of a 10-25 ms step. For an iteration of
@@ -512,11 +646,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // One linear layer's weights, in whichever form its kernel (model/linear_kernels.py) keeps.
 struct LinearWeights {
-  enum class Kind { kPlain, kMkl, kInt8 };
+  enum class Kind { kPlain, kMkl, kInt8, kPanel };
   Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
-              // int8: a = qweight (out, in), b = scales (out,)
+              // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W)
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
+  int64_t out_features;  // panel only (its last panel may be padded)
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
     if (kind == Kind::kMkl) {
@@ -529,19 +664,25 @@ struct LinearWeights {
       return mkl_linear.call(x, a, b, bias, x.size(0));
     }
     if (kind == Kind::kPlain) return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
-    torch::Tensor y = int8_linear(x, a, b);
+    torch::Tensor y = kind == Kind::kPanel ? panel_linear(x, a, out_features)
+                                           : int8_linear(x, a, b);
     return bias ? y.add_(*bias) : y;
   }
 };
 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
-                          c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
+                          int64_t out_features) {
   using Kind = LinearWeights::Kind;
-  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8",
-              "linear kind must be plain, mkl or int8, got ", kind);
-  TORCH_CHECK(kind == "plain" || b, kind, " linear needs its second tensor");
-  const Kind parsed = kind == "plain" ? Kind::kPlain : kind == "mkl" ? Kind::kMkl : Kind::kInt8;
-  return {parsed, a, b ? *b : torch::Tensor(), bias};
+  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8" || kind == "panel",
+              "linear kind must be plain, mkl, int8 or panel, got ", kind);
+  TORCH_CHECK(kind == "plain" || kind == "panel" || b, kind, " linear needs its second tensor");
+  TORCH_CHECK(kind != "panel" || out_features > 0, "panel linear needs out_features");
+  const Kind parsed = kind == "plain" ? Kind::kPlain
+                      : kind == "mkl" ? Kind::kMkl
+                      : kind == "int8" ? Kind::kInt8
+                                       : Kind::kPanel;
+  return {parsed, a, b ? *b : torch::Tensor(), bias, out_features};
 }
 
 struct DecoderLayerWeights {
@@ -609,11 +750,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half RoPE in place");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
   m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
+  m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
+  m.def("panel_linear_vectorised", &panel_linear_vectorised,
+        "whether panel_linear runs vectorised (AVX-512)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V context");
   py::class_<LinearWeights>(m, "LinearWeights");
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
-        py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none());
+        py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
+        py::arg("out_features") = -1);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)

@@ -14,6 +14,8 @@ The module's functions, all fp32 on the CPU:
   context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks
 - int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
+- pack_panels(weight (out, in)) -> panels; panel_linear(x (T, in), panels, out) -> (T, out):
+  the fp32 matmul of linear_kernels.PanelLinear (the default on CPUs with AVX-512)
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack
 """
@@ -122,10 +124,10 @@ def set_cpu_ops(model, ops) -> None:
 def use_cpu_ops(model, kernels: str = "auto") -> bool:
     """Give the model's norms, MLPs and attention the fused kernels where they apply.
 
-    They apply with kernels="auto" to a float32 model on the CPU (int8 weight-only models
-    included: their activations are float32). Returns whether the model now uses them.
+    They apply unless kernels="reference", to a float32 model on the CPU (int8 weight-only
+    models included: their activations are float32). Returns whether the model now uses them.
     """
-    if kernels != "auto" or not on_cpu_fp32(model):
+    if kernels == "reference" or not on_cpu_fp32(model):
         return False
     ops = load_cpu_ops()
     if ops is None:

@@ -4,6 +4,11 @@ The plain `x @ weight` of `layers.Linear` is the reference. A kernel here takes 
 (in, out) weight once, keeps its own copy in the layout its library wants, and the layer
 then calls it instead (the original weight is released: one copy in memory, not two).
 
+- PanelLinear: fp32, the fused CPU kernel `panel_linear` (csrc/cpu_ops.cpp) over the
+  weights kept in panels of 32 output columns; the default where the kernels are built with
+  AVX-512. Same math as the reference (fp32 accumulate), and a row's result does not depend
+  on how many rows are multiplied with it. 1.1-1.5x MKL's packed GEMM on the decode step's
+  matmuls at 1-16 rows, level at 64 and in prefill chunks (benchmarks/PERF.md).
 - MKLPackedLinear: fp32, MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
@@ -31,6 +36,30 @@ MKL_PACK_ROWS = 64
 INT8_ACTIVATION_DTYPE = torch.bfloat16
 # NOTE: ...and it crashes the process (torch 2.13) unless in_features is a multiple of 64.
 TORCH_INT8_WIDTH_MULTIPLE = 64
+
+
+def panel_kernel_available(ops) -> bool:
+    """Whether `ops` runs panel_linear vectorised (built with AVX-512); without, its
+    plain-loop fallback is correct but slower than MKL's GEMM."""
+    return ops is not None and ops.panel_linear_vectorised()
+
+
+class PanelLinear:
+    """y = x @ W (+ b) through the fused kernel `panel_linear`; W given (in, out), fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
+        self.out_features = weight.shape[1]
+        self.panels = ops.pack_panels(weight.detach().t().contiguous())  # (P, in, 32)
+        self.bias = None if bias is None else bias.detach()
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        y = self.ops.panel_linear(x, self.panels, self.out_features)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def cpp_weights(self, ops):
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.linear_weights("panel", self.panels, None, self.bias, self.out_features)
 
 
 def mkl_packed_available() -> bool:
@@ -108,7 +137,8 @@ def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",
                         quantization: str | None = None) -> str:
     """Give every Linear of `model` its fast kernel; returns the kernel's name.
 
-    kernels="reference" keeps plain torch (the oracle). Quantization wins over kernels.
+    kernels="reference" keeps plain torch (the oracle), kernels="mkl" MKL's packed GEMM even
+    where the panel kernel runs. Quantization wins over kernels.
     """
     from slotserve.model.layers import Linear
 
@@ -126,11 +156,14 @@ def _choose(model: nn.Module, kernels: str, quantization: str | None):
     if quantization == "int8":
         if not cpu_fp32:
             raise ValueError("quantization='int8' needs the model on the CPU in float32")
-        ops = load_cpu_ops() if kernels == "auto" else None
+        ops = load_cpu_ops() if kernels != "reference" else None
         if ops is not None:
             return (functools.partial(Int8WeightOnlyLinear, ops=ops),
                     "int8 weights x int16 activations (fused CPU kernel)")
         return Int8WeightOnlyLinear, "int8 weight-only (bf16 activations)"
-    if kernels == "auto" and cpu_fp32 and mkl_packed_available():
+    ops = load_cpu_ops() if kernels == "auto" and cpu_fp32 else None
+    if panel_kernel_available(ops):
+        return functools.partial(PanelLinear, ops=ops), "fp32 weight panels (fused CPU kernel)"
+    if kernels != "reference" and cpu_fp32 and mkl_packed_available():
         return MKLPackedLinear, "fp32 MKL packed GEMM"
     return None, "torch reference"
