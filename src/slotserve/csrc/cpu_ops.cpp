@@ -506,19 +506,19 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // ---- fp32 linear over weight panels ---------------------------------------------------
 // A decode step multiplies 1-64 rows by skinny matrices (576 wide for SmolLM2-135M). MKL's
-// packed GEMM ran them 1.2-2x slower than one read of the weights allows at 2-16 rows,
+// packed GEMM ran them 1.2-1.6x slower than one read of the weights allows at 2-16 rows,
 // where a step is still bound by reading the weights (benchmarks/PERF.md). Here the weights
 // are kept in panels of 32 output columns, each panel k-major (row k holds the panel's 32
-// weights of input k), and a micro-tile of up to 6 rows of x keeps 6 x 32 outputs in
-// registers while it walks the panel: the weights stream from memory once per call (once
-// per panel and rows of x in L2 for the later tiles), with software prefetch far ahead.
+// weights of input k), and a micro-tile of up to 12 rows of x keeps 12 x 32 outputs in
+// registers while it walks the panel: the weights stream from memory once per call (the
+// later tiles of a panel find it in L2), with software prefetch far ahead.
 //
-// NOTE: every output is the same sum in the same order (even and odd inputs summed apart,
-// then added) whatever the number of rows or which tile a row falls in: a row's result does
-// not depend on the batch it is in, to the last bit (tests/model/test_linear_kernels.py).
+// NOTE: every output is the same sum in the same order (input 0, 1, 2, ... fused into one
+// accumulator) whatever the number of rows or which tile a row falls in: a row's result
+// does not depend on the batch it is in, to the last bit (tests/model/test_linear_kernels.py).
 
 constexpr int64_t PANEL_WIDTH = 32;  // outputs per panel: two 16-float vectors
-constexpr int PANEL_TILE_ROWS = 6;   // 6 rows x 2 vectors x (even, odd) = 24 accumulators
+constexpr int PANEL_TILE_ROWS = 12;  // 12 rows x 2 vectors = 24 accumulators
 constexpr int64_t PANEL_PREFETCH_BYTES = 8192;  // 8 KB ahead: 4 KB was slower at 4-16 rows
 
 // weight (out, in) -> panels (ceil(out / 32), in, 32), the last one padded with zeros.
@@ -537,52 +537,33 @@ template <int ROWS>
 void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
                 int64_t cols) {
 #if defined(__AVX512F__)
-  __m512 even[ROWS][2], odd[ROWS][2];
-  for (int r = 0; r < ROWS; ++r)
-    for (int h = 0; h < 2; ++h) even[r][h] = odd[r][h] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 2 <= in; k += 2) {
-    const float* w = panel + k * PANEL_WIDTH;  // inputs k and k + 1: 64 weights, 256 bytes
-    for (int line = 0; line < 4; ++line)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64 * line,
-                   _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * in + k]), b = _mm512_set1_ps(x[r * in + k + 1]);
-      even[r][0] = _mm512_fmadd_ps(a, w0, even[r][0]);
-      even[r][1] = _mm512_fmadd_ps(a, w1, even[r][1]);
-      odd[r][0] = _mm512_fmadd_ps(b, w2, odd[r][0]);
-      odd[r][1] = _mm512_fmadd_ps(b, w3, odd[r][1]);
-    }
-  }
-  if (k < in) {  // an odd number of inputs: the last one joins the even sums
-    const float* w = panel + k * PANEL_WIDTH;
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const float* w = panel + k * PANEL_WIDTH;  // input k's 32 weights: two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     for (int r = 0; r < ROWS; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * in + k]);
-      even[r][0] = _mm512_fmadd_ps(a, w0, even[r][0]);
-      even[r][1] = _mm512_fmadd_ps(a, w1, even[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
     }
   }
   const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
   const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(y + r * outs, low, _mm512_add_ps(even[r][0], odd[r][0]));
-    _mm512_mask_storeu_ps(y + r * outs + 16, high, _mm512_add_ps(even[r][1], odd[r][1]));
+    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * outs + 16, high, acc[r][1]);
   }
 #else
   // The same sums in the same order, without AVX-512 (fma keeps each step's rounding).
   for (int r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < cols; ++j) {
-      float even = 0.f, odd = 0.f;
-      int64_t k = 0;
-      for (; k + 2 <= in; k += 2) {
-        even = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], even);
-        odd = std::fma(x[r * in + k + 1], panel[(k + 1) * PANEL_WIDTH + j], odd);
-      }
-      if (k < in) even = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], even);
-      y[r * outs + j] = even + odd;
+      float sum = 0.f;
+      for (int64_t k = 0; k < in; ++k)
+        sum = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], sum);
+      y[r * outs + j] = sum;
     }
 #endif
 }
@@ -619,7 +600,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // The rows in tiles as even as possible (64 rows: 6 6 6 6 5 5 5 5 5 5 5 5, not ... 6 4).
+  // The rows in tiles as even as possible (64 rows: 11 11 11 11 10 10, not 12 x 5 + 4).
   const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
   const int64_t base = tokens / tiles, extra = tokens % tiles;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
