@@ -506,8 +506,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // ---- fp32 linear over weight panels ---------------------------------------------------
 // A decode step multiplies 1-64 rows by skinny matrices (576 wide for SmolLM2-135M). MKL's
-// packed GEMM ran them 1.2-1.6x slower than one read of the weights allows at 2-16 rows,
-// where a step is still bound by reading the weights (benchmarks/PERF.md). Here the weights
+// packed GEMM took 1.1-1.9x its 1-row time at 2-16 rows, where a step should still cost
+// one read of the weights (benchmarks/PERF.md: W's matmul bound). Here the weights
 // are kept in panels of 32 output columns, each panel k-major (row k holds the panel's 32
 // weights of input k), and a micro-tile of up to 12 rows of x keeps 12 x 32 outputs in
 // registers while it walks the panel: the weights stream from memory once per call (the

@@ -7,8 +7,8 @@ then calls it instead (the original weight is released: one copy in memory, not 
 - PanelLinear: fp32, the fused CPU kernel `panel_linear` (csrc/cpu_ops.cpp) over the
   weights kept in panels of 32 output columns; the default where the kernels are built with
   AVX-512. Same math as the reference (fp32 accumulate), and a row's result does not depend
-  on how many rows are multiplied with it. 1.1-1.5x MKL's packed GEMM on the decode step's
-  matmuls at 1-16 rows, level at 64 and in prefill chunks (benchmarks/PERF.md).
+  on how many rows are multiplied with it. Up to 1.6x MKL's packed GEMM on the decode
+  step's matmuls at 1-16 rows, level to 15% behind at 32-512 rows (benchmarks/PERF.md).
 - MKLPackedLinear: fp32, MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
