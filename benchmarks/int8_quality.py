@@ -5,7 +5,8 @@
 Quality bar (performance issue): greedy agreement with fp32 on at least 95% of tokens over
 32 prompts. Prompts: the built-in chat prompts with SmolLM2's chat template; 64 greedy
 tokens each (ignore_eos). Speed: one request alone, median time per output token over
-128 tokens, for each linear kernel side by side (reference fp32, MKL packed fp32, int8).
+128 tokens, for each linear kernel side by side (reference fp32, the default fp32 kernels:
+the weight panels, MKL's packed GEMM, int8).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from slotserve.loader import load_model
 from slotserve.sampling import SamplingParams
 
 KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
+           "fp32 mkl": dict(kernels="mkl"),
            "int8": dict(quantization="int8"),  # int16 activations, the fused CPU kernel
            "int8 reference": dict(kernels="reference", quantization="int8")}  # bf16, torch's
 INT8_ENGINES = ("int8", "int8 reference")
