@@ -17,7 +17,7 @@ import argparse
 import statistics
 import sys
 
-from perf import matmul_bound, measure_matmul_ms, workload_w
+from perf import count_prompt_tokens, matmul_bound, measure_matmul_ms, workload_w
 
 from slotserve.lab.bench import BenchSampling, EngineTarget, run_bench, write_report
 from slotserve.lab.workload import generate_workload
@@ -62,7 +62,7 @@ def main() -> None:
     args = p.parse_args()
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
     w = workload_w()
-    prompt_tokens = sum(map(len, w.chat_prompt_ids(target.tokenizer)))
+    prompt_tokens = count_prompt_tokens(target, w)
     lengths = [r.max_tokens for r in w.requests]
     one = generate_workload(1, prompts="chat", output_len=128, seed=0)
     matmuls, batch1, w64 = [], [], []

@@ -79,7 +79,7 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def floor_figures(floors: dict, target: EngineTarget, workload: Workload) -> dict:
     """W's compute floor and batch-1 decode floor from the measured machine figures."""
-    prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
+    prompt_tokens = count_prompt_tokens(target, workload)
     output_tokens = workload.total_max_tokens
     params = target.model_config.num_parameters
     token_s = 2 * params / (floors["gemm_gflops"] * 1e9)  # one token's matmuls at GEMM peak
@@ -117,6 +117,7 @@ def measure_matmul_ms(target: EngineTarget, repeats: int = 5, kernels: str = "au
     linears = [linear for layer in model.layers for linear in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj)]
+
     def all_layers(xs: list[torch.Tensor]) -> None:
         for linear, x in zip(linears, xs):
             linear(x)
@@ -153,13 +154,17 @@ def matmul_bound(matmul_ms: dict, prompt_tokens: int, output_lengths: list[int])
     return (prefill_ms + decode_ms) / 1e3
 
 
-def matmul_figures(target: EngineTarget, workload: Workload, output_tokens: int) -> dict:
+def matmul_figures(target: EngineTarget, workload: Workload, prompt_tokens: int) -> dict:
     """The measured matmul times and W's matmul bound (s, output tok/s)."""
     matmul_ms = measure_matmul_ms(target)
-    prompt_tokens = sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
     bound_s = matmul_bound(matmul_ms, prompt_tokens, [r.max_tokens for r in workload.requests])
     return {"matmul_ms": matmul_ms, "w_matmul_bound_s": bound_s,
-            "w_matmul_bound_tok_s": output_tokens / bound_s}
+            "w_matmul_bound_tok_s": workload.total_max_tokens / bound_s}
+
+
+def count_prompt_tokens(target: EngineTarget, workload: Workload) -> int:
+    """Tokens of the workload's chat prompts with the model's template."""
+    return sum(map(len, workload.chat_prompt_ids(target.tokenizer)))
 
 
 def running_per_step(output_lengths: list[int]) -> list[int]:
@@ -405,8 +410,9 @@ def main() -> None:
     errors: list[str] = []
 
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
-    floors = floor_figures(measure_floors(), target, workload_w())
-    floors.update(matmul_figures(target, workload_w(), floors["output_tokens"]))
+    w = workload_w()
+    floors = floor_figures(measure_floors(), target, w)
+    floors.update(matmul_figures(target, w, floors["prompt_tokens"]))
     print(json.dumps(floors, indent=1), file=sys.stderr)
     if args.floors_only:
         return

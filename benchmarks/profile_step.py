@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from slotserve import SamplingParams
+from slotserve.config import KERNELS
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import load_model
@@ -164,7 +165,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--context", type=int, default=100, help="decode from this context length")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--kernels", default="auto", choices=["auto", "mkl", "reference"])
+    p.add_argument("--kernels", default="auto", choices=list(KERNELS))
     p.add_argument("--quantization", default=None, choices=["int8"])
     p.add_argument("--wall", action="store_true",
                    help="instead of the profiler: each part's median wall time (engine, "

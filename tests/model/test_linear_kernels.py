@@ -44,8 +44,10 @@ def test_mkl_packed_equals_matmul(rows, bias):
     torch.testing.assert_close(out, reference(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
-# in 95: an odd input count (the last input joins the even sums); 96: even. out 200: a
-# last panel of 8 outputs (200 = 6 x 32 + 8); 40: one full panel and one of 8 (masked).
+# in 95 and 3: input counts that are no multiple of 16 (the kernel walks inputs one by
+# one); out 200: a last panel of 8 outputs (200 = 6 x 32 + 8); 40: one full panel and one
+# of 8 (masked stores); 32: exactly one panel. Rows: empty, one tile of 1-12 rows, and 13,
+# 64, 130 split into even tiles.
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 130])
 @pytest.mark.parametrize("in_features,out_features", [(95, 200), (96, 40), (3, 32)])
 @pytest.mark.parametrize("bias", [False, True])
