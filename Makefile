@@ -48,14 +48,15 @@ test: $(STAMP) lint browser kernels
 
 # benchmarks/PERF.md: builds llama.cpp's server (20-30 min), writes an F32 GGUF of the
 # embedded model for it, then runs slotserve, llama.cpp and HF transformers side by side.
+# The benchmarks are a package, run as modules from the repository root.
 bench-peers: $(STAMP)
 	bash benchmarks/peers/build_llamacpp.sh
-	$(BIN)/python benchmarks/peers/write_f32_gguf.py \
+	$(BIN)/python -m benchmarks.peers.write_f32_gguf \
 	  "$$($(BIN)/python -c 'from slotserve.loader import default_model_path as d; print(d())')" \
 	  /tmp/smollm2-f32.gguf
-	$(BIN)/python benchmarks/perf.py --llama-server /tmp/llama-build/bin/llama-server \
+	$(BIN)/python -m benchmarks.perf --llama-server /tmp/llama-build/bin/llama-server \
 	  --llama-f32 /tmp/smollm2-f32.gguf --hf --out benchmarks/results/perf.json
-	$(BIN)/python benchmarks/int8_quality.py --out benchmarks/results/int8.json
+	$(BIN)/python -m benchmarks.int8_quality --out benchmarks/results/int8.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

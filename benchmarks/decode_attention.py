@@ -1,6 +1,6 @@
 """Decode attention, 30 layers' worth: the fused kernel against a baseline, interleaved.
 
-    .venv/bin/python benchmarks/decode_attention.py --baseline HEAD~1 \\
+    .venv/bin/python -m benchmarks.decode_attention --baseline HEAD~1 \\
         --out benchmarks/results/decode-attention.json
 
 SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, blocks of 16), each

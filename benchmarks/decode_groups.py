@@ -1,6 +1,6 @@
 """Decode attention in length groups vs one padded batch, on W with 16 slots (and static).
 
-    .venv/bin/python benchmarks/decode_groups.py --rounds 2
+    .venv/bin/python -m benchmarks.decode_groups --rounds 2
 
 With 16 slots, continuous batching mixes new requests (40-token contexts) with old ones (up
 to 420): one padded decode batch makes every sequence gather as many K/V blocks as the
@@ -17,8 +17,7 @@ import argparse
 import statistics
 import sys
 
-from perf import workload_w
-
+from benchmarks.perf import workload_w
 from slotserve.attention import metadata
 from slotserve.lab.bench import BenchSampling, EngineTarget, format_table, run_bench
 

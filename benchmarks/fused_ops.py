@@ -1,6 +1,6 @@
 """A/B/C: the fused CPU kernels, with and without the C++ decode stack, against torch ops.
 
-    .venv/bin/python benchmarks/fused_ops.py --batch 1 16 64 --out benchmarks/results/fused-ops.json
+    .venv/bin/python -m benchmarks.fused_ops --batch 1 16 64 --out benchmarks/results/fused-ops.json
 
 For each batch size (and fp32 / int8 weights), three engines on the embedded SmolLM2-135M
 with the same linear kernels: "stack" (the default: the fused kernels of
@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from profile_step import fill, time_steps
-
+from benchmarks.profile_step import fill, time_steps
 from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.bench import write_report

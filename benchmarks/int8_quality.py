@@ -1,6 +1,6 @@
 """Opt-in int8 weights: greedy agreement with fp32, and batch-1 decode speed, in one run.
 
-    .venv/bin/python benchmarks/int8_quality.py --out benchmarks/results/int8.json
+    .venv/bin/python -m benchmarks.int8_quality --out benchmarks/results/int8.json
 
 Quality bar (performance issue): greedy agreement with fp32 on at least 95% of tokens over
 32 prompts. Prompts: the built-in chat prompts with SmolLM2's chat template; 64 greedy

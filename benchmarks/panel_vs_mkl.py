@@ -1,6 +1,6 @@
 """fp32 linears over weight panels (the default) against MKL's packed GEMM, side by side.
 
-    .venv/bin/python benchmarks/panel_vs_mkl.py --rounds 3 \
+    .venv/bin/python -m benchmarks.panel_vs_mkl --rounds 3 \
         --out benchmarks/results/panel-vs-mkl.json
 
 Three comparisons, each interleaved round by round in one process so that the host's
@@ -17,8 +17,7 @@ import argparse
 import statistics
 import sys
 
-from perf import count_prompt_tokens, matmul_bound, measure_matmul_ms, workload_w
-
+from benchmarks.perf import count_prompt_tokens, matmul_bound, measure_matmul_ms, workload_w
 from slotserve.lab.bench import BenchSampling, EngineTarget, run_bench, write_report
 from slotserve.lab.workload import generate_workload
 

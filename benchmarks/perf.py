@@ -1,6 +1,6 @@
 """The CPU performance yardstick (issue "Performance on CPU"): floors, slotserve, peers.
 
-    .venv/bin/python benchmarks/perf.py --out benchmarks/results/perf.json
+    .venv/bin/python -m benchmarks.perf --out benchmarks/results/perf.json
     make bench-peers        # builds llama.cpp first, then runs this with every peer
 
 Workload W: 64 chat requests (prompts of about 20-60 tokens with the template), output
@@ -37,7 +37,7 @@ from slotserve.lab.bench import (
     write_report,
 )
 from slotserve.lab.workload import Workload, generate_workload
-from slotserve.server.launch import free_port
+from tests.support.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

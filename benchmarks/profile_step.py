@@ -1,6 +1,6 @@
 """Where does one decode iteration's time go? Median step time and a per-op breakdown.
 
-    .venv/bin/python benchmarks/profile_step.py --batch 1 16 64 --threads 1
+    .venv/bin/python -m benchmarks.profile_step --batch 1 16 64 --threads 1
 
 Builds the engine on the embedded SmolLM2-135M (fp32), fills the batch with `batch`
 requests of ~40-token prompts, lets them reach steady decode, then times `steps` iterations

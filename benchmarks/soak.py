@@ -1,6 +1,6 @@
 """Soak: many requests of a mixed workload against a real `slotserve serve`; nothing is lost.
 
-    .venv/bin/python benchmarks/soak.py --requests 1000 --concurrency 16 --json soak.json
+    .venv/bin/python -m benchmarks.soak --requests 1000 --concurrency 16 --json soak.json
 
 Starts `slotserve serve` on loopback (the embedded SmolLM2-135M; or --url for a running
 server, without the log and RSS checks) and warms it up: a burst of long prompts (so the
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from slotserve.server.launch import ServerProcess, ServerStartError, cli_flags, scrape_metrics
+from tests.support.launch import ServerProcess, ServerStartError, cli_flags, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"

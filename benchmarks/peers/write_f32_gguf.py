@@ -1,6 +1,6 @@
 """Write an F32 copy of a GGUF file: same metadata and tokenizer, every tensor dequantized.
 
-    .venv/bin/python benchmarks/peers/write_f32_gguf.py SRC.gguf DST.gguf
+    .venv/bin/python -m benchmarks.peers.write_f32_gguf SRC.gguf DST.gguf
 
 llama.cpp then runs the model on the same weights slotserve computes with (fp32), so the
 peer comparison is not also a comparison of quantizations. Tensors keep llama.cpp's layout
@@ -9,7 +9,7 @@ peer comparison is not also a comparison of quantizations. Tensors keep llama.cp
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import gguf
 import numpy as np
@@ -46,4 +46,9 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="the GGUF file to copy (any quantization)")
+    p.add_argument("dst", help="where to write the F32 copy")
+    args = p.parse_args()
+    main(args.src, args.dst)

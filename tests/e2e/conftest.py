@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.server import launch
-from slotserve.server.launch import STARTUP_TIMEOUT_S, cli_flags, free_port, scrape_metrics
+from tests.support import launch
+from tests.support.launch import STARTUP_TIMEOUT_S, cli_flags, free_port, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""slotserve.server.launch without a model: ports, flags, a server that cannot start."""
+"""tests.support.launch without a model: ports, flags, a server that cannot start."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from slotserve.server.launch import ServerProcess, ServerStartError, cli_flags, free_port
+from tests.support.launch import ServerProcess, ServerStartError, cli_flags, free_port
 
 
 def test_free_port_is_bindable_on_loopback():

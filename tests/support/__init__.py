@@ -1,0 +1,4 @@
+"""Test infrastructure shared by the tests and the benchmarks (not part of the slotserve package).
+
+- `launch`: `slotserve serve` as a subprocess on a free loopback port.
+"""
