@@ -17,7 +17,7 @@ Checked (each failure is listed; the exit status is 1 if any):
   n <= completion <= n x max_tokens, = n x max_tokens when every choice hit the length);
 - greedy outputs equal across repeats and equal to the offline API's (unless
   `--no-reference`), or differ first at a token the reference ranks in its top 5
-  (DESIGN.md's rule); seeded outputs equal across repeats;
+  (the near-tie rule of docs/ARCHITECTURE.md); seeded outputs equal across repeats;
 - server side (its log, by request id: the clients send X-Request-Id): each completed
   request logged n "finished" lines and no "aborted"; each cancelled one was aborted, or
   had finished before the disconnect reached it; none has neither (lost);
@@ -415,8 +415,8 @@ def reference_entry(tok, completion) -> dict:
 
 
 def near_tie(ref: dict, text: str) -> bool:
-    """DESIGN.md's rule, on text: where `text` first leaves the reference's tokens, it
-    continues with one of the reference's top-5 tokens at that position."""
+    """The near-tie rule (docs/ARCHITECTURE.md), on text: where `text` first leaves the
+    reference's tokens, it continues with one of the reference's top-5 tokens there."""
     for i, alternatives in enumerate(ref["alternatives"]):
         if not text.startswith(ref["prefixes"][i + 1]):
             return any(text.startswith(alt) or alt.startswith(text) for alt in alternatives)
