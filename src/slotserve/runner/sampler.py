@@ -1,9 +1,13 @@
 """Sampler: logits of the sampling positions -> one token per request, in one batch.
 
-Greedy rows take the argmax. Other rows: temperature, then top-k / top-p / min-p masks,
-then an exponential race (argmax of p / q with q ~ Exp(1)), which equals sampling from p.
-A seeded request draws q from its own generator, seeded by (seed, output index), so its
-tokens do not depend on the batch around it nor on preemption.
+Greedy rows (temperature < 1e-5) take the argmax. Other rows: temperature, then top-k /
+top-p / min-p masks, then an exponential race (argmax of p / q with q ~ Exp(1)), which equals
+sampling from p. A seeded request draws q from its own generator, seeded by (seed, output
+index), so its tokens do not depend on the batch around it nor on preemption.
+
+NOTE: every SamplingParams value reaches a tensor only after it is clamped to what the tensor
+holds (top_k to the vocabulary, temperature to float32's largest), and the most likely token
+of a row always survives the masks, so a row with one finite logit never samples a -inf one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from slotserve.core.outputs import ScheduledSeq
 from slotserve.sampling import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over 64 bits
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Sampler:
@@ -35,17 +40,22 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        probs = apply_filters(logits / temps[:, None], params).softmax(dim=-1)  # (R, V)
+        temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in params],
+                             dtype=torch.float32, device=logits.device)
+        scaled = _shift_to_max(logits.float()).div_(temps[:, None])  # <= 0, the max at 0
+        probs = apply_filters(scaled, params).softmax(dim=-1)  # (R, V)
         q = torch.empty_like(probs)
         for row, seq in enumerate(seqs):
             q[row].exponential_(generator=self._generator_for(seq))
+        # NOTE: a q of exactly 0 would make 0 / 0 = NaN for a masked token, and NaN wins argmax.
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
         return argmax_rows(probs / q)
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator:
         seed = seq.sampling_params.seed
         if seed is None:
             return self.generator
+        # NOTE: Python ints, reduced into [0, 2**63): any int64 seed (negative too) fits.
         mixed = (seed * _SEED_MIX + seq.num_output_tokens) % (2**63)
         return torch.Generator(device=self.device).manual_seed(mixed)
 
@@ -81,13 +91,33 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _shift_to_max(logits: torch.Tensor) -> torch.Tensor:
+    """Each row minus its max (a new tensor), so that dividing by a tiny temperature cannot
+    overflow: the max becomes 0, the rest <= 0.
+
+    Rows whose max is not finite (a NaN, a +inf, all -inf) take the slow way: NaN logits count
+    as -inf, entries equal to the row's max become 0 (inf - inf would be NaN), so a +inf row
+    keeps only its +inf tokens and an all -inf row becomes uniform.
+    """
+    row_max = logits.amax(dim=-1, keepdim=True)  # NaN where the row holds a NaN
+    if bool(row_max.isfinite().all()):
+        return logits - row_max
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    row_max = logits.amax(dim=-1, keepdim=True)
+    return (logits - row_max).masked_fill(logits == row_max, 0.0)
+
+
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (set to -inf) tokens outside each row's top-k, top-p and min-p sets."""
-    top_k = [p.top_k for p in params]
+    """Mask (set to -inf) tokens outside each row's top-k, top-p and min-p sets.
+
+    NOTE: each row's most likely token always stays (top_k >= 1, rank 0 is exempt from top_p,
+    and min_p <= 1 keeps the max), so a row with a finite logit keeps a finite one.
+    """
+    vocab = logits.shape[-1]
+    top_k = [k if 0 < k < vocab else vocab for k in (p.top_k for p in params)]  # clamped
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
-    vocab = logits.shape[-1]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p, vocab)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
@@ -97,13 +127,16 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _top_k_top_p(logits, top_k: list[int], top_p: list[float], vocab: int) -> torch.Tensor:
+    """top_k: each in [1, vocab] (the caller clamps it)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R, V)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    k = torch.tensor(top_k, dtype=torch.int64, device=logits.device)
     remove = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    p = torch.tensor(top_p, device=logits.device)[:, None]
-    remove |= mass_before >= p  # NOTE: the top token always stays (mass_before == 0 < p)
+    p = torch.tensor(top_p, dtype=torch.float32, device=logits.device)[:, None]
+    # NOTE: rank 0 always stays: a top_p below float32's smallest (1e-50) rounds to 0, and
+    # mass_before (0) >= 0 would mask every token.
+    remove |= (mass_before >= p) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
