@@ -98,9 +98,9 @@ class SchedulerConfig:
     max_num_seqs: slots in the running batch.
     max_num_batched_tokens: token budget of one iteration (prefill chunks + decodes).
     max_model_len: longest sequence (prompt + output) a request may reach.
-    max_waiting: most requests waiting for a slot; past it new ones are refused (HTTP 429).
-        None: unbounded. NOTE: AsyncEngine enforces it (it reads it from here); the
-        scheduler itself never refuses a request for it.
+    max_waiting: most sequences waiting for a slot (a request with n completions counts n);
+        past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
+        enforces it (it reads it from here); the scheduler never refuses a request for it.
     """
 
     max_num_seqs: int = 16

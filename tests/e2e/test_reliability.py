@@ -149,16 +149,22 @@ def test_sigint_drain_timeout_aborts_with_an_error_event(pressured):
 
 # --------------------------------------------------------------------------- faults
 class FaultOnce:
-    """runner.execute that raises once, on the first plan matching `when`."""
+    """runner.execute that raises in one iteration, the first whose plan matches `when`, for
+    every plan of it holding one of that plan's requests: the engine retries a failed
+    iteration in smaller groups, so each of them must also fail on its own."""
 
     def __init__(self, execute, when) -> None:
         self.execute = execute
         self.when = when
         self.failed: list[str] | None = None  # the request ids of the failed iteration
+        self.iteration: int | None = None
 
     def __call__(self, plan):
         if self.failed is None and self.when(plan):
             self.failed = [seq.request_id for seq in plan.seqs]
+            self.iteration = plan.iteration
+        if plan.iteration == self.iteration and any(
+                seq.request_id in self.failed for seq in plan.seqs):
             raise RuntimeError("injected fault")
         return self.execute(plan)
 

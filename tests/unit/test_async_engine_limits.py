@@ -1,8 +1,10 @@
-"""AsyncEngine's waiting bound: one source of truth, the engine's SchedulerConfig."""
+"""AsyncEngine's waiting bound: one source of truth, the engine's SchedulerConfig; it counts
+sequences (n per request)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -28,3 +30,64 @@ def test_an_explicit_bound_is_written_to_the_config(tiny_llama):
     assert engine.engine.scheduler_config.max_waiting == engine.max_waiting == 2
     engine.max_waiting = None
     assert engine.engine.scheduler_config.max_waiting is None
+
+
+async def admit(engine: AsyncEngine, request_id: str, n: int) -> None:
+    """Open a stream on an engine whose thread is not running: it stays queued (returns)
+    or is refused (raises)."""
+    outputs = engine.generate(request_id, [5, 6, 7], SamplingParams(n=n, max_tokens=1))
+    first = asyncio.ensure_future(anext(outputs))
+    await asyncio.sleep(0.01)
+    if first.done():
+        first.result()  # the refusal
+        raise AssertionError("an output without an engine thread")
+    first.cancel()  # the consumer leaves; its sequences stay queued as a command
+
+
+def test_the_bound_counts_sequences_not_requests(tiny_llama):
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16, max_waiting=4))
+
+    async def scenario():
+        await admit(engine, "three", n=3)
+        with pytest.raises(QueueFullError, match="3 sequences are waiting"):
+            await admit(engine, "two", n=2)  # 3 + 2 > 4
+        await admit(engine, "one", n=1)  # 3 + 1 == 4
+        with pytest.raises(QueueFullError):
+            await admit(engine, "another", n=1)
+
+    asyncio.run(scenario())
+
+
+def test_n_beyond_the_bound_can_never_be_admitted(tiny_llama):
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16, max_waiting=4))
+    with pytest.raises(ValueError, match="n=5"):
+        asyncio.run(admit(engine, "five", n=5))
+    asyncio.run(admit(engine, "four", n=4))  # exactly the bound: queued
+
+
+def test_waiting_completions_in_the_scheduler_count_too(tiny_llama):
+    """Once the engine thread has moved a request's completions to the scheduler's waiting
+    queue, each of them still counts."""
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16, max_num_seqs=1,
+                                     max_waiting=3))
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        running = engine.generate("running", [5, 6, 7], long)
+        await asyncio.wait_for(anext(running), 60)  # it holds the only slot
+        waiting = engine.generate("waiting", [5, 6, 7], SamplingParams(n=3, max_tokens=1))
+        first = asyncio.ensure_future(anext(waiting))
+        deadline = time.monotonic() + 60
+        while engine.engine.scheduler.num_waiting < 3:  # the engine thread saw it
+            assert time.monotonic() < deadline and not first.done()
+            await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError, match="3 sequences are waiting"):
+            await admit(engine, "refused", n=1)
+        first.cancel()
+        await running.aclose()
+
+    engine.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()

@@ -3,6 +3,17 @@
 The event loop never waits on a forward pass: requests and aborts are queued as commands
 that the engine thread applies at the next iteration boundary, and outputs travel back
 with `loop.call_soon_threadsafe`.
+
+Fault isolation (NOTE: no request, client or tenant may harm another):
+- LLMEngine.step fails only the requests that make the forward or sampling raise, and
+  only the request whose output could not be built;
+- a fault applying one command fails that request; one listener's fault is logged; a
+  stream that cannot take an output (its event loop is gone) loses its request only;
+- a fault that escapes step() (schedule, update) fails the requests in flight, and the
+  loop goes on;
+- the loop dies only if recovering fails, the engine's invariants break, or
+  MAX_CONSECUTIVE_STEP_FAULTS iterations in a row raise: then `healthy` is False, every
+  waiting caller gets EngineDeadError at once and new `generate` calls raise it.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from slotserve.sampling import SamplingParams
 
 logger = logging.getLogger("slotserve.engine")
 
+MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (HTTP 429)."""
@@ -28,6 +41,10 @@ class QueueFullError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down and admits nothing new (HTTP 503)."""
+
+
+class EngineDeadError(EngineClosedError):
+    """The engine loop stopped after a fault it could not recover from (HTTP 503)."""
 
 
 @dataclass
@@ -52,12 +69,16 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and _queued
-        self._queued = 0  # added, not yet seen by the engine thread
+        self._lock = threading.Lock()  # guards _streams, _queued_adds, _queued_seqs, _fatal
+        self._queued_adds: dict[str, int] = {}  # request id -> "add" commands not applied yet
+        self._queued_seqs = 0  # sequences (n per request) added, not yet seen by the engine
         self._stopping = False
         self._accepting = True
+        self._fatal: EngineDeadError | None = None  # set once, when the loop dies
+        self._step_faults = 0  # consecutive iterations whose step() raised
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
         self._step_listeners: list = []
+        self._listener_faults: dict = {}  # listener -> faults so far (logged in full once)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -72,8 +93,18 @@ class AsyncEngine:
         """Refuse new requests from now on (graceful shutdown)."""
         self._accepting = False
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine loop has died (it serves nothing more; /health: 503)."""
+        if self._fatal is not None:
+            return False
+        started = self._thread.ident is not None
+        return not started or self._thread.is_alive() or self._stopping
+
     def add_step_listener(self, callback) -> None:
-        """callback(list[RequestOutput]) after every iteration, in the engine thread."""
+        """callback(list[RequestOutput]) after every iteration, in the engine thread.
+
+        A listener that raises is logged and harms nothing else."""
         self._step_listeners.append(callback)
 
     def remove_step_listener(self, callback) -> None:
@@ -82,7 +113,13 @@ class AsyncEngine:
 
     @property
     def max_waiting(self) -> int | None:
-        """The bound on waiting requests (None: unbounded): SchedulerConfig.max_waiting."""
+        """The bound on waiting SEQUENCES (None: unbounded): SchedulerConfig.max_waiting.
+
+        A request with n completions counts n, from the moment `generate` admits it (before
+        the engine thread has seen it) until the scheduler runs each completion; preempted
+        completions waiting to resume count too. A request that would take the count past
+        the bound is refused with QueueFullError (HTTP 429); one whose n alone exceeds a
+        positive bound can never be admitted: ValueError (HTTP 400)."""
         return self.engine.scheduler_config.max_waiting
 
     @max_waiting.setter
@@ -104,6 +141,10 @@ class AsyncEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but this server fits at most {limit} tokens "
                 "per sequence; the prompt and at least one output token must fit")
+        bound = self.max_waiting
+        if bound and params.n > bound:  # NOTE: a bound of 0 refuses everything: 429, not 400
+            raise ValueError(f"n={params.n} completions can never be queued: this server "
+                             f"queues at most {bound} sequences (--max-waiting)")
         return ids
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -129,22 +170,31 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     def _open(self, request_id: str, prompt: Prompt, params: SamplingParams) -> _Stream:
+        self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         ids = self.validate(prompt, params)
         text = prompt if isinstance(prompt, str) else None
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), params.n)
         with self._lock:
+            self._raise_if_dead()  # NOTE: under the lock that _die sweeps the streams with
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            waiting = self.engine.scheduler.num_waiting + self._queued
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFullError(f"{waiting} requests are waiting (--max-waiting)")
+            waiting = self.engine.scheduler.num_waiting + self._queued_seqs
+            bound = self.max_waiting
+            if bound is not None and waiting + params.n > bound:
+                raise QueueFullError(f"{waiting} sequences are waiting and this request adds "
+                                     f"{params.n}; the bound is {bound} (--max-waiting)")
             self._streams[request_id] = stream
-            self._queued += 1
+            self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
+            self._queued_seqs += params.n
         self._commands.put(("add", request_id, (text, ids), params))
         self._wakeup.set()
         return stream
+
+    def _raise_if_dead(self) -> None:
+        if self._fatal is not None:
+            raise EngineDeadError(str(self._fatal))
 
     def abort(self, request_id: str) -> None:
         """Abort by the next iteration boundary; its blocks return then."""
@@ -153,37 +203,76 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # NOTE: never a silent death: callers must not hang
+            logger.critical("the engine loop died", exc_info=exc)
+            self._die(exc)
+            return
+        self._end_streams(EngineClosedError, "the server is shutting down")
+
+    def _loop(self) -> None:
+        """Iterations until stop(); raises only when the engine cannot go on."""
         while not self._stopping:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # NOTE: the loop survives; the requests in flight fail
-                logger.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            self._dispatch(outputs)
-            for listener in list(self._step_listeners):
-                listener(outputs)
+            outputs, fault = self._step()
+            self._deliver(outputs)
+            self._notify(outputs)
+            if fault is not None:
+                self._end_streams(RuntimeError, fault, self._orphaned)
+                if self._step_faults >= MAX_CONSECUTIVE_STEP_FAULTS:
+                    raise EngineDeadError(f"{self._step_faults} engine iterations in a row "
+                                          f"failed; the last: {fault}")
+
+    def _step(self) -> tuple[list[RequestOutput], str | None]:
+        """One engine step: (outputs, None), or on a fault that escaped step()'s isolation,
+        (the error results of every request in flight, the error message).
+
+        Raises (the loop dies) if failing the requests raises or leaves the engine broken.
+        """
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_faults += 1
+            logger.exception("engine iteration failed (%d in a row): failing the requests in "
+                             "flight", self._step_faults)
+            message = f"engine error: {type(exc).__name__}: {exc}"
+            outputs = self.engine.fail_all(message)
+            self.engine.check_integrity()
+            return outputs, message
+        self._step_faults = 0
+        return outputs, None
 
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, request_id, prompt, params = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._add(request_id, prompt, params)
-            else:
-                self.engine.abort_request(request_id)
+            try:
+                self._apply(*command)
+            except Exception as exc:  # NOTE: costs this command's request only
+                logger.exception("applying %s of %s failed", command[0], command[1])
+                if command[0] == "add":
+                    self._fail_streams([command[1]], f"engine error: {type(exc).__name__}: {exc}")
+
+    def _apply(self, kind: str, request_id: str, prompt, params) -> None:
+        if kind == "add":
+            self._add(request_id, prompt, params)
+        else:
+            self.engine.abort_request(request_id)
 
     def _add(self, request_id: str, prompt: tuple, params: SamplingParams) -> None:
         text, ids = prompt
         with self._lock:
-            self._queued -= 1
+            self._queued_seqs -= params.n
+            left = self._queued_adds.pop(request_id) - 1
+            if left:
+                self._queued_adds[request_id] = left
             stream = self._streams.get(request_id)
         if stream is None:
             return  # the client left before the engine saw the request
@@ -192,18 +281,73 @@ class AsyncEngine:
         except ValueError as exc:
             stream.put(exc)
 
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Dispatch; if that raises, the requests whose outputs may be lost fail (only they)."""
+        try:
+            self._dispatch(outputs)
+        except Exception as exc:
+            logger.exception("dispatching the outputs failed")
+            ids = list(dict.fromkeys(out.request_id for out in outputs))
+            self._fail_streams(ids, f"engine error: {type(exc).__name__}: {exc}")
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+            targets = [(out, self._streams.get(out.request_id)) for out in outputs]
+        for out, stream in targets:
+            if stream is None:
+                continue
+            try:
+                stream.put(out)
+            except Exception:  # its event loop is closed: nobody can read it any more
+                logger.warning("the stream of %s is gone; aborting it", out.request_id,
+                               exc_info=True)
+                with self._lock:
+                    self._streams.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
 
-    def _fail_all(self, exc: Exception) -> None:
-        """A step raised outside the forward: end every request, keep the thread alive."""
-        self.engine.abort_all()
-        with contextlib.suppress(Exception):  # NOTE: a second fault must not kill the thread
-            self.engine.step()  # drains the abort outputs; the streams get the error below
+    def _fail_streams(self, request_ids: list[str], message: str) -> None:
+        """End these requests in the engine and send their streams the error (each guarded)."""
+        for request_id in request_ids:
+            with contextlib.suppress(Exception):
+                self.engine.fail_request(request_id, message)
+            with self._lock:
+                stream = self._streams.get(request_id)
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.put(RuntimeError(message))
+
+    def _notify(self, outputs: list[RequestOutput]) -> None:
+        for listener in list(self._step_listeners):
+            try:
+                listener(outputs)
+            except Exception:
+                faults = self._listener_faults.get(listener, 0) + 1
+                self._listener_faults[listener] = faults
+                log = logger.exception if faults == 1 else logger.debug
+                log("step listener %r failed (%d times)", listener, faults)
+
+    def _orphaned(self, request_id: str) -> bool:
+        """The stream waits on a request that the engine no longer has nor has yet to add."""
+        return request_id not in self._queued_adds and not self.engine.has_request(request_id)
+
+    def _end_streams(self, error: type[Exception], message: str, which=None) -> None:
+        """Put error(message) into every stream, or those whose request id `which` selects.
+
+        NOTE: after a final output it is never read; before one, it ends the caller's wait.
+        """
         with self._lock:
-            for stream in self._streams.values():
-                stream.put(RuntimeError(f"engine error: {exc}"))
+            streams = [s for rid, s in self._streams.items() if which is None or which(rid)]
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                stream.put(error(message))
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop cannot go on: refuse everything, fail every waiting caller at once."""
+        fatal = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+            f"the engine stopped after an internal error: {type(exc).__name__}: {exc}")
+        with self._lock:
+            self._fatal = fatal
+            self._accepting = False
+        self._end_streams(EngineDeadError, str(fatal))
+        with contextlib.suppress(Exception):  # free what it can (nothing runs any more)
+            self.engine.fail_all(str(fatal))

@@ -3,6 +3,12 @@
     plan   = scheduler.schedule()         # which requests run now, how many tokens each
     result = runner.execute(plan)         # ONE forward over a ragged batch, then sampling
     done   = scheduler.update(plan, result)   # append tokens, check stops, free blocks
+
+Fault isolation: a request must not be able to fail another. An iteration whose forward or
+sampling raises is retried in smaller groups (bisection down to single requests) and only the
+request(s) that still raise on their own fail; a fault while building one request's output
+fails that request only. Faults outside those (schedule(), update()) escape `step()`; the
+caller (AsyncEngine) then fails what is in flight with `fail_all`.
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 
 from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager
-from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slotserve.obs.trace import TraceRecorder
@@ -114,20 +121,32 @@ class LLMEngine:
         text = text if text is not None else prompt_text
         children = [self._new_sequence(request_id, i, text, ids, params, arrival)
                     for i in range(params.n)]
-        for i, seq in enumerate(children):
-            try:
-                self.scheduler.add_request(seq.request)
-            except ValueError:
-                for added in children[:i]:
-                    self.scheduler.abort_request(added.request.request_id)
-                raise
+        try:
+            self._register(request_id, children)
+        except BaseException:
+            self._unregister(request_id, children)
+            raise
+        self.stats.prompt_tokens += len(ids) * params.n
+
+    def _register(self, request_id: str, children: list[_Sequence]) -> None:
+        for seq in children:
+            self.scheduler.add_request(seq.request)
         for seq in children:
             req = seq.request
             self._sequences[req.request_id] = seq
             self.trace.request_arrived(req.request_id, req.times.arrival,
                                        self.scheduler.iteration, req.num_prompt_tokens)
         self._parents[request_id] = [s.request.request_id for s in children]
-        self.stats.prompt_tokens += len(ids) * params.n
+
+    def _unregister(self, request_id: str, children: list[_Sequence]) -> None:
+        """Undo a partial `_register` (NOTE: add_request is all or nothing)."""
+        for seq in children:
+            child_id = seq.request.request_id
+            if self.scheduler.requests.get(child_id) is seq.request:
+                self.scheduler.abort_request(child_id)
+            if self._sequences.get(child_id) is seq:
+                del self._sequences[child_id]
+        self._parents.pop(request_id, None)  # add_request checked it was not in use
 
     def _new_sequence(self, parent_id: str, index: int, text: str | None, ids: list[int],
                       params: SamplingParams, arrival: float | None) -> _Sequence:
@@ -146,43 +165,164 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its completions); its blocks are free when this returns."""
-        for child_id in self._parents.get(request_id, []):
+        for child_id in list(self._parents.get(request_id, [])):
             request = self.scheduler.abort_request(child_id)
             if request is not None:
-                self._pending.append(self._process(self._sequences[child_id]))
+                self._pending.append(self._emit(self._sequences[child_id]))
 
     def abort_all(self) -> None:
         """Abort every request (their outputs come with the next step)."""
         for request_id in list(self._parents):
             self.abort_request(request_id)
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End a request (all its completions) with an error result, which comes with the
+        next step; its blocks are free when this returns."""
+        for child_id in list(self._parents.get(request_id, [])):
+            seq = self._sequences.get(child_id)
+            if seq is not None:
+                self._pending.append(self._fail_sequence(seq, message))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error result now (an iteration failed beyond isolation).
+
+        Returns the outputs still pending (aborts) and the error results. Afterwards the
+        engine holds no request and every KV block is free.
+        """
+        outputs, self._pending = self._pending, []
+        for seq in list(self._sequences.values()):
+            outputs.append(self._fail_sequence(seq, message))
+        for request_id in list(self.scheduler.requests):  # NOTE: none without a _Sequence
+            self.scheduler.fail_requests([request_id], message)
+        self._parents.clear()
+        return outputs
+
+    def has_request(self, request_id: str) -> bool:
+        """Some completion of this request is still in the engine."""
+        return request_id in self._parents
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every completion that changed."""
-        outputs, self._pending = self._pending, []
+        """Run one iteration; return an output for every completion that changed.
+
+        NOTE: a fault in the forward or sampling fails only the requests that raise on their
+        own (see `_execute_isolated`); a fault building one request's output fails that one.
+        """
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        outputs, self._pending = self._pending, []  # NOTE: after schedule(): if it raises,
+        if plan.is_empty:                            # fail_all still returns them
             return outputs
         start = time.monotonic()
-        try:
-            result = self.runner.execute(plan)
-        except Exception as exc:  # NOTE: a failed iteration fails only its own requests
-            logger.exception("iteration %d failed", plan.iteration)
-            return outputs + self._fail(plan, exc)
+        result, culprits = self._execute_isolated(plan)
+        outputs += self._fail_culprits(culprits)
         touched = self.scheduler.update(plan, result)
-        outputs += [self._process(self._sequences[r.request_id]) for r in touched]
-        end = time.monotonic()
-        self.trace.record(plan, start, end)
-        self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
+        outputs += [self._emit(self._sequences[r.request_id]) for r in touched]
+        self._observe(plan, result, start, time.monotonic())
         return outputs
 
-    def _fail(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        ids = [seq.request_id for seq in plan.seqs]
-        failed = self.scheduler.fail_requests(ids, f"{type(exc).__name__}: {exc}")
-        return [self._process(self._sequences[r.request_id]) for r in failed]
+    def _execute_isolated(self, plan: SchedulerOutput
+                          ) -> tuple[RunnerOutput, list[tuple[ScheduledSeq, Exception]]]:
+        """runner.execute(plan); if it raises, find the requests that cause it by bisection.
+
+        Returns the tokens of the requests that ran and the culprits with their exception.
+
+        NOTE: retrying is sound because a failed execute changes nothing the retry depends
+        on: num_computed_tokens only moves in scheduler.update, each ScheduledSeq keeps its
+        positions and block table, so a retry rewrites the same K/V into the same slots
+        (each sequence attends only to its own blocks), and a seeded request's sampler draws
+        from a generator seeded by (seed, output index). Unseeded random requests draw
+        from the runner's shared generator, which a failed attempt may have advanced.
+        """
+        try:
+            return self.runner.execute(plan), []
+        except Exception as exc:
+            if len(plan.seqs) == 1:
+                return RunnerOutput(sampled={}), [(plan.seqs[0], exc)]
+            logger.warning("iteration %d failed (%s: %s); retrying its %d requests in smaller "
+                           "groups", plan.iteration, type(exc).__name__, exc, len(plan.seqs))
+        merged = RunnerOutput(sampled={}, logprobs={})
+        culprits: list[tuple[ScheduledSeq, Exception]] = []
+        self._bisect(plan, plan.seqs, merged, culprits)
+        return merged, culprits
+
+    def _bisect(self, plan: SchedulerOutput, seqs: list[ScheduledSeq], merged: RunnerOutput,
+                culprits: list[tuple[ScheduledSeq, Exception]]) -> None:
+        """Run seqs' two halves separately; split again any half that raises."""
+        middle = len(seqs) // 2
+        for half in (seqs[:middle], seqs[middle:]):
+            try:
+                result = self.runner.execute(replace(plan, seqs=half))
+            except Exception as exc:
+                if len(half) == 1:
+                    culprits.append((half[0], exc))
+                else:
+                    self._bisect(plan, half, merged, culprits)
+                continue
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+
+    def _fail_culprits(self, culprits: list[tuple[ScheduledSeq, Exception]]
+                       ) -> list[RequestOutput]:
+        outputs = []
+        for seq, exc in culprits:
+            logger.error("request %s failed the iteration on its own: %s: %s",
+                         seq.request_id, type(exc).__name__, exc, exc_info=exc)
+            failed = self.scheduler.fail_requests([seq.request_id],
+                                                  f"{type(exc).__name__}: {exc}")
+            outputs += [self._emit(self._sequences[r.request_id]) for r in failed]
+        return outputs
+
+    def _observe(self, plan: SchedulerOutput, result: RunnerOutput, start: float,
+                 end: float) -> None:
+        """Trace and statistics (NOTE: a fault there, e.g. a trace listener's, harms no
+        request)."""
+        try:
+            self.trace.record(plan, start, end)
+            self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
+        except Exception:
+            logger.exception("recording iteration %d failed", plan.iteration)
+
+    def _emit(self, seq: _Sequence) -> RequestOutput:
+        """`_process`, or, if that raises, an error result for this completion only."""
+        try:
+            return self._process(seq)
+        except Exception as exc:
+            logger.exception("building the output of %s failed", seq.request.request_id)
+            return self._fail_sequence(seq, f"{type(exc).__name__}: {exc}")
+
+    def _fail_sequence(self, seq: _Sequence, message: str) -> RequestOutput:
+        """End one completion with an error result, without the detokenizer or stop checks.
+
+        Its blocks are free and the engine forgets it when this returns; the output repeats
+        the text already sent (no new text: building that is what may have failed).
+        """
+        request = seq.request
+        request_id = request.request_id
+        if self.scheduler.requests.get(request_id) is request:
+            self.scheduler.fail_requests([request_id], message)
+        else:  # it finished already (its output failed to build): the error is the result
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = message
+            if request.times.finished is None:
+                request.times.finished = time.monotonic()
+        metrics = None
+        with suppress(Exception):
+            metrics = RequestMetrics.of(request)
+        sent = seq.sent_tokens
+        completion = CompletionOutput(
+            index=seq.index, text=seq.text[:seq.sent_text_len],
+            token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
+            delta_token_ids=list(request.output_token_ids[sent:]), metrics=metrics)
+        try:
+            self._forget(seq)
+        except Exception:
+            logger.exception("forgetting %s failed", request_id)
+            self._drop(seq)
+        return RequestOutput(seq.parent_id, seq.prompt, list(request.prompt_token_ids),
+                             [completion], error=message)
 
     def _process(self, seq: _Sequence) -> RequestOutput:
         """Detokenize the new tokens, check stop strings, build the output."""
@@ -241,16 +381,28 @@ class LLMEngine:
 
     def _forget(self, seq: _Sequence) -> None:
         request = seq.request
-        self._sequences.pop(request.request_id, None)
-        siblings = self._parents.get(seq.parent_id, [])
-        if all(sid not in self._sequences for sid in siblings):
-            self._parents.pop(seq.parent_id, None)
+        self._drop(seq)
         self.trace.request_finished(request.request_id, self.scheduler.iteration - 1,
                                     request.finish_reason or "", len(request.output_token_ids))
         self.stats.on_finish(request)
 
+    def _drop(self, seq: _Sequence) -> None:
+        """Remove a finished completion (and its request once all completions finished)."""
+        self._sequences.pop(seq.request.request_id, None)
+        siblings = self._parents.get(seq.parent_id, [])
+        if all(sid not in self._sequences for sid in siblings):
+            self._parents.pop(seq.parent_id, None)
+
     def check_integrity(self) -> None:
+        """Assert the scheduler's invariants and that every request the engine tracks is
+        the scheduler's (or pending output)."""
         self.scheduler.check_integrity()
+        # NOTE: between steps a finished completion is forgotten already
+        assert set(self._sequences) == set(self.scheduler.requests), "engine and scheduler differ"
+        for child_id, seq in self._sequences.items():
+            assert self.scheduler.requests[child_id] is seq.request, f"{child_id} is stale"
+        for request_id, children in self._parents.items():
+            assert any(c in self._sequences for c in children), f"{request_id} is stale"
 
 
 @dataclass
