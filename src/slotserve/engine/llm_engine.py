@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 
 from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager
@@ -272,17 +272,21 @@ class EngineStats:
     busy_seconds: float = 0.0
     slot_iterations_busy: int = 0
     finished_by_reason: dict = field(default_factory=dict)
-    kv: KVCacheManager | None = field(default=None, repr=False, compare=False)
+    # NOTE: an InitVar, not a field: asdict() of the stats must not copy the KV manager.
+    kv: InitVar[KVCacheManager | None] = None
+
+    def __post_init__(self, kv: KVCacheManager | None) -> None:
+        self._kv = kv
 
     @property
     def prefix_cache_queries(self) -> int:
-        """Prompt (and recomputed) tokens looked up in the prefix cache, per admission."""
-        return self.kv.prefix_cache_queries if self.kv is not None else 0
+        """Tokens looked up in the prefix cache: a request's length at each admission."""
+        return self._kv.prefix_cache_queries if self._kv is not None else 0
 
     @property
     def prefix_cache_hits(self) -> int:
         """Of those, tokens found cached (not computed again)."""
-        return self.kv.prefix_cache_hits if self.kv is not None else 0
+        return self._kv.prefix_cache_hits if self._kv is not None else 0
 
     def on_step(self, plan: SchedulerOutput, result: RunnerOutput, seconds: float,
                 preemptions: int) -> None:
