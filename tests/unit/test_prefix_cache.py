@@ -182,8 +182,8 @@ def test_generated_tokens_are_cached_for_the_next_turn():
     turn2 = make_request("t2", history + [50, 51, 52], 2)
     sched.add_request(turn2)
     step(sched, runner)
-    # The last generated token's K/V was never computed (its block was partial), so the
-    # hit is the 3 full blocks: 12 tokens, 8 of them the first turn's answer... and prompt.
+    # Turn 1 computed the K/V of its first 12 tokens (never of its last sampled one): 3 full
+    # blocks, 6 prompt and 6 answer tokens, all hit by turn 2.
     assert turn2.num_cached_tokens == 12
 
 
