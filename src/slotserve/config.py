@@ -78,11 +78,15 @@ class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` token positions (all layers).
 
     When `num_blocks` is None the pool is sized from `memory_bytes`, or from free memory.
+    enable_prefix_caching: full blocks of computed K/V are kept under a hash of their tokens
+    (and everything before them) and shared by later requests with the same prefix (on by
+    default, as in vLLM).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -64,7 +64,11 @@ class Request:
 
     NOTE: `num_computed_tokens` counts the positions whose K/V are in the cache. The tokens
     still to process are all_token_ids[num_computed_tokens:]; preemption resets it to 0 and
-    keeps the generated tokens, so the request resumes by recomputing them.
+    keeps the generated tokens, so the request resumes by recomputing them (from the prefix
+    cache where its blocks are still there).
+    cache_salt: requests with different salts never share cached blocks.
+    num_cached_tokens: prompt tokens its first prefill found in the prefix cache.
+    block_hashes: hashes of its full blocks of tokens (the KV manager fills them in).
     """
 
     request_id: str
@@ -79,6 +83,9 @@ class Request:
     slot: int | None = None
     num_preemptions: int = 0
     error: str | None = None
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     times: RequestTimes = field(default_factory=RequestTimes)
 
     @property

@@ -1,8 +1,17 @@
-"""KVCacheManager: each request's block table, grown on demand."""
+"""KVCacheManager: each request's block table, grown on demand, with prefix caching.
+
+Prefix caching (as vLLM v1): once a full block's K/V are computed, the block is registered
+under the hash of its tokens and of everything before them (`block_pool.hash_block`). A
+request that starts with the same tokens finds those blocks (`get_computed_blocks`), shares
+them, and starts computing after them.
+"""
 
 from __future__ import annotations
 
-from slotserve.core.block_pool import BlockPool
+from collections import Counter
+
+from slotserve.core.block_pool import BlockHash, BlockPool, hash_block
+from slotserve.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -14,12 +23,25 @@ class KVCacheManager:
 
     NOTE: a request with n cached-or-scheduled token positions holds exactly
     ceil(n / block_size) blocks; blocks are taken only when a new position needs one.
+    NOTE (prefix caching): the first `num_cached_blocks(id)` blocks of a table are full and
+    computed, so never written again; only they may be shared or carry a hash. Every block
+    after them is held by this one request alone and has no hash. `check_integrity` asserts
+    it; the scheduler asserts that a request's computed tokens cover its cached blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        # Hashes of allocated blocks whose tokens are known but whose K/V are being computed
+        # (so another request with that prefix may wait for them instead of computing them).
+        self._in_flight: Counter[BlockHash] = Counter()
+        self._in_flight_of: dict[str, dict[int, BlockHash]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up (a request's length, per admission)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     @property
     def num_blocks(self) -> int:
@@ -31,39 +53,192 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use."""
+        """Fraction of blocks in use (cached free blocks count as free: they are evictable)."""
         return self.pool.num_used / self.pool.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> list[int] | None:
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request's table that are full, computed and hash-checked."""
+        return self._num_cached_blocks.get(request_id, 0)
+
+    # ----------------------------------------------------------------- hashes and lookups
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks of tokens (computed once, kept on the request)."""
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            tokens = request.all_token_ids
+            size = self.block_size
+            for i in range(len(hashes), num_full):
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size],
+                                         request.cache_salt))
+        return hashes
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        """Blocks a hit may cover: the last token is always computed (its logits are needed),
+        and the block it is written into must be the request's own, so whole blocks before it.
+        """
+        return (request.num_tokens - 1) // self.block_size
+
+    def _longest_hit(self, request: Request, first_block: int) -> list[int]:
+        hashes = self.block_hashes(request)
+        blocks: list[int] = []
+        for block_hash in hashes[first_block:self._max_hit_blocks(request)]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of a request that holds no blocks: (blocks, tokens).
+
+        A pure lookup: it takes nothing (pass the blocks to `allocate_slots`).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        blocks = self._longest_hit(request, 0)
+        return blocks, len(blocks) * self.block_size
+
+    def next_block_in_flight(self, request: Request, num_blocks_held: int) -> bool:
+        """Whether the block after the request's first `num_blocks_held` blocks could be a
+        hit, but another request is computing it now (so waiting for it saves its compute)."""
+        if not self._in_flight or num_blocks_held >= self._max_hit_blocks(request):
+            return False
+        hashes = self.block_hashes(request)
+        return self._in_flight[hashes[num_blocks_held]] > 0
+
+    # ----------------------------------------------------------------- taking blocks
+    def allocate_slots(self, request: Request, num_total_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
         """Grow the table so it covers `num_total_tokens` positions.
 
+        computed_blocks: for a request being admitted, `get_computed_blocks`'s blocks (maybe
+        none): they start its table (shared) and the lookup counts as a prefix-cache query.
         Returns the new blocks, or None (and takes nothing) when too few are free.
         """
-        table = self.block_tables.setdefault(request_id, [])
-        needed = self.blocks_for(num_total_tokens) - len(table)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free:
-            if not table:
-                del self.block_tables[request_id]
+        request_id = request.request_id
+        computed = computed_blocks or []
+        held = len(self.block_tables.get(request_id, ()))
+        if computed and held:
+            raise RuntimeError(f"{request_id}: cached blocks given to a request holding blocks")
+        needed = max(0, self.blocks_for(num_total_tokens) - held - len(computed))
+        # NOTE: touching a free cached block takes it out of the free queues too.
+        if needed + self.pool.num_free_among(computed) > self.pool.num_free:
             return None
+        table = self.block_tables.setdefault(request_id, [])
+        if computed_blocks is not None and self.enable_prefix_caching:
+            self._take_hit(request, computed)
+            self.prefix_cache_queries += request.num_tokens
         new_blocks = self.pool.allocate(needed)
         table.extend(new_blocks)
+        self._mark_in_flight(request, len(table) - needed)
         return new_blocks
+
+    def extend_computed(self, request: Request) -> int:
+        """Share cached blocks right after a running request's computed prefix.
+
+        Only a request whose blocks are all computed and full can take more (nothing of its
+        own is allocated past them). Returns the tokens gained; the caller advances
+        `num_computed_tokens` by that much.
+        """
+        table = self.block_tables.get(request.request_id)
+        if not self.enable_prefix_caching or table is None:
+            return 0
+        if request.num_computed_tokens != len(table) * self.block_size:
+            return 0
+        blocks = self._longest_hit(request, len(table))
+        self._take_hit(request, blocks)
+        return len(blocks) * self.block_size
+
+    def _take_hit(self, request: Request, blocks: list[int]) -> None:
+        table = self.block_tables[request.request_id]
+        assert self.num_cached_blocks(request.request_id) == len(table)
+        self.pool.touch(blocks)
+        table.extend(blocks)
+        self._num_cached_blocks[request.request_id] = len(table)
+        hit_tokens = len(blocks) * self.block_size
+        self.prefix_cache_hits += hit_tokens
+        if request.num_preemptions == 0 and not request.output_token_ids:
+            request.num_cached_tokens += hit_tokens
+
+    def _mark_in_flight(self, request: Request, first_new: int) -> None:
+        """Record the hashes of new blocks that will fill with already-known tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self.block_hashes(request)
+        marks = self._in_flight_of.setdefault(request.request_id, {})
+        for index in range(first_new, min(len(table), len(hashes))):
+            marks[index] = hashes[index]
+            self._in_flight[hashes[index]] += 1
+
+    def _end_in_flight(self, request_id: str, index: int | None = None) -> None:
+        marks = self._in_flight_of.get(request_id, {})
+        ended = list(marks) if index is None else [index] if index in marks else []
+        for i in ended:
+            block_hash = marks.pop(i)
+            self._in_flight[block_hash] -= 1
+            if self._in_flight[block_hash] == 0:
+                del self._in_flight[block_hash]
+
+    # ----------------------------------------------------------------- computed, freed
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that `num_computed_tokens` has just filled (after a forward).
+
+        Generated tokens count too, so a conversation's next turn hits the previous answer.
+        """
+        request_id = request.request_id
+        table = self.block_tables.get(request_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        start = self.num_cached_blocks(request_id)
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        for index in range(start, num_full):
+            self._end_in_flight(request_id, index)
+            self.pool.cache_block(table[index], hashes[index])  # False: a duplicate, kept plain
+        self._num_cached_blocks[request_id] = num_full
 
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks to the pool (no-op if it holds none)."""
         blocks = self.block_tables.pop(request_id, [])
-        # Reversed: the tail blocks go back first, as in vLLM (they are least likely shared).
+        self._num_cached_blocks.pop(request_id, None)
+        self._end_in_flight(request_id)
+        self._in_flight_of.pop(request_id, None)
+        # Reversed: the tail blocks go back first, as in vLLM (they are least likely shared,
+        # so the LRU order evicts them first).
         self.pool.free(list(reversed(blocks)))
 
     def check_integrity(self) -> None:
-        """Assert tables and pool agree: no block in two tables, held == referenced."""
+        """Assert tables and pool agree: ref counts, the cached/exclusive split, in-flight."""
         self.pool.check_integrity()
-        held = [b for table in self.block_tables.values() for b in table]
-        assert len(held) == len(set(held)), "a block is in two block tables"
-        assert len(held) == self.pool.num_used, (
-            f"{len(held)} blocks in tables, {self.pool.num_used} taken from the pool")
+        refs: Counter[int] = Counter()
+        for request_id, table in self.block_tables.items():
+            assert len(table) == len(set(table)), f"{request_id}: a block twice in its table"
+            refs.update(table)
+            cached = self.num_cached_blocks(request_id)
+            assert cached <= len(table), f"{request_id}: {cached} cached of {len(table)}"
+            for block in table[cached:]:
+                assert self.pool.ref_count(block) == 1, f"block {block} is writable but shared"
+                assert self.pool.hash_of(block) is None, f"block {block} is writable but hashed"
+            for index in self._in_flight_of.get(request_id, {}):
+                assert cached <= index < len(table), f"{request_id}: in-flight block {index}"
+        for block in range(self.pool.num_blocks):
+            assert self.pool.ref_count(block) == refs[block], (
+                f"block {block}: ref count {self.pool.ref_count(block)}, "
+                f"in {refs[block]} tables")
+        assert set(self._num_cached_blocks) <= set(self.block_tables)
+        assert set(self._in_flight_of) <= set(self.block_tables)
+        expected = Counter(h for marks in self._in_flight_of.values() for h in marks.values())
+        assert expected == self._in_flight, "in-flight counts disagree"

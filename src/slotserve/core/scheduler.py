@@ -4,6 +4,12 @@ One token-budget loop, no prefill/decode phases (as vLLM v1): running requests f
 decode token or their next prefill chunk), then waiting ones in FCFS order while slots,
 budget and KV blocks allow. Preemption by recompute frees blocks when a running request
 needs one and none is free.
+
+Prefix caching: a request starts after the longest prefix of full blocks found in the KV
+cache, so only its uncached tokens take budget. A request whose next block is being computed
+by another request right now (the n completions of one prompt, or several requests with one
+system prompt) takes a slot but computes nothing until that block is cached, then shares it:
+a shared prefix is computed once.
 """
 
 from __future__ import annotations
@@ -102,6 +108,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            request.num_computed_tokens += self.kv.extend_computed(request)
+            if self._waits_for_prefix(request):
+                index += 1
+                continue
             num_new = min(request.num_pending_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the newest
@@ -112,8 +122,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         """Find blocks for num_new more tokens, preempting the newest running requests."""
-        while self.kv.allocate_slots(request.request_id,
-                                     request.num_computed_tokens + num_new) is None:
+        while self.kv.allocate_slots(request, request.num_computed_tokens + num_new) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -127,15 +136,24 @@ class Scheduler:
             if needs_tokens and budget <= 0:
                 break
             request = self.waiting[0]
-            num_new = min(request.num_pending_tokens, max(budget, 0))
-            if self.kv.allocate_slots(request.request_id,
-                                      request.num_computed_tokens + num_new) is None:
+            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+            waits = self.kv.next_block_in_flight(request, len(computed_blocks))
+            num_new = 0 if waits else min(request.num_tokens - num_hit, max(budget, 0))
+            if self.kv.allocate_slots(request, num_hit + num_new, computed_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            request.num_computed_tokens = num_hit
             self._admit(request)
             if num_new > 0:
                 plan[request.request_id] = num_new
                 budget -= num_new
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        """Whether a running request, all of whose blocks are computed, should wait for its
+        next block: another request is computing the same block now."""
+        held = len(self.kv.block_tables[request.request_id])
+        return (request.num_computed_tokens == held * self.kv.block_size
+                and self.kv.next_block_in_flight(request, held))
 
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -202,6 +220,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the forward ran
             request.num_computed_tokens += seq.num_tokens
+            self.kv.cache_full_blocks(request)
             if not seq.sample:
                 continue
             request.append_token(result.sampled[seq.request_id], now)
@@ -232,6 +251,16 @@ class Scheduler:
         assert set(self.kv.block_tables) <= set(self.requests)
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.request_id not in self.kv.block_tables, "a waiting request holds blocks"
+        size = self.kv.block_size
+        for request in self.running:
+            held = len(self.kv.block_tables[request.request_id])
+            # NOTE: with the KV manager's own check, this proves shared blocks are never
+            # written: the next write is at num_computed_tokens, past every cached block.
+            cached = self.kv.num_cached_blocks(request.request_id)
+            assert cached * size <= request.num_computed_tokens <= held * size, (
+                f"{request.request_id}: {request.num_computed_tokens} computed, "
+                f"{cached} cached and {held} held blocks")
         if not self.requests:
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle, but blocks are held"
 

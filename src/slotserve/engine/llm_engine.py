@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 
 from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager
@@ -65,7 +65,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
                                   kernels=config.kernels, quantization=config.quantization)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity)
@@ -73,7 +74,7 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv=self.kv)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -110,17 +111,24 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    arrival: float | None = None, prompt_text: str | None = None) -> None:
+                    arrival: float | None = None, prompt_text: str | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request (n completions of it). ValueError if it is malformed or can never fit.
 
         prompt_text: the text of a prompt passed as token ids (shown in outputs).
+        cache_salt: a non-empty string; requests with different salts never share cached
+        blocks (so one tenant cannot time another's prompts through the prefix cache).
         """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if given")
         text, ids = self.tokenize(prompt)
         text = text if text is not None else prompt_text
         children = [self._new_sequence(request_id, i, text, ids, params, arrival)
                     for i in range(params.n)]
+        for seq in children:
+            seq.request.cache_salt = cache_salt
         try:
             self._register(request_id, children)
         except BaseException:
@@ -416,6 +424,21 @@ class EngineStats:
     busy_seconds: float = 0.0
     slot_iterations_busy: int = 0
     finished_by_reason: dict = field(default_factory=dict)
+    # NOTE: an InitVar, not a field: asdict() of the stats must not copy the KV manager.
+    kv: InitVar[KVCacheManager | None] = None
+
+    def __post_init__(self, kv: KVCacheManager | None) -> None:
+        self._kv = kv
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache: a request's length at each admission."""
+        return self._kv.prefix_cache_queries if self._kv is not None else 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached (not computed again)."""
+        return self._kv.prefix_cache_hits if self._kv is not None else 0
 
     def on_step(self, plan: SchedulerOutput, result: RunnerOutput, seconds: float,
                 preemptions: int) -> None:
