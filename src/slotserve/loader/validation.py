@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -21,28 +22,31 @@ class ModelFileError(ValueError):
         super().__init__(f"{self.path}: {problem}")
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight a model of `config` needs (lm_head only when untied)."""
+def expected_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every weight a model of `config` needs (lm_head only when untied).
+
+    NOTE: a generator, layer by layer: a forged layer count (2**32) costs nothing until the
+    first missing layer stops the check.
+    """
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h),
-                                          "model.norm.weight": (h,)}
+    yield "model.embed_tokens.weight", (vocab, h)
+    yield "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, h)
+        yield "lm_head.weight", (vocab, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes |= {
+        yield from {
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-        }
+        }.items()
         if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    return shapes
+            yield from {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)}.items()
 
 
 def check_config(path: str, config: ModelConfig) -> None:
@@ -72,7 +76,7 @@ def check_weight_shapes(path: str, config: ModelConfig, shapes: dict[str, tuple[
     `shapes` maps HF names to the file's shapes (HF order); `describe` turns an HF name into
     the name the file uses, for the message.
     """
-    for name, want in expected_shapes(config).items():
+    for name, want in expected_shapes(config):
         if name not in shapes:
             raise ModelFileError(path, f"missing tensor {describe(name)}")
         if tuple(shapes[name]) != want:
