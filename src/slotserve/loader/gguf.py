@@ -62,8 +62,9 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     gguf_names = {hf: t.name for hf, t in names.items()}
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf)))
+    tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
     weights = {hf: _convert(t, config) for hf, t in names.items()}
-    return config, weights, _tokenizer(path, meta, config)
+    return config, weights, tokenizer
 
 
 def _hf_name_in(path: str, gguf_name: str) -> str:
@@ -324,7 +325,10 @@ def model_config(
         raise ModelFileError(path, "missing tensor token_embd.weight (2-D)" if embedding is None
                              else f"wrong shape for token_embd.weight: {embedding}")
     hidden, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length", hidden // heads or None)
+    if f"{arch}.attention.key_length" not in meta and hidden % heads:
+        raise ModelFileError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
+                                   f"{arch}.attention.head_count {heads}")
+    head_dim = key("attention.key_length", hidden // heads)
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ModelFileError(path, "partial rotary embeddings (rope.dimension_count != "
                                    "head_dim) unsupported")
