@@ -4,7 +4,10 @@ default model (oracle: HF transformers' GGUF loader), HF directories, and the on
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -12,8 +15,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from slotserve.loader import LoadedModel, default_model_path, load_model
+from slotserve.loader import LoadedModel, ModelFileError, default_model_path, load_model
 from slotserve.loader import cache as cache_mod
 from slotserve.loader.gguf import dequantize, read_gguf
 
@@ -367,6 +372,114 @@ def test_hf_dir_bfloat16_becomes_float32(tmp_path):
     loaded = load_model(str(tmp_path))
     for name, w in model.state_dict().items():
         assert torch.equal(loaded.weights[name], w.float()), name
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny untied llama saved as an HF directory (one safetensors file)."""
+    path = tmp_path_factory.mktemp("tiny-hf")
+    tiny_hf("llama", tied=False, seed=7).save_pretrained(path)
+    return path
+
+
+def _damaged_copy(src, dst, transform):
+    """A copy of HF directory `src` whose model.safetensors is `transform(its bytes)`."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(transform(weights.read_bytes()))
+    return dst
+
+
+def _with_header(raw: bytes, edit) -> bytes:
+    """A safetensors file's bytes with its JSON header replaced by `edit(header)`."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = edit(json.loads(raw[8:8 + n]))
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + raw[8 + n:]
+
+
+def _first_tensor(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+def _retype(dtype):
+    def edit(header):
+        header[_first_tensor(header)]["dtype"] = dtype
+        return header
+    return edit
+
+
+def _past_the_end(header):
+    entry = header[_first_tensor(header)]
+    entry["data_offsets"] = [entry["data_offsets"][0], entry["data_offsets"][1] + 10**9]
+    return header
+
+
+@pytest.mark.parametrize("transform,message", [
+    (lambda raw: raw[:-100], "incomplete metadata"),  # truncated tensor data
+    (lambda raw: raw[:20], "header"),  # truncated header
+    (lambda raw: raw[:8] + b"{not json" + raw[17:], "invalid JSON"),
+    (lambda raw: struct.pack("<Q", 2**62) + raw[8:], "header too large"),
+    (lambda raw: _with_header(raw, _past_the_end), "offset"),
+    (lambda raw: _with_header(raw, _retype("F99")), "unknown variant"),
+    (lambda raw: _with_header(raw, _retype("I32")), "dtype torch.int32"),
+])
+def test_damaged_safetensors_fail_clearly(tiny_hf_dir, tmp_path, transform, message):
+    damaged = _damaged_copy(tiny_hf_dir, tmp_path / "model", transform)
+    with pytest.raises(ModelFileError, match=message) as info:
+        load_model(str(damaged))
+    assert info.value.path == str(damaged / "model.safetensors")
+
+
+def test_hf_dir_json_and_shapes_fail_clearly(tiny_hf_dir, tmp_path):
+    bad_json = _damaged_copy(tiny_hf_dir, tmp_path / "json", lambda raw: raw)
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match="config.json: invalid JSON"):
+        load_model(str(bad_json))
+
+    no_key = _damaged_copy(tiny_hf_dir, tmp_path / "key", lambda raw: raw)
+    cfg = json.loads((no_key / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (no_key / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match="config.json: missing key intermediate_size"):
+        load_model(str(no_key))
+
+    wrong = _damaged_copy(tiny_hf_dir, tmp_path / "shape", lambda raw: raw)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match=r"wrong shape for model\.layers\.0\.mlp\.gate_proj"
+                                             r"\.weight \(in model\.safetensors\): \(128, 64\), "
+                                             r"expected \(96, 64\)"):
+        load_model(str(wrong))
+
+    bad_index = _damaged_copy(tiny_hf_dir, tmp_path / "index", lambda raw: raw)
+    (bad_index / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ModelFileError, match="index.json: missing key weight_map"):
+        load_model(str(bad_index))
+
+
+@settings(deadline=None, database=None, derandomize=True, max_examples=60,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_safetensors_header(tiny_hf_dir, tmp_path_factory, data):
+    """Random bytes in the header or a truncation: a ModelFileError naming the file, or a load."""
+    raw = (tiny_hf_dir / "model.safetensors").read_bytes()
+    header_end = 8 + struct.unpack("<Q", raw[:8])[0]
+    damaged = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        damaged[data.draw(st.integers(0, header_end - 1))] = data.draw(st.integers(0, 255))
+    damaged = damaged[:data.draw(st.sampled_from([len(raw), header_end, header_end // 2]))]
+    path = _damaged_copy(tiny_hf_dir, tmp_path_factory.mktemp("fuzz") / "m",
+                         lambda _: bytes(damaged))
+    try:
+        loaded = load_model(str(path))
+    except ModelFileError as exc:
+        assert exc.path in (str(path / "model.safetensors"), str(path))
+        event(f"ModelFileError: {exc.problem[:40]}")
+    else:
+        assert loaded.weights["model.embed_tokens.weight"].shape == (260, 64)
+        event("loaded")
 
 
 # -- (e) the cache ---------------------------------------------------------------------------------

@@ -22,10 +22,12 @@ from slotserve.loader.default_model import default_model_path
 from slotserve.loader.gguf import load_gguf
 from slotserve.loader.safetensors import load_hf_dir
 from slotserve.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from slotserve.loader.validation import ModelFileError
 
 __all__ = [
     "IncrementalDetokenizer",
     "LoadedModel",
+    "ModelFileError",
     "Tokenizer",
     "default_model_path",
     "load_model",
@@ -46,6 +48,7 @@ def load_model(path: str | None = None, *, use_cache: bool = True) -> LoadedMode
     """Load a `.gguf` file or a Hugging Face model directory; None loads the default model.
 
     `use_cache=False` converts a GGUF afresh and leaves the on-disk cache untouched.
+    A malformed model file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
@@ -62,4 +65,4 @@ def load_model(path: str | None = None, *, use_cache: bool = True) -> LoadedMode
 def _check_gguf(path: str) -> None:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"{path!r} is not a GGUF file (a model file must be .gguf)")
+            raise ModelFileError(path, "not a GGUF file (bad magic; a model file must be .gguf)")

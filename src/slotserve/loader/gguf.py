@@ -8,6 +8,7 @@ Q8_0 and F32); every other type goes through `gguf.quants.dequantize`.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -23,6 +24,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from slotserve.config import ModelConfig
 from slotserve.loader.tokenizer import Tokenizer, gguf_eos_token_ids
+from slotserve.loader.validation import ModelFileError, check_config, check_weight_shapes
 
 Q = GGMLQuantizationType
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -48,12 +50,73 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file."""
+    """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
+
+    A malformed file raises ModelFileError (a ValueError) naming the file and the problem.
+    """
+    path = os.fspath(path)
     meta, tensors = read_gguf(path)
-    config = model_config(meta, tensors, name=_model_name(path))
-    weights = {hf_name(t.name): _convert(t, config) for t in tensors}
-    tokenizer = Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.model" in meta else None
+    config = model_config(meta, tensors, name=_model_name(path), path=path)
+    check_config(path, config)
+    names = {_hf_name_in(path, t.name): t for t in tensors}
+    gguf_names = {hf: t.name for hf, t in names.items()}
+    check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
+                        describe=lambda hf: gguf_names.get(hf, _gguf_name(hf)))
+    tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
+    weights = {hf: _convert(t, config) for hf, t in names.items()}
     return config, weights, tokenizer
+
+
+def _hf_name_in(path: str, gguf_name: str) -> str:
+    try:
+        return hf_name(gguf_name)
+    except ValueError as exc:
+        raise ModelFileError(path, str(exc)) from None
+
+
+def _gguf_name(hf: str) -> str:
+    """The GGUF name of an HF weight name (for messages about missing tensors)."""
+    for gguf, hf_base in _GLOBAL_NAMES.items():
+        if hf.startswith(hf_base + "."):
+            return gguf + hf.removeprefix(hf_base)
+    _, _, layer, rest = hf.split(".", 3)
+    base, _, kind = rest.rpartition(".")
+    short = {v: k for k, v in _LAYER_NAMES.items()}.get(base, base)
+    return f"blk.{layer}.{short}.{kind}"
+
+
+def _tokenizer(path: str, meta: dict[str, Any], config: ModelConfig) -> Tokenizer | None:
+    """The tokenizer of the metadata's `tokenizer.ggml.*` keys (None without them)."""
+    if "tokenizer.ggml.model" not in meta:
+        return None
+    _check_tokenizer_metadata(path, meta, config.vocab_size)
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except Exception as exc:  # NOTE: the `tokenizers` library raises plain Exceptions
+        raise ModelFileError(path, f"bad tokenizer metadata: {exc}") from None
+
+
+def _check_tokenizer_metadata(path: str, meta: dict[str, Any], vocab_size: int) -> None:
+    """A ModelFileError unless the tokenizer keys have the types Tokenizer reads them as."""
+    for key, item_type in (("tokens", str), ("merges", str), ("token_type", int)):
+        values = meta.get(f"tokenizer.ggml.{key}", [])
+        if not isinstance(values, list) or not all(type(v) is item_type for v in values):
+            raise ModelFileError(path, f"tokenizer.ggml.{key} must be a list of "
+                                       f"{item_type.__name__}")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelFileError(path, "missing key tokenizer.ggml.tokens")
+    if any(" " not in m for m in meta.get("tokenizer.ggml.merges", [])):
+        raise ModelFileError(path, "tokenizer.ggml.merges holds an entry without a space")
+    for key in ("bos", "eos", "eot", "eom"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and (type(token_id) is not int
+                                     or not 0 <= token_id < vocab_size):
+            raise ModelFileError(path, f"tokenizer.ggml.{key}_token_id {token_id!r} is not a "
+                                       f"token id (vocabulary of {vocab_size})")
+    for key in ("pre", "model", "chat_template"):
+        value = meta.get(f"tokenizer.{'' if key == 'chat_template' else 'ggml.'}{key}")
+        if value is not None and not isinstance(value, str):
+            raise ModelFileError(path, f"tokenizer key {key} must be a string, not {value!r}")
 
 
 # -- reading the file -------------------------------------------------------------------------
@@ -62,6 +125,15 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
 _STRING, _ARRAY = 8, 9
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
+_VERSIONS = (2, 3)
+_HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NESTING = 8  # arrays of arrays: deeper than any real file, shallow enough for recursion
+# NOTE: the fewest bytes one item can take. Counts read from the header are checked against the
+# bytes left before anything is allocated for them: a forged count fails, it never allocates.
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+_MIN_ITEM_BYTES = {_STRING: 8, _ARRAY: 12}
 
 
 @dataclass(frozen=True)
@@ -79,69 +151,144 @@ class GGUFTensor:
 
 
 class _Cursor:
-    """Sequential little-endian reads from a buffer."""
+    """Sequential little-endian reads from a buffer, each checked against the buffer's end.
 
-    def __init__(self, buf: Any) -> None:
-        self.buf, self.pos = buf, 0
+    Every problem is a ModelFileError naming the file and the byte where it was found.
+    """
 
-    def scalar(self, fmt: str) -> Any:
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+
+    def fail(self, problem: str) -> ModelFileError:
+        return ModelFileError(self.path, problem)
+
+    def need(self, n: int, what: str) -> None:
+        """A ModelFileError unless `n` more bytes (for `what`) are left."""
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated: {what} at byte {self.pos} needs {n} bytes, "
+                            f"the file has {self.size - self.pos} left")
+
+    def scalar(self, fmt: str, what: str = "a value") -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        self.pos += n
         return value
 
-    def string(self) -> str:
-        n = self.scalar("<Q")
+    def string(self, what: str = "a string") -> str:
+        n = self.scalar("<Q", what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.fail(f"{what} at byte {self.pos} is not UTF-8 ({exc.reason})") from None
         self.pos += n
-        return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8")
+        return text
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, what: str, depth: int = 0) -> Any:
         if kind == _STRING:
-            return self.string()
+            return self.string(what)
         if kind == _ARRAY:
-            return self.array()
-        return self.scalar(_SCALARS[kind])
+            return self.array(what, depth + 1)
+        if kind not in _SCALARS:
+            raise self.fail(f"{what} has unknown value type {kind}")
+        return self.scalar(_SCALARS[kind], what)
 
-    def array(self) -> list[Any]:
-        kind, n = self.scalar("<I"), self.scalar("<Q")
+    def array(self, what: str, depth: int) -> list[Any]:
+        if depth > _MAX_NESTING:
+            raise self.fail(f"{what}: arrays nested deeper than {_MAX_NESTING}")
+        kind, n = self.scalar("<I", what), self.scalar("<Q", what)
         if kind in (_STRING, _ARRAY):
-            return [self.value(kind) for _ in range(n)]
+            self.need(n * _MIN_ITEM_BYTES[kind], f"{what} ({n} items)")
+            return [self.value(kind, what, depth) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise self.fail(f"{what} is an array of unknown value type {kind}")
         dtype = np.dtype(_SCALARS[kind])
+        self.need(n * dtype.itemsize, f"{what} ({n} items)")
         values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos)
         self.pos += values.nbytes
         return values.tolist()
 
 
 def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    """Metadata (plain Python values) and tensors (memory-mapped) of a GGUF v2/v3 file."""
+    """Metadata (plain Python values) and tensors (memory-mapped) of a GGUF v2/v3 file.
+
+    A malformed file raises ModelFileError (naming the file and the problem), whatever the
+    damage: every count and offset is checked against the file's size before it is used.
+    """
+    path = os.fspath(path)
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _HEADER_BYTES:
+            raise ModelFileError(path, f"truncated header: {size} bytes, a GGUF header has "
+                                       f"{_HEADER_BYTES}")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    cur = _Cursor(buf)
-    if cur.scalar("<4s") != b"GGUF" or cur.scalar("<I") not in (2, 3):
-        raise ValueError(f"{path}: not a little-endian GGUF v2/v3 file")
-    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
-    meta = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        meta[key] = cur.value(cur.scalar("<I"))
+    cur = _Cursor(buf, path)
+    magic = cur.scalar("<4s", "the magic")
+    if magic != b"GGUF":
+        raise cur.fail(f"bad magic {magic!r}: not a GGUF file")
+    version = cur.scalar("<I", "the version")
+    if version not in _VERSIONS:
+        raise cur.fail(f"unsupported GGUF version {version} (supported: {_VERSIONS}, "
+                       "little-endian)")
+    n_tensors = cur.scalar("<Q", "the tensor count")
+    n_kv = cur.scalar("<Q", "the metadata count")
+    cur.need(n_kv * _MIN_KV_BYTES, f"{n_kv} metadata entries")
+    meta = _read_metadata(cur, n_kv)
+    cur.need(n_tensors * _MIN_TENSOR_INFO_BYTES, f"{n_tensors} tensor descriptions")
     infos = [_tensor_info(cur) for _ in range(n_tensors)]
+    if len({info[0] for info in infos}) != len(infos):
+        raise cur.fail("duplicate tensor names")
     align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise cur.fail(f"general.alignment must be a power of two, not {align!r}")
     start = -(-cur.pos // align) * align  # NOTE: tensor data begins at the next aligned byte
-    return meta, [_tensor(buf, start, *info) for info in infos]
+    return meta, [_tensor(cur, start, align, *info) for info in infos]
+
+
+def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key {i}")
+        if key in meta:
+            raise cur.fail(f"duplicate metadata key {key!r}")
+        meta[key] = cur.value(cur.scalar("<I", f"the type of {key!r}"), f"metadata {key!r}")
+    return meta
 
 
 def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
-    name = cur.string()
-    shape = tuple(cur.scalar("<Q") for _ in range(cur.scalar("<I")))
-    return name, shape, GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")
+    name = cur.string("a tensor name")
+    n_dims = cur.scalar("<I", f"tensor {name!r}'s dimension count")
+    if not 1 <= n_dims <= _MAX_DIMS:
+        raise cur.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+    shape = tuple(cur.scalar("<Q", f"tensor {name!r}'s shape") for _ in range(n_dims))
+    type_id = cur.scalar("<I", f"tensor {name!r}'s type")
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise cur.fail(f"tensor {name!r} has unknown type {type_id}") from None
+    if qtype not in GGML_QUANT_SIZES:
+        raise cur.fail(f"tensor {name!r} has unsupported type {qtype.name}")
+    return name, shape, qtype, cur.scalar("<Q", f"tensor {name!r}'s offset")
 
 
-def _tensor(buf: Any, start: int, name: str, shape: tuple[int, ...],
+def _tensor(cur: _Cursor, start: int, align: int, name: str, shape: tuple[int, ...],
             qtype: GGMLQuantizationType, offset: int) -> GGUFTensor:
     block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[0] % block_size:
+        raise cur.fail(f"tensor {name!r}: row length {shape[0]} is not a multiple of "
+                       f"{qtype.name}'s block size {block_size}")
+    if offset % align:
+        raise cur.fail(f"tensor {name!r}: offset {offset} is not a multiple of the alignment "
+                       f"{align}")
     row_bytes = shape[0] // block_size * type_size
     rows = tuple(reversed(shape[1:]))
-    count = row_bytes * int(np.prod(rows, dtype=np.int64))
-    data = np.frombuffer(buf, dtype=np.uint8, count=count, offset=start + offset)
+    count = row_bytes * math.prod(rows)  # NOTE: Python ints: a forged shape cannot overflow
+    if start + offset + count > cur.size:
+        raise cur.fail(f"tensor {name!r} out of bounds: bytes {start + offset} to "
+                       f"{start + offset + count}, the file has {cur.size}")
+    data = np.frombuffer(cur.buf, dtype=np.uint8, count=count, offset=start + offset)
     return GGUFTensor(name, shape, qtype, data.reshape(*rows, row_bytes))
 
 
@@ -149,42 +296,68 @@ def _tensor(buf: Any, start: int, name: str, shape: tuple[int, ...],
 
 
 def model_config(
-    meta: dict[str, Any], tensors: list[GGUFTensor], name: str = "model"
+    meta: dict[str, Any], tensors: list[GGUFTensor], name: str = "model",
+    path: str = "GGUF file",
 ) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata; tied embeddings when there is no `output.weight`."""
+    """ModelConfig from `{arch}.*` metadata; tied embeddings when there is no `output.weight`.
+
+    A missing or mistyped key raises ModelFileError naming `path`.
+    """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {SUPPORTED_ARCHS})")
+        raise ModelFileError(path, f"unsupported GGUF architecture {arch!r} "
+                                   f"(supported: {SUPPORTED_ARCHS})")
 
-    def key(suffix: str, default: Any = None) -> Any:
+    def key(suffix: str, default: Any = None, kind: type = int) -> Any:
         value = meta.get(f"{arch}.{suffix}", default)
         if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{suffix}")
+            raise ModelFileError(path, f"missing key {arch}.{suffix}")
+        number = type(value) in (int, float) if kind is float else type(value) is int
+        if not number or not math.isfinite(value) or value <= 0:
+            raise ModelFileError(path, f"{arch}.{suffix} must be a positive "
+                                       f"{'number' if kind is float else 'integer'}, "
+                                       f"not {value!r}")
         return value
 
     shapes = {t.name: t.shape for t in tensors}
+    embedding = shapes.get("token_embd.weight")
+    if embedding is None or len(embedding) != 2:
+        raise ModelFileError(path, "missing tensor token_embd.weight (2-D)" if embedding is None
+                             else f"wrong shape for token_embd.weight: {embedding}")
     hidden, heads = key("embedding_length"), key("attention.head_count")
+    if f"{arch}.attention.key_length" not in meta and hidden % heads:
+        raise ModelFileError(path, f"{arch}.embedding_length {hidden} is not a multiple of "
+                                   f"{arch}.attention.head_count {heads}")
     head_dim = key("attention.key_length", hidden // heads)
     if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) unsupported")
+        raise ModelFileError(path, "partial rotary embeddings (rope.dimension_count != "
+                                   "head_dim) unsupported")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        vocab_size=shapes["token_embd.weight"][1],  # ne1: the embedding's rows
+        vocab_size=embedding[1],  # ne1: the embedding's rows
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", kind=float)),
+        rope_theta=float(key("rope.freq_base", 10000.0, kind=float)),
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in shapes,
         attention_bias=arch == "qwen2",
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=gguf_eos_token_ids(meta),
+        bos_token_id=bos if type(bos) is int else None,  # NOTE: checked with the tokenizer
+        eos_token_ids=_eos_token_ids(path, meta),
         architecture=arch,
         name=name,
     )
+
+
+def _eos_token_ids(path: str, meta: dict[str, Any]) -> tuple[int, ...]:
+    try:
+        return gguf_eos_token_ids(meta)
+    except (TypeError, ValueError) as exc:
+        raise ModelFileError(path, f"bad end-of-generation token metadata: {exc}") from None
 
 
 def _model_name(path: str) -> str:

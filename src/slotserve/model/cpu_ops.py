@@ -1,9 +1,10 @@
 """Fused CPU kernels (`slotserve/csrc/cpu_ops.cpp`), compiled on first use.
 
 `load_cpu_ops()` builds the extension with torch.utils.cpp_extension (g++ and ninja; about
-a minute once, then cached under ~/.cache/torch_extensions) and returns its module, or None
-when it cannot be built: the engine then runs the plain torch ops, which stay the reference
-that the tests compare these kernels against.
+a minute once, then cached under ~/.cache/torch_extensions in a directory named by the CPU and
+by a hash of the source and flags: every checkout with the same kernel shares one build) and
+returns its module, or None when it cannot be built: the engine then runs the plain torch ops,
+which stay the reference that the tests compare these kernels against.
 
 The module's functions, all fp32 on the CPU:
 - rms_norm(x (T, H), weight (H,), eps) -> (T, H)
@@ -35,9 +36,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
-# NOTE: -march=native: see _build_name for how builds for other CPUs stay apart.
+# NOTE: -march=native: see _cpu_key for how builds for other CPUs stay apart.
 # No -ffast-math: linked into a shared object it flushes denormals for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
 # SLOTSERVE_CPU_OPS=0 turns the kernels off without touching the code (for A/B runs).
 ENV_SWITCH = "SLOTSERVE_CPU_OPS"
 
@@ -49,15 +51,58 @@ def _put_venv_scripts_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build_name() -> str:
-    """NOTE: -march=native code runs only on CPUs like the one that built it, and torch keys
-    its build cache by source and flags, not by CPU: the CPU's features go into the name."""
+def _cpu_key() -> str:
+    """NOTE: -march=native code runs only on CPUs like the one that built it: the CPU's
+    features go into the build's name, so builds for other CPUs stay apart."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             features = next(line for line in cpuinfo if line.startswith("flags"))
     except (OSError, StopIteration):
         features = platform.machine() + platform.processor()
-    return "slotserve_cpu_ops_" + hashlib.sha1(features.encode()).hexdigest()[:10]
+    return hashlib.sha1(features.encode()).hexdigest()[:10]
+
+
+def _source_key(source: Path = SOURCE, cflags: list[str] = CFLAGS,
+                ldflags: list[str] = LDFLAGS) -> str:
+    """A hash of the kernel source's bytes, the compiler and linker flags and torch's version.
+
+    Not the source's path: two checkouts with the same kernel share one build.
+    """
+    import torch
+
+    h = hashlib.sha256(source.read_bytes())
+    for part in (*cflags, "--", *ldflags, "--", torch.__version__):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _build_name(source: Path = SOURCE, cflags: list[str] = CFLAGS,
+                ldflags: list[str] = LDFLAGS) -> str:
+    """The extension's name, which is also its build directory's: `slotserve_cpu_ops_<cpu>_<src>`.
+
+    NOTE: keyed by content, never by path. The directory was once keyed by the CPU alone, and
+    two checkouts (or two versions) of the project rebuilt each other's kernels on every
+    alternate start (~90 s): torch's build.ninja names the source path, and another path (or
+    other bytes) under the same name meant a rebuild. See also `_stage_source`.
+    """
+    return f"slotserve_cpu_ops_{_cpu_key()}_{_source_key(source, cflags, ldflags)}"
+
+
+def _stage_source(build_dir: Path, source: Path = SOURCE) -> Path:
+    """The kernel source, copied into its build directory: the copy that torch compiles.
+
+    NOTE: compiling the copy makes build.ninja the same for every checkout. The copy is written
+    only when missing or different (a fresh mtime alone would make ninja rebuild), and atomically
+    (a process killed half-way leaves no truncated source behind).
+    """
+    staged = build_dir / source.name
+    content = source.read_bytes()
+    if staged.is_file() and staged.read_bytes() == content:
+        return staged
+    partial = build_dir / f".{source.name}.{os.getpid()}.tmp"
+    partial.write_bytes(content)
+    os.replace(partial, staged)
+    return staged
 
 
 @contextlib.contextmanager
@@ -93,9 +138,13 @@ def load_cpu_ops():
 
         _put_venv_scripts_on_path()
         name = _build_name()
-        with exclusive_build(Path(_get_build_directory(name, verbose=False))):
-            return load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                        extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with exclusive_build(build_dir):
+            source = _stage_source(build_dir)
+            # NOTE: copies of the flag lists: torch appends its own to extra_ldflags, in place.
+            return load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
+                        extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
+                        verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
         log.warning("fused CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
