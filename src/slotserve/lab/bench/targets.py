@@ -1,0 +1,216 @@
+"""Benchmark targets: the in-process engine (`EngineTarget`) and any OpenAI-compatible
+server over HTTP (`OpenAITarget`, whose streaming client is `slotserve.lab.bench.client`).
+
+A target's `run(workload, sampling, bar, trace_path)` returns `RunStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from slotserve.engine.llm import engine_config
+from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
+from slotserve.lab.bench.client import first_model, stream_request
+from slotserve.lab.bench.stats import BenchSampling, RequestRecord, RunStats
+from slotserve.lab.workload import BenchRequest, Workload
+from slotserve.sampling import SamplingParams
+
+
+class EngineTarget:
+    """The in-process engine: weights loaded once, a fresh LLMEngine for every run."""
+
+    name = "engine"
+
+    def __init__(self, model_config, weights: dict, tokenizer=None,
+                 engine_kwargs: dict | None = None, source: str | None = None) -> None:
+        self.model_config = model_config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.source = source or model_config.name
+
+    @classmethod
+    def load(cls, model: str | None = None, **engine_kwargs) -> EngineTarget:
+        """Load a model (None: the embedded default); engine_kwargs as engine_config's."""
+        from slotserve.loader import load_model  # NOTE: lazy: only the CLI path loads files
+
+        set_torch_threads()
+        loaded = load_model(model)
+        return cls(loaded.config, loaded.weights, loaded.tokenizer, engine_kwargs, loaded.source)
+
+    def configured(self, **overrides) -> EngineTarget:
+        """The same weights with some engine settings changed (e.g. policy="static")."""
+        return EngineTarget(self.model_config, self.weights, self.tokenizer,
+                            {**self.engine_kwargs, **overrides}, self.source)
+
+    def build(self):
+        """A fresh LLMEngine on the shared weights."""
+        config = engine_config(**self.engine_kwargs)
+        return LLMEngine(config, self.model_config, self.weights, self.tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def run(self, workload: Workload, sampling: BenchSampling, bar=None,
+            trace_path: str | None = None) -> RunStats:
+        """Drive a fresh engine through the workload's arrival schedule."""
+        prompts = [self._prompt(r) for r in workload.requests]  # chat templates: not timed
+        engine = self.build()
+        records, duration = _drive_engine(engine, workload, prompts, sampling, bar)
+        if trace_path is not None:
+            engine.trace.save(trace_path)
+        stats, slots = engine.stats, engine.scheduler_config.max_num_seqs
+        util = stats.slot_iterations_busy / (slots * stats.iterations) if stats.iterations else None
+        return RunStats(records, duration, self._config(engine), util,
+                        engine.scheduler.num_preemptions, stats.iterations)
+
+    def _prompt(self, request: BenchRequest):
+        if request.messages is None:
+            return request.prompt
+        if not self.has_chat_template:
+            raise ValueError("workload has chat messages, but this model has no tokenizer "
+                             "with a chat template: use token-id prompts (--prompts random)")
+        return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True)
+
+    def _config(self, engine) -> dict:
+        sched, cfg = engine.scheduler_config, engine.config
+        return {"target": "engine", "model": self.source, "policy": sched.policy,
+                "max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "max_model_len": sched.max_model_len, "block_size": cfg.cache.block_size,
+                "num_blocks": engine.kv.num_blocks, "device": cfg.device, "dtype": cfg.dtype,
+                "linear_kernel": engine.runner.linear_kernel}
+
+
+def _drive_engine(engine, workload: Workload, prompts: list, sampling: BenchSampling,
+                  bar) -> tuple[list[RequestRecord], float]:
+    """Add each request when its arrival comes, step until all finish; (records, duration)."""
+    pending = deque(zip(workload.requests, prompts))
+    records: list[RequestRecord] = []
+    t0 = time.monotonic()
+    while pending or engine.has_unfinished_requests():
+        records += _add_due(engine, pending, t0, sampling)
+        if not engine.has_unfinished_requests():
+            if pending:
+                time.sleep(max(0.0, t0 + pending[0][0].arrival - time.monotonic()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                records.append(_engine_record(out))
+                _tick(bar)
+    return records, time.monotonic() - t0
+
+
+def _add_due(engine, pending: deque, t0: float, sampling: BenchSampling) -> list[RequestRecord]:
+    """Add every request whose arrival time has come; a rejected one is a failed record."""
+    rejected = []
+    while pending and t0 + pending[0][0].arrival <= time.monotonic():
+        request, prompt = pending.popleft()
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=sampling.temperature,
+                                ignore_eos=sampling.ignore_eos)
+        try:
+            # NOTE: arrival is the scheduled time, so a late add (the loop was inside a step)
+            # still counts its wait in TTFT, as a server's queue would.
+            engine.add_request(request.id, prompt, params, arrival=t0 + request.arrival)
+        except ValueError as exc:
+            rejected.append(RequestRecord(request.id, ok=False, error=str(exc)))
+    return rejected
+
+
+def _engine_record(out) -> RequestRecord:
+    m = out.metrics
+    ok = out.error is None and out.finish_reason in ("stop", "length")
+    error = out.error or (None if ok else f"finish_reason={out.finish_reason}")
+    return RequestRecord(out.request_id, ok, len(out.prompt_token_ids), len(out.token_ids),
+                         m.ttft, m.tpot, m.e2e, list(m.itls), error)
+
+
+def _tick(bar) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+class OpenAITarget:
+    """Any OpenAI-compatible server, streaming; latencies measured from chunk arrival times.
+
+    url: the server root (http://127.0.0.1:8000, with or without /v1).
+    endpoint: "completions" or "chat". model: the name sent (None: the first of /v1/models).
+    """
+
+    def __init__(self, url: str, endpoint: str = "completions", model: str | None = None,
+                 api_key: str | None = None, timeout: float = 600.0) -> None:
+        if endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint must be 'completions' or 'chat', got {endpoint!r}")
+        self.base = url.rstrip("/").removesuffix("/v1")
+        self.endpoint = endpoint
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+
+    @property
+    def name(self) -> str:
+        return self.base
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+
+    def run(self, workload: Workload, sampling: BenchSampling, bar=None,
+            trace_path: str | None = None) -> RunStats:
+        if trace_path is not None:
+            raise ValueError("--trace needs the in-process engine (no --url)")
+        for request in workload.requests:
+            self._check(request)
+        return asyncio.run(self._run(workload, sampling, bar))
+
+    def _check(self, request: BenchRequest) -> None:
+        if self.endpoint == "chat" and isinstance(request.prompt, list):
+            raise ValueError("token-id prompts need --endpoint completions")
+
+    async def _run(self, workload: Workload, sampling: BenchSampling, bar) -> RunStats:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # NOTE: no connection limit: a pool cap would queue requests on our side and
+        # inflate TTFT with the client's wait instead of the server's.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=self.base, headers=headers, limits=limits,
+                                     timeout=self.timeout) as client:
+            model = self.model or await first_model(client)
+            t0 = time.perf_counter()
+            tasks = [self._send_at(client, t0, model, r, sampling, bar) for r in workload.requests]
+            records = list(await asyncio.gather(*tasks))
+            duration = time.perf_counter() - t0
+        config = {"target": "url", "url": self.base, "endpoint": self.endpoint, "model": model}
+        return RunStats(records, duration, config)
+
+    async def _send_at(self, client, t0: float, model: str, request: BenchRequest,
+                       sampling: BenchSampling, bar) -> RequestRecord:
+        await asyncio.sleep(max(0.0, t0 + request.arrival - time.perf_counter()))
+        payload = self._payload(model, request, sampling)
+        try:
+            record = await stream_request(client, self.path, payload, request)
+        except Exception as exc:  # NOTE: one failed request must not end the run
+            record = RequestRecord(request.id, ok=False, error=f"{type(exc).__name__}: {exc}")
+        _tick(bar)
+        return record
+
+    def _payload(self, model: str, request: BenchRequest, sampling: BenchSampling) -> dict:
+        body = {"model": model, "max_tokens": request.max_tokens,
+                "temperature": sampling.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True  # vLLM, llama-server and slotserve accept it
+        if self.endpoint == "chat":
+            body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
+        else:
+            body["prompt"] = request.prompt if request.prompt is not None else _joined(request)
+        return body
+
+
+def _joined(request: BenchRequest) -> str:
+    """A completions prompt from chat messages (no template on the client: the contents)."""
+    return "\n".join(str(m.get("content", "")) for m in request.messages)
