@@ -30,7 +30,7 @@ class LocalChat:
 
     def stream(self, messages: list[dict], max_tokens: int, temperature: float
                ) -> Iterator[str]:
-        prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
         request_id = f"chat-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         self.engine.add_request(request_id, prompt, params)
