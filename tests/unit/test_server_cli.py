@@ -122,3 +122,34 @@ def test_remote_chat_uses_the_openai_client():
     chat = RemoteChat("http://h", "m", client=client)
     assert "".join(chat.stream([{"role": "user", "content": "x"}], 5, 0.0)) == "ab"
     assert calls[0]["model"] == "m" and calls[0]["stream"] and stream.closed
+
+
+@pytest.mark.parametrize("flags,keys,level,words", [
+    ([], False, "INFO", "listening on 127.0.0.1 only"),
+    (["--host", "::1"], False, "INFO", "listening on ::1 only"),
+    (["--host", "0.0.0.0"], False, "WARNING", "anyone who reaches 0.0.0.0:8000"),
+    (["--host", "0.0.0.0", "--api-key", "sk-1"], True, None, None),
+])
+def test_listen_host_says_who_can_reach_the_api(flags, keys, level, words, caplog):
+    args = build_parser().parse_args(["serve", *flags])
+    policy = access_policy(args)
+    assert policy.keys_required == keys
+    with caplog.at_level("INFO", "slotserve.server"):
+        host = listen_host(args, policy)
+    assert host == (args.host or "127.0.0.1")
+    if words is None:
+        assert not caplog.records
+    else:
+        assert [(r.levelname, words in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
+def test_access_flags():
+    args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b",
+                                      "--admin-key", "adm", "--disable-admin-routes",
+                                      "--max-stop-strings", "3", "--max-stop-chars", "9"])
+    policy = access_policy(args)
+    assert [k for k, _ in policy.api_keys] == ["a", "b"] and policy.admin_key == "adm"
+    assert not policy.admin_routes and not policy.admin_reachable
+    from slotserve.server.commands import server_limits
+    limits = server_limits(args)
+    assert (limits.max_stop_strings, limits.max_stop_chars) == (3, 9)

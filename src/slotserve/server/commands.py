@@ -94,13 +94,24 @@ def listen_host(args: argparse.Namespace, policy) -> str:
     host = args.host or DEFAULT_HOST
     if policy.keys_required:
         return host
-    if args.host is None:
+    if _is_loopback(host):
         logger.info("no --api-key: listening on %s only (this machine); pass --host to "
                     "listen elsewhere", host)
     else:
         logger.warning("no --api-key: anyone who reaches %s:%d can use the model", host,
                        args.port)
     return host
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def _positive_int(text: str) -> int:
