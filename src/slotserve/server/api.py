@@ -5,9 +5,11 @@ GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/t
 (the engine's iteration trace).
 
 Every error answers with OpenAI's body {"error": {message, type, param, code}}:
-400 bad input (FastAPI's 422 included; max_tokens above the cap), 404 unknown model,
-413 body too large, 429 queue full (with Retry-After), 503 shutting down or too many
-requests at once, 500 anything unexpected (the server keeps serving).
+400 bad input (FastAPI's 422 included; max_tokens above the cap, too many or too long stop
+strings, a prompt that cannot fit), 401 a missing or wrong key, 404 unknown model (or an
+admin route that is off), 413 body too large, 429 queue full (with Retry-After), 503
+shutting down, too many requests at once or an unhealthy engine, 500 anything unexpected
+(the server keeps serving).
 
 Limits (`ServerLimits`, from the `serve` flags): a cap on max_tokens, a bound on the body
 size, a bound on the requests served at once (/health and /metrics stay exempt, so an
