@@ -74,8 +74,8 @@ def test_clients_may_reuse_request_ids(keyed):
     ids = {raw.parse().id for raw in raws}
     assert len(ids) == 3 and not any("same-id" in i for i in ids)
     log = keyed.log()
-    assert "(tenant alice, X-Request-Id same-id)" in log
-    assert "(tenant bob, X-Request-Id same-id)" in log
+    assert " [tenant alice, X-Request-Id same-id]: " in log
+    assert " [tenant bob, X-Request-Id same-id]: " in log
     admin = {"Authorization": f"Bearer {ADMIN}"}
     assert "same-id" not in httpx.get(keyed.url + "/debug/trace", headers=admin, timeout=30).text
 

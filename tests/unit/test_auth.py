@@ -168,7 +168,8 @@ def test_the_tenant_is_known_to_the_generation(engine, caplog):
                                                                        "slotserve.server"):
         assert complete(client, bearer("sk-alice")).status_code == 200
     finished = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
-    assert finished and "(tenant alice)" in finished[-1]
+    assert finished and re.match(r"finished cmpl-[0-9a-f]{32} \[tenant alice\]: ",
+                                 finished[-1])
 
 
 # ------------------------------------------------------------------ request ids
@@ -194,7 +195,8 @@ def test_client_request_ids_are_echoed_not_used(engine, caplog):
         assert "mine" not in client.get("/debug/trace").text
         unsafe = complete(client, {"X-Request-Id": "bad id\t"})
         assert unsafe.status_code == 200 and "x-request-id" not in unsafe.headers
-    assert any("X-Request-Id mine" in r.getMessage() for r in caplog.records)
+    assert any(re.match(r"finished cmpl-\w+ \[tenant default, X-Request-Id mine\]: ",
+                        r.getMessage()) for r in caplog.records)
 
 
 # ------------------------------------------------------------------ /health

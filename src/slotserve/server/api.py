@@ -715,9 +715,14 @@ class _Generation:
 
     @property
     def log_name(self) -> str:
-        """The request as log lines name it: server id, tenant, the client's id if any."""
+        """The request as log lines name it: `<id> [tenant T, X-Request-Id C]`."""
+        return f"{self.request_id}{self.log_who}"
+
+    @property
+    def log_who(self) -> str:
+        """` [tenant T]`, with `, X-Request-Id C` when the client named its request."""
         client = f", X-Request-Id {self.client_id}" if self.client_id else ""
-        return f"{self.request_id} (tenant {self.tenant}{client})"
+        return f" [tenant {self.tenant}{client}]"
 
     @property
     def is_open(self) -> bool:
@@ -732,7 +737,7 @@ class _Generation:
                            "service_unavailable")
         if c.finished:
             self.finals.append(c)
-            _log_finished(self.log_name, self.prompt_tokens, c, self.params.n)
+            _log_finished(self.request_id, self.log_who, self.prompt_tokens, c, self.params.n)
         return c
 
     async def aclose(self) -> None:
@@ -793,11 +798,13 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _log_finished(request_id: str, prompt_tokens: int, c: CompletionOutput, n: int) -> None:
+def _log_finished(request_id: str, who: str, prompt_tokens: int, c: CompletionOutput,
+                  n: int) -> None:
+    """`finished <id>[#choice] [tenant T, X-Request-Id C]: prompt ..., <finish reason>`."""
     m = c.metrics
     ttft = f"{m.ttft:.3f}s" if m and m.ttft is not None else "-"
     tpot = f"{m.tpot * 1000:.1f}ms" if m and m.tpot is not None else "-"
     suffix = f"#{c.index}" if n > 1 else ""
-    logger.info("finished %s%s: prompt %d tokens, output %d tokens, TTFT %s, TPOT %s, %s",
-                request_id, suffix, prompt_tokens, len(c.token_ids), ttft, tpot,
+    logger.info("finished %s%s%s: prompt %d tokens, output %d tokens, TTFT %s, TPOT %s, %s",
+                request_id, suffix, who, prompt_tokens, len(c.token_ids), ttft, tpot,
                 c.finish_reason)
