@@ -40,6 +40,9 @@ def test_kernel_flags_reach_the_engine_config():
 def test_chat_flags():
     args = build_parser().parse_args(["chat", "--url", "http://h:1"])
     assert args.url == "http://h:1" and args.max_num_seqs == 1
+    args = build_parser().parse_args(["chat", "--url", "http://h:1", "--api-key", "sk-1"])
+    assert args.api_key == "sk-1"
+    assert RemoteChat("http://h:1", "m", api_key="sk-1").client.api_key == "sk-1"
 
 
 @pytest.mark.parametrize("name,model_arg,override,expected", [

@@ -47,11 +47,12 @@ class LocalChat:
 class RemoteChat:
     """Replies from a server's /v1/chat/completions, streamed."""
 
-    def __init__(self, url: str, model_name: str | None = None, client=None) -> None:
+    def __init__(self, url: str, model_name: str | None = None, client=None,
+                 api_key: str | None = None) -> None:
         if client is None:
             from openai import OpenAI
 
-            client = OpenAI(base_url=api_base(url), api_key="slotserve")
+            client = OpenAI(base_url=api_base(url), api_key=api_key or "slotserve")
         self.client = client
         self.model_name = model_name or client.models.list().data[0].id
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -291,6 +292,8 @@ def add_chat_parser(subparsers) -> None:
                         "http://127.0.0.1:8000 (default: an in-process engine)")
     p.add_argument("--model-name", default=None,
                    help="with --url: the model to ask for (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"),
+                   help="with --url: the server's API key (default: $SLOTSERVE_API_KEY)")
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -303,7 +306,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from slotserve.server.chat import LocalChat, RemoteChat, run_chat
 
     if args.url:
-        backend = RemoteChat(args.url, args.model_name)
+        backend = RemoteChat(args.url, args.model_name, api_key=args.api_key)
     else:
         print("loading the model...", flush=True)
         backend = LocalChat(build_engine(args))
