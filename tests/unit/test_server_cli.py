@@ -8,7 +8,7 @@ import pytest
 
 from slotserve.cli import build_parser
 from slotserve.server.chat import RemoteChat, api_base, run_chat
-from slotserve.server.commands import served_model_names
+from slotserve.server.commands import access_policy, listen_host, served_model_names
 
 
 def test_serve_flags():
@@ -16,8 +16,10 @@ def test_serve_flags():
         ["serve", "--port", "9000", "--policy", "static", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "256", "--kv-cache-memory", "64M", "--max-waiting", "3",
          "--trace", "t.json"])
-    assert (args.host, args.port, args.policy, args.max_num_seqs) == ("127.0.0.1", 9000,
+    # NOTE: --host has no default now: listen_host picks loopback and logs it (issue 14)
+    assert (args.host, args.port, args.policy, args.max_num_seqs) == (None, 9000,
                                                                        "static", 4)
+    assert listen_host(args, access_policy(args)) == "127.0.0.1"
     assert args.max_num_batched_tokens == 256 and args.kv_cache_memory == 64 << 20
     assert args.max_waiting == 3 and args.trace == "t.json" and args.model is None
 
@@ -38,6 +40,9 @@ def test_kernel_flags_reach_the_engine_config():
 def test_chat_flags():
     args = build_parser().parse_args(["chat", "--url", "http://h:1"])
     assert args.url == "http://h:1" and args.max_num_seqs == 1
+    args = build_parser().parse_args(["chat", "--url", "http://h:1", "--api-key", "sk-1"])
+    assert args.api_key == "sk-1"
+    assert RemoteChat("http://h:1", "m", api_key="sk-1").client.api_key == "sk-1"
 
 
 @pytest.mark.parametrize("name,model_arg,override,expected", [
@@ -120,3 +125,34 @@ def test_remote_chat_uses_the_openai_client():
     chat = RemoteChat("http://h", "m", client=client)
     assert "".join(chat.stream([{"role": "user", "content": "x"}], 5, 0.0)) == "ab"
     assert calls[0]["model"] == "m" and calls[0]["stream"] and stream.closed
+
+
+@pytest.mark.parametrize("flags,keys,level,words", [
+    ([], False, "INFO", "listening on 127.0.0.1 only"),
+    (["--host", "::1"], False, "INFO", "listening on ::1 only"),
+    (["--host", "0.0.0.0"], False, "WARNING", "anyone who reaches 0.0.0.0:8000"),
+    (["--host", "0.0.0.0", "--api-key", "sk-1"], True, None, None),
+])
+def test_listen_host_says_who_can_reach_the_api(flags, keys, level, words, caplog):
+    args = build_parser().parse_args(["serve", *flags])
+    policy = access_policy(args)
+    assert policy.keys_required == keys
+    with caplog.at_level("INFO", "slotserve.server"):
+        host = listen_host(args, policy)
+    assert host == (args.host or "127.0.0.1")
+    if words is None:
+        assert not caplog.records
+    else:
+        assert [(r.levelname, words in r.getMessage()) for r in caplog.records] == [(level, True)]
+
+
+def test_access_flags():
+    args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b",
+                                      "--admin-key", "adm", "--disable-admin-routes",
+                                      "--max-stop-strings", "3", "--max-stop-chars", "9"])
+    policy = access_policy(args)
+    assert [k for k, _ in policy.api_keys] == ["a", "b"] and policy.admin_key == "adm"
+    assert not policy.admin_routes and not policy.admin_reachable
+    from slotserve.server.commands import server_limits
+    limits = server_limits(args)
+    assert (limits.max_stop_strings, limits.max_stop_chars) == (3, 9)

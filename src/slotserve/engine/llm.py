@@ -73,10 +73,10 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer and no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        # NOTE: the template writes any BOS itself, so no special tokens are added again.
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-            add_special_tokens=False) for c in conversations]
+        # NOTE: the server's chat path uses the same encode_chat (BOS only as the template
+        # writes it), so both give the same prompt ids.
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:

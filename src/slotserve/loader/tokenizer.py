@@ -157,14 +157,20 @@ class Tokenizer:
         surrogates (JSON allows "\\ud800") are encoded as U+FFFD.
         """
         try:
-            ids = self.backend.encode(text, add_special_tokens=False).ids
+            ids = self._encode_ids(text)
         except TypeError:
             if not isinstance(text, str):
                 raise
-            ids = self.backend.encode(_replace_lone_surrogates(text), add_special_tokens=False).ids
+            ids = self._encode_ids(_replace_lone_surrogates(text))
         if add_special_tokens and self.add_bos_token and self._bos_token_id is not None:
             return [self._bos_token_id, *ids]
         return ids
+
+    def _encode_ids(self, text: str) -> list[int]:
+        # NOTE: the batch call releases the GIL while it tokenizes (`backend.encode` holds
+        # it), so a long prompt tokenized in a server thread does not stall the event loop;
+        # `_fast` skips the offsets, the ids are the same.
+        return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (incomplete UTF-8 at either end shows as U+FFFD)."""
@@ -216,6 +222,29 @@ class Tokenizer:
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """The prompt token ids of a conversation: the one prompt path of the server and
+        the offline `LLM.chat`, as HF's `apply_chat_template(tokenize=True)`.
+
+        NOTE: the template writes any BOS itself (`{{ bos_token }}`), so no special token is
+        added when encoding its text: BOS appears exactly as often as the template writes it.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for (at least 1).
+
+        Each token decoded alone; a token holding part of a character decodes to U+FFFD
+        (3 bytes), more than the bytes it holds, so the bound stays an upper bound.
+        """
+        size = self.vocab_size
+        texts = self.backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        return max([1, *(len(t.encode("utf-8", "surrogatepass")) for t in texts)])
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:

@@ -5,14 +5,25 @@ GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/t
 (the engine's iteration trace).
 
 Every error answers with OpenAI's body {"error": {message, type, param, code}}:
-400 bad input (FastAPI's 422 included; max_tokens above the cap), 404 unknown model,
-413 body too large, 429 queue full (with Retry-After), 503 shutting down or too many
-requests at once, 500 anything unexpected (the server keeps serving).
+400 bad input (FastAPI's 422 included; max_tokens above the cap, too many or too long stop
+strings, a prompt that cannot fit), 401 a missing or wrong key, 404 unknown model (or an
+admin route that is off), 413 body too large, 429 queue full (with Retry-After), 503
+shutting down, too many requests at once or an unhealthy engine, 500 anything unexpected
+(the server keeps serving).
 
 Limits (`ServerLimits`, from the `serve` flags): a cap on max_tokens, a bound on the body
 size, a bound on the requests served at once (/health and /metrics stay exempt, so an
-operator can still look). A client may name its request with an `X-Request-Id` header
-(as vLLM allows): the engine's id is then `cmpl-<it>` / `chatcmpl-<it>`, in the logs too.
+operator can still look), bounds on the stop strings (count, length).
+
+Access (`AccessPolicy`, server/auth.py): API keys for /v1 (each names a tenant), an admin
+key for the live view, /debug and /metrics. Engine request ids are the server's own
+(`cmpl-<hex>` / `chatcmpl-<hex>`); a client's `X-Request-Id` is only echoed in the response
+header and logged next to the server's id, so no client can collide with another's request.
+
+NOTE: nothing heavy runs on the event loop: a text prompt is first checked against a cheap
+bound (`max_prompt_bytes`: its UTF-8 size against what the longest possible prompt could
+span), then tokenized (chat: the template rendered and tokenized) in a small thread pool;
+the engine gets token ids.
 
 Graceful shutdown (`Server.begin_drain`, driven by `slotserve serve` on SIGTERM / SIGINT):
 new generations get 503 and /health answers 503, running ones go on to their end; whatever
@@ -32,11 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import weakref
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -50,16 +63,24 @@ from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
+from slotserve.server.auth import AccessControl, AccessPolicy, send_error, tenant_of
 from slotserve.server.live import build_live_router
 from slotserve.server.protocol import APIError
 
 logger = logging.getLogger("slotserve.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_CHARS = 512
+# Threads that tokenize prompts and render chat templates (off the event loop).
+TOKENIZER_THREADS = 2
+# How much a tokenizer's normalizer may shrink text (NFC composes 3-byte Hangul jamo, 9
+# bytes, into one 3-byte syllable); the pre-check allows this factor more bytes.
+NORMALIZATION_SLACK = 4
 # The error statuses the spec (/openapi.json) documents, each with OpenAI's error body.
 ERROR_RESPONSE = {"model": p.ErrorResponse, "description": "OpenAI's error body"}
 GENERATION_ERRORS = {status: ERROR_RESPONSE for status in (400, 404, 413, 429, 500, 503)}
-# Client-chosen request ids (X-Request-Id): what is safe in a log line and a URL.
+# Client-chosen request ids (X-Request-Id): what is safe in a log line and a header.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -76,14 +97,19 @@ class ServerLimits:
     max_connections: HTTP requests served at once; beyond it 503. On HTTP/1.1 a connection
     serves one request at a time, so this bounds the busy connections (idle keep-alive
     connections of a client's pool do not count).
+    max_stop_strings / max_stop_chars: more stop strings, or a longer one, get 400 (every
+    token is matched against them; a stream holds back as much text as the longest).
     """
 
     max_tokens: int | None = None
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
     max_connections: int | None = None
+    max_stop_strings: int | None = DEFAULT_MAX_STOP_STRINGS
+    max_stop_chars: int | None = DEFAULT_MAX_STOP_CHARS
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_body_bytes", "max_connections"):
+        for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
+                     "max_stop_chars"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
@@ -91,12 +117,14 @@ class ServerLimits:
 
 def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...] = (),
               metrics: ServerMetrics | None = None, retry_after_s: int = 1,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None,
+              access: AccessPolicy | None = None) -> FastAPI:
     """The FastAPI app serving `async_engine` as `model_name` (also accepting `aliases`).
 
     The caller starts and stops the engine; the app stops admitting requests (503) when
     it shuts down. Each app has its own metrics registry unless `metrics` is given.
-    limits: default ServerLimits() (a 1 MiB body bound, nothing else).
+    limits: default ServerLimits() (a 1 MiB body bound, the stop bounds, nothing else).
+    access: default AccessPolicy() (no keys: everything open).
     """
     if metrics is None:
         metrics = ServerMetrics(async_engine.engine)
@@ -115,6 +143,10 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
     _add_routes(app)
     app.include_router(build_live_router(async_engine))
     _add_limit_middleware(app, limits)
+    # NOTE: outermost (added last): a request without a valid key is refused before its
+    # body is read or it takes one of --max-connections.
+    app.add_middleware(AccessControl, policy=access or AccessPolicy())
+    app.add_middleware(EchoRequestId)
     return app
 
 
@@ -144,6 +176,8 @@ def _add_routes(app: FastAPI) -> None:
     async def health() -> dict:
         if server().draining:  # NOTE: load balancers stop sending traffic here
             raise APIError("the server is shutting down", 503, "service_unavailable")
+        if not getattr(server().engine, "healthy", True):
+            raise APIError("the engine is not healthy", 503, "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -225,14 +259,34 @@ def _add_limit_middleware(app: FastAPI, limits: ServerLimits) -> None:
         app.add_middleware(ConcurrencyLimit, max_requests=limits.max_connections)
 
 
-async def _send_error(send, error: APIError) -> None:
-    """Answer with the error body from an ASGI middleware (outside FastAPI's handlers)."""
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+class EchoRequestId:
+    """ASGI middleware: a client's `X-Request-Id` (safe characters only) comes back in the
+    response's `X-Request-Id` header. It is never used as the engine's request id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        wanted = client_request_id(scope) if scope["type"] == "http" else None
+        if wanted is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", wanted.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def client_request_id(scope) -> str | None:
+    """The client's X-Request-Id when it is safe to log and echo; else None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID.fullmatch(text) else None
+    return None
 
 
 class ConcurrencyLimit:
@@ -255,7 +309,7 @@ class ConcurrencyLimit:
         if self.active >= self.max_requests:
             logger.warning("refused %s: %d requests in progress (--max-connections)",
                            scope["path"], self.active)
-            return await _send_error(send, APIError(
+            return await send_error(send, APIError(
                 f"the server is at its limit of {self.max_requests} requests at once "
                 "(--max-connections); retry later", 503, "service_unavailable",
                 code="too_many_connections", headers={"Retry-After": "1"}))
@@ -283,12 +337,12 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            return await _send_error(send, self._too_large(declared))
+            return await send_error(send, self._too_large(declared))
         body = await _read_body(receive, self.max_bytes)
         if body is None:  # the client left while sending
             return None
         if len(body) > self.max_bytes:
-            return await _send_error(send, self._too_large(None))
+            return await send_error(send, self._too_large(None))
         await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self, size: int | None) -> APIError:
@@ -349,10 +403,28 @@ class Server:
         self.draining = False
         # NOTE: weak, so a generation that ends by any path (error, disconnect, ...) leaves.
         self._generations: weakref.WeakSet[_Generation] = weakref.WeakSet()
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="slotserve-tokenize")
+        # NOTE: computed here, at startup, not on the event loop at the first request.
+        self.max_prompt_bytes = self._max_prompt_bytes()
 
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """A prompt must leave room for one output token."""
+        return self.engine.engine.scheduler.max_total_tokens - 1
+
+    def _max_prompt_bytes(self) -> int | None:
+        """The most UTF-8 bytes a prompt of max_prompt_tokens tokens can span (None: no
+        tokenizer). A token stands for at most `max_token_bytes` bytes of normalized text and
+        normalization shrinks text by at most NORMALIZATION_SLACK, so longer text surely has
+        too many tokens and is refused without tokenizing it."""
+        if self.tokenizer is None:
+            return None
+        return self.max_prompt_tokens * self.tokenizer.max_token_bytes * NORMALIZATION_SLACK
 
     def models(self) -> p.ModelList:
         limit = self.engine.engine.scheduler.max_total_tokens
@@ -384,17 +456,24 @@ class Server:
         return len(generations)
 
     # ---------------------------------------------------------------- endpoints
-    def _generation(self, prefix: str, prompt, params: SamplingParams, prompt_param: str,
-                    request: Request) -> _Generation:
-        generation = _Generation(self, _request_id(prefix, request), prompt, params,
-                                 prompt_param)
+    def _generation(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
+                    prompt_param: str, request: Request) -> _Generation:
+        generation = _Generation(self, p.new_id(prefix), prompt_ids, params, prompt_param,
+                                 tenant=tenant_of(request),
+                                 client_id=client_request_id(request.scope))
         self._generations.add(generation)
         return generation
 
-    async def completions(self, body: p.CompletionRequest, request: Request):
+    def _sampling_params(self, body: p.CompletionRequest | p.ChatCompletionRequest
+                         ) -> SamplingParams:
         self.check_model(body.model)
-        params = body.to_sampling_params(self.limits.max_tokens)
-        stream = self._generation("cmpl", body.engine_prompt(), params, "prompt", request)
+        body.check_stop(self.limits.max_stop_strings, self.limits.max_stop_chars)
+        return body.to_sampling_params(self.limits.max_tokens)
+
+    async def completions(self, body: p.CompletionRequest, request: Request):
+        params = self._sampling_params(body)
+        ids = await self._prompt_ids(body.engine_prompt())
+        stream = self._generation("cmpl", ids, params, "prompt", request)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._completion_chunks(stream, first, body), stream)
@@ -402,26 +481,69 @@ class Server:
         return self._completion_response(stream, finals, params)
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
-        params = body.to_sampling_params(self.limits.max_tokens)
-        stream = self._generation("chatcmpl", self._chat_prompt(body), params, "messages",
-                                  request)
+        params = self._sampling_params(body)
+        ids = await self._chat_ids(body)
+        stream = self._generation("chatcmpl", ids, params, "messages", request)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._chat_chunks(stream, first, body), stream)
         finals = await stream.collect(request, first)
         return self._chat_response(stream, finals, body)
 
-    def _chat_prompt(self, body: p.ChatCompletionRequest) -> str:
+    # ---------------------------------------------------------------- prompts
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids; text is tokenized off the event loop, after the
+        cheap size check. APIError (400, param "prompt") if it cannot fit."""
+        if not isinstance(prompt, str):
+            self._check_token_count(len(prompt), "prompt")
+            return prompt
+        self._check_text_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
+        try:
+            _, ids = await self._off_loop(self.engine.engine.tokenize, prompt)
+        except ValueError as exc:
+            raise p.invalid_request(str(exc)) from exc
+        self._check_token_count(len(ids), "prompt")
+        return ids
+
+    async def _chat_ids(self, body: p.ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt ids: the template rendered and tokenized off the event
+        loop (Tokenizer.encode_chat, the offline LLM.chat's path too), after a size check on
+        the messages' text (a template shows each message's content)."""
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
+        messages = body.template_messages()
+        self._check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                  for m in messages), "messages")
         try:
-            return self.tokenizer.apply_chat_template(body.template_messages(),
-                                                      add_generation_prompt=True)
+            ids = await self._off_loop(self.tokenizer.encode_chat, messages,
+                                       add_generation_prompt=True)
         except Exception as exc:  # a template may raise on an unusual conversation
             raise APIError(f"messages: the chat template failed: {exc}",
                            param="messages") from exc
+        self._check_token_count(len(ids), "messages")
+        return ids
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool,
+                                          functools.partial(fn, *args, **kwargs))
+
+    def _check_text_size(self, num_bytes: int, param: str) -> None:
+        bound = self.max_prompt_bytes
+        if bound is not None and num_bytes > bound:
+            raise APIError(
+                f"{param} is too long: {num_bytes} bytes of text is more than "
+                f"{self.max_prompt_tokens} tokens (this server's limit per sequence, less one "
+                "output token) can hold", param=param, code="context_length_exceeded")
+
+    def _check_token_count(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self.max_prompt_tokens:
+            limit = self.max_prompt_tokens + 1
+            raise APIError(
+                f"{param} has {num_tokens} tokens, but this server fits at most {limit} "
+                "tokens per sequence; the prompt and at least one output token must fit",
+                param=param, code="context_length_exceeded")
 
     # ---------------------------------------------------------------- non-streaming
     def _completion_response(self, stream: _Generation, finals: list[CompletionOutput],
@@ -532,27 +654,25 @@ async def _sse_lines(chunks: AsyncIterator[dict], stream: _Generation) -> AsyncI
     yield "data: [DONE]\n\n"
 
 
-def _request_id(prefix: str, request: Request) -> str:
-    """`prefix-<X-Request-Id>` when the client named its request (safe characters only),
-    else `prefix-<random hex>`."""
-    wanted = request.headers.get("x-request-id", "")
-    if _REQUEST_ID.fullmatch(wanted):
-        return f"{prefix}-{wanted}"
-    return p.new_id(prefix)
-
-
 # --------------------------------------------------------------------------- one generation
 class _Generation:
     """One request's engine stream, with errors mapped to APIError and one log line per
-    finished completion."""
+    finished completion.
 
-    def __init__(self, server: Server, request_id: str, prompt, params: SamplingParams,
-                 prompt_param: str) -> None:
+    request_id: the server's own (the engine's id). tenant: whose request it is (from the
+    API key; "default" without keys). client_id: the client's X-Request-Id (logged only).
+    """
+
+    def __init__(self, server: Server, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, prompt_param: str, tenant: str = "default",
+                 client_id: str | None = None) -> None:
         self.server = server
         self.request_id = request_id
         self.params = params
         self.prompt_param = prompt_param
-        self.outputs = server.engine.generate(request_id, prompt, params)
+        self.tenant = tenant
+        self.client_id = client_id
+        self.outputs = server.engine.generate(request_id, prompt_ids, params)
         self.prompt_tokens = 0
         self.started = False  # the first output came
         self.finals: list[CompletionOutput] = []
@@ -562,7 +682,7 @@ class _Generation:
         try:
             first = await self._guarded(_unless_disconnected(request, self._next()))
         except ClientGone:
-            logger.info("aborted %s: the client left before the first token", self.request_id)
+            logger.info("aborted %s: the client left before the first token", self.log_name)
             raise
         self.prompt_tokens = len(first.prompt_token_ids)
         self.started = True
@@ -594,6 +714,17 @@ class _Generation:
         return await anext(self.outputs)
 
     @property
+    def log_name(self) -> str:
+        """The request as log lines name it: `<id> [tenant T, X-Request-Id C]`."""
+        return f"{self.request_id}{self.log_who}"
+
+    @property
+    def log_who(self) -> str:
+        """` [tenant T]`, with `, X-Request-Id C` when the client named its request."""
+        client = f", X-Request-Id {self.client_id}" if self.client_id else ""
+        return f" [tenant {self.tenant}{client}]"
+
+    @property
     def is_open(self) -> bool:
         """The engine stream has not ended (not refused, finished, failed nor closed)."""
         return self.outputs.ag_frame is not None
@@ -606,7 +737,7 @@ class _Generation:
                            "service_unavailable")
         if c.finished:
             self.finals.append(c)
-            _log_finished(self.request_id, self.prompt_tokens, c, self.params.n)
+            _log_finished(self.request_id, self.log_who, self.prompt_tokens, c, self.params.n)
         return c
 
     async def aclose(self) -> None:
@@ -614,7 +745,7 @@ class _Generation:
         await self.outputs.aclose()
         if self.started and len(self.finals) < self.params.n:
             logger.info("aborted %s: %d of %d completions finished (client left or failure)",
-                        self.request_id, len(self.finals), self.params.n)
+                        self.log_name, len(self.finals), self.params.n)
             self.started = False  # log once
 
     def usage(self, finals: list[CompletionOutput]) -> p.UsageInfo:
@@ -667,11 +798,13 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def _log_finished(request_id: str, prompt_tokens: int, c: CompletionOutput, n: int) -> None:
+def _log_finished(request_id: str, who: str, prompt_tokens: int, c: CompletionOutput,
+                  n: int) -> None:
+    """`finished <id>[#choice] [tenant T, X-Request-Id C]: prompt ..., <finish reason>`."""
     m = c.metrics
     ttft = f"{m.ttft:.3f}s" if m and m.ttft is not None else "-"
     tpot = f"{m.tpot * 1000:.1f}ms" if m and m.tpot is not None else "-"
     suffix = f"#{c.index}" if n > 1 else ""
-    logger.info("finished %s%s: prompt %d tokens, output %d tokens, TTFT %s, TPOT %s, %s",
-                request_id, suffix, prompt_tokens, len(c.token_ids), ttft, tpot,
+    logger.info("finished %s%s%s: prompt %d tokens, output %d tokens, TTFT %s, TPOT %s, %s",
+                request_id, suffix, who, prompt_tokens, len(c.token_ids), ttft, tpot,
                 c.finish_reason)

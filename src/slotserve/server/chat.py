@@ -30,7 +30,7 @@ class LocalChat:
 
     def stream(self, messages: list[dict], max_tokens: int, temperature: float
                ) -> Iterator[str]:
-        prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
         request_id = f"chat-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         self.engine.add_request(request_id, prompt, params)
@@ -47,11 +47,12 @@ class LocalChat:
 class RemoteChat:
     """Replies from a server's /v1/chat/completions, streamed."""
 
-    def __init__(self, url: str, model_name: str | None = None, client=None) -> None:
+    def __init__(self, url: str, model_name: str | None = None, client=None,
+                 api_key: str | None = None) -> None:
         if client is None:
             from openai import OpenAI
 
-            client = OpenAI(base_url=api_base(url), api_key="slotserve")
+            client = OpenAI(base_url=api_base(url), api_key=api_key or "slotserve")
         self.client = client
         self.model_name = model_name or client.models.list().data[0].id
 

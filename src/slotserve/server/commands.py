@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
@@ -23,12 +24,14 @@ _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 CLOSE_GRACE_S = 3
 # After a timed-out drain aborts what is left: how long the aborts have to reach the clients.
 ABORT_GRACE_S = 2.0
+DEFAULT_HOST = "127.0.0.1"
 
 
 # --------------------------------------------------------------------------- serve
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=None,
+                   help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting", type=int, default=None,
                    help="bound on waiting requests; beyond it requests get 429 (default: none)")
@@ -48,10 +51,68 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
                    help="HTTP requests served at once; beyond it 503, /health and /metrics "
                         "excepted (default: no limit)")
+    p.add_argument("--max-stop-strings", type=_positive_int, default=64, metavar="N",
+                   help="requests with more than N stop strings get 400 (default: 64)")
+    p.add_argument("--max-stop-chars", type=_positive_int, default=512, metavar="N",
+                   help="requests with a stop string longer than N characters get 400 "
+                        "(default: 512)")
+    add_access_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_access_args(p) -> None:
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="/v1 requests need 'Authorization: Bearer KEY' (repeatable; tenant "
+                        "'default'). Visible in the process list: prefer --api-keys-file")
+    g.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="API keys, one 'KEY TENANT [WEIGHT]' per line (# comments)")
+    g.add_argument("--admin-key", default=None, metavar="KEY",
+                   help="the live view (/), /debug/* and /metrics need this key (Bearer, or "
+                        "HTTP Basic with it as the password); with API keys and no admin "
+                        "key they are off")
+    g.add_argument("--disable-admin-routes", action="store_true",
+                   help="the live view, /debug/* and /metrics answer 404")
+
+
+def access_policy(args: argparse.Namespace):
+    """The AccessPolicy the access flags describe; ValueError (naming the file and line)
+    for a malformed keys file."""
+    from slotserve.server.auth import AccessPolicy, Tenant, load_api_keys_file
+
+    keys = [(key, Tenant()) for key in args.api_key]
+    if args.api_keys_file:
+        keys += load_api_keys_file(args.api_keys_file)
+    return AccessPolicy(api_keys=tuple(keys), admin_key=args.admin_key,
+                        admin_routes=not args.disable_admin_routes)
+
+
+def listen_host(args: argparse.Namespace, policy) -> str:
+    """--host, else loopback; the log says who can reach the API."""
+    host = args.host or DEFAULT_HOST
+    if policy.keys_required:
+        return host
+    if _is_loopback(host):
+        logger.info("no --api-key: listening on %s only (this machine); pass --host to "
+                    "listen elsewhere", host)
+    else:
+        logger.warning("no --api-key: anyone who reaches %s:%d can use the model", host,
+                       args.port)
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def _positive_int(text: str) -> int:
@@ -73,7 +134,9 @@ def server_limits(args: argparse.Namespace):
     from slotserve.server.api import ServerLimits
 
     return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
-                        max_connections=args.max_connections)
+                        max_connections=args.max_connections,
+                        max_stop_strings=args.max_stop_strings,
+                        max_stop_chars=args.max_stop_chars)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -81,16 +144,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.server.api import build_app
 
     setup_logging(args.log_level)
+    policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
+    limits = server_limits(args)
     engine = build_engine(args)
     name, aliases = served_model_names(engine.model_config.name, args.model,
                                        args.served_model_name)
     async_engine = AsyncEngine(engine)  # the waiting bound is in the engine config
-    app = build_app(async_engine, name, aliases=aliases, limits=server_limits(args))
-    log_startup(engine, name, f"http://{args.host}:{args.port}/v1")
+    app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)
+    host = listen_host(args, policy)
+    logger.info("access: %s", policy.describe())
+    log_startup(engine, name, f"http://{host}:{args.port}/v1")
     # NOTE: a second signal makes uvicorn shut down at once and re-raise the signal with
     # the handler it found: make that one a clean exit, so the `finally` runs.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=CLOSE_GRACE_S)
     server = DrainingServer(config, app.state.server, args.drain_timeout)
     async_engine.start()
@@ -225,6 +292,8 @@ def add_chat_parser(subparsers) -> None:
                         "http://127.0.0.1:8000 (default: an in-process engine)")
     p.add_argument("--model-name", default=None,
                    help="with --url: the model to ask for (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"),
+                   help="with --url: the server's API key (default: $SLOTSERVE_API_KEY)")
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -237,7 +306,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from slotserve.server.chat import LocalChat, RemoteChat, run_chat
 
     if args.url:
-        backend = RemoteChat(args.url, args.model_name)
+        backend = RemoteChat(args.url, args.model_name, api_key=args.api_key)
     else:
         print("loading the model...", flush=True)
         backend = LocalChat(build_engine(args))

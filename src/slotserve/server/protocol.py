@@ -98,6 +98,21 @@ class _Request(BaseModel):
         except ValueError as exc:
             raise invalid_request(str(exc), renames) from exc
 
+    def check_stop(self, max_strings: int | None, max_chars: int | None) -> None:
+        """APIError (400, param "stop") past the server's bounds on stop strings: their
+        count and each one's length (every generated token is matched against them, and the
+        stream holds back as much text as the longest one)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if max_strings is not None and len(stops) > max_strings:
+            raise APIError(f"stop: at most {max_strings} stop strings on this server "
+                           f"(--max-stop-strings), got {len(stops)}", param="stop",
+                           code="stop_limit_exceeded")
+        longest = max(map(len, stops), default=0)
+        if max_chars is not None and longest > max_chars:
+            raise APIError(f"stop: each stop string may have at most {max_chars} characters "
+                           f"on this server (--max-stop-chars), got one of {longest}",
+                           param="stop", code="stop_limit_exceeded")
+
     def _reject_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
