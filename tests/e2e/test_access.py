@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from slotserve.server.launch import cli_flags
 from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.support.launch import cli_flags
 
 ADMIN = "adm-e2e-secret"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

@@ -17,7 +17,7 @@ from slotserve import SamplingParams
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm import LLM
 from slotserve.server.api import ServerLimits, build_app
-from slotserve.server.launch import free_port
+from tests.support.launch import free_port
 from tests.unit.server_fixtures import text_engine, tiny_tokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"},
