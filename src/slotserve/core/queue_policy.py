@@ -96,7 +96,7 @@ class QueuePolicy:
         self.cost = cost
         self._weights = dict(config.tenant_weights)
         self.tenants: dict[str, TenantState] = {}
-        self._charged_prompt: dict[str, int] = {}  # request id -> prompt tokens charged
+        self._charged_prompt: dict[str, int] = {}  # request id -> end of its charged tokens
         self._planned: dict[str, float] = {}  # tenant -> cost planned this iteration
         self._arrival_seq = itertools.count()
         self._seq: dict[str, int] = {}  # request id -> order of arrival (ties of equal times)
@@ -139,17 +139,22 @@ class QueuePolicy:
         charged = self._charged_prompt.get(request.request_id)
         if charged is None:
             return
-        new_prompt = max(0, min(start + num_tokens, request.num_prompt_tokens) - charged)
-        self._charged_prompt[request.request_id] = charged + new_prompt
+        new_prompt = self._uncharged_prompt(request, start, num_tokens)
+        self._charged_prompt[request.request_id] = max(charged, start + num_tokens)
         tenant = self.tenants[request.tenant]
         tenant.prompt_tokens += new_prompt
         tenant.output_tokens += int(sampled)
         tenant.virtual_counter += self._cost(request, new_prompt, int(sampled))
 
     def _new_prompt_tokens(self, request: Request, num_new: int) -> int:
+        return self._uncharged_prompt(request, request.num_computed_tokens, num_new)
+
+    def _uncharged_prompt(self, request: Request, start: int, num_tokens: int) -> int:
+        """Prompt positions in start..start+num_tokens-1 past the highest one processed
+        before (prefix-cache hits are skipped, so never charged; recomputation neither)."""
         charged = self._charged_prompt.get(request.request_id, 0)
-        end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-        return max(0, end - charged)
+        end = min(start + num_tokens, request.num_prompt_tokens)
+        return max(0, end - max(start, charged))
 
     def _cost(self, request: Request, prompt_tokens: int, output_tokens: int) -> float:
         weight = self.tenants[request.tenant].weight
@@ -234,8 +239,9 @@ class DeadlinePolicy(QueuePolicy):
         slack = self.slack(request, now)
         if slack == math.inf:
             return (2, 0.0, *self.arrival_key(request))
-        if slack < 0:
-            return (3, slack, *self.arrival_key(request))  # missed: last, least late first
+        if slack < 0:  # missed: last, earliest deadline first
+            return (3, request.times.arrival + self._slo_ttft_s(request),
+                    *self.arrival_key(request))
         return (1, slack, *self.arrival_key(request))
 
     def next_waiting(self, waiting: Iterable[Request], now: float) -> Request:
