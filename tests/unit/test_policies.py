@@ -537,3 +537,20 @@ def test_engine_passes_policy_fields_and_returns_rejections(tiny_llama):
     assert [o.outputs[0].finish_reason for o in finals["busy"]] == ["length", "length"]
     assert engine.kv.num_free_blocks == 32
     assert engine.scheduler.policy_state()["tenants"]["acme"]["output_tokens"] == 8
+
+
+def test_cost_model_fits_overhead_and_per_token_cost():
+    from slotserve.core.queue_policy import CostModel
+
+    cost = CostModel()
+    assert cost.per_token is None and cost.seconds(100) == 0 and cost.tokens_within(1) is None
+    cost.observe(4, 0.022)  # one size only: proportional
+    assert cost.per_token == pytest.approx(0.0055) and cost.overhead == 0
+    for n in [1, 8, 64, 2, 100, 16]:
+        cost.observe(n, 0.020 + 0.0005 * n)  # 20 ms per iteration + 0.5 ms per token
+    for n in [3, 50, 300]:
+        cost.observe(n, 0.020 + 0.0005 * n)
+    assert cost.overhead == pytest.approx(0.020, rel=1e-3)
+    assert cost.per_token == pytest.approx(0.0005, rel=1e-3)
+    assert cost.tokens_within(0.030) == 20
+    assert cost.tokens_within(0.010) == 0

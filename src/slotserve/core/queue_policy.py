@@ -14,7 +14,8 @@ priority  Request.priority, lower first, ties by arrival. With continuous admiss
           Running requests get the token budget in priority order, and a memory shortage
           preempts the lowest-priority one first.
 deadline  least TTFT slack first: slack = arrival + slo_ttft - now - estimated prefill time
-          (a per-token cost learnt from the iterations the scheduler observes, `CostModel`).
+          (an iteration-time model learnt from the iterations the scheduler observes,
+          `CostModel`).
           Requests without a TTFT SLO come after those with one (FCFS); requests that can no
           longer meet their deadline come last (or, with slo_reject, are rejected). A preempted
           request that already has its first token goes first (its TTFT is history).
@@ -41,34 +42,54 @@ from slotserve.request import Request
 
 
 class CostModel:
-    """Estimated seconds per batched token: a running average over observed iterations.
+    """Estimated iteration time t(n) = overhead + per_token * n for n batched tokens, fit by
+    exponentially weighted least squares over the iterations the scheduler observes.
 
-    NOTE: proportional (no fixed per-iteration overhead): simple, and exact for a fake clock
-    that advances by a constant per token. `per_token` is None until the first observation.
+    NOTE: until two different batch sizes were seen (or when the fit gives a negative
+    overhead) it is proportional: overhead 0, per_token = mean time / mean tokens. Exact for
+    a fake clock that advances by a constant per token. `per_token` is None before the first
+    observation (then no estimate: no prefill cap, zero prefill time).
     """
 
-    def __init__(self, smoothing: float = 0.2) -> None:
-        self.smoothing = smoothing
+    def __init__(self, forget: float = 0.98) -> None:
+        self.forget = forget
+        self._sums = [0.0] * 5  # weight, n, t, n*n, n*t
+        self.overhead = 0.0
         self.per_token: float | None = None
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds < 0:
+        if num_tokens <= 0 or not seconds >= 0:
             return
-        sample = seconds / num_tokens
-        if self.per_token is None:
-            self.per_token = sample
-        else:
-            self.per_token += self.smoothing * (sample - self.per_token)
+        n, t = float(num_tokens), float(seconds)
+        self._sums = [self.forget * old + new
+                      for old, new in zip(self._sums, (1.0, n, t, n * n, n * t))]
+        self._fit()
+
+    def _fit(self) -> None:
+        weight, sum_n, sum_t, sum_nn, sum_nt = self._sums
+        mean_n, mean_t = sum_n / weight, sum_t / weight
+        var = sum_nn / weight - mean_n * mean_n
+        cov = sum_nt / weight - mean_n * mean_t
+        if var > 1e-6 * mean_n * mean_n and cov > 0:
+            slope = cov / var
+            if mean_t - slope * mean_n >= 0:
+                self.overhead, self.per_token = mean_t - slope * mean_n, slope
+                return
+        self.overhead, self.per_token = 0.0, mean_t / mean_n
 
     def seconds(self, num_tokens: int) -> float:
-        """Estimated time to process num_tokens (0 before any observation)."""
-        return 0.0 if self.per_token is None else self.per_token * num_tokens
+        """Estimated time of an iteration of num_tokens (0 before any observation)."""
+        if self.per_token is None:
+            return 0.0
+        return self.overhead + self.per_token * num_tokens
 
     def tokens_within(self, seconds: float) -> int | None:
-        """Tokens an iteration of `seconds` may hold (None: unknown, no limit)."""
+        """Most tokens an iteration of `seconds` may hold (None: unknown, no limit)."""
         if self.per_token is None or self.per_token <= 0:
             return None
-        return int(seconds / self.per_token)
+        # NOTE: the epsilon keeps an exact fit's boundary (10 ms / 1 ms = 10) from rounding
+        # down to 9.
+        return max(0, math.floor((seconds - self.overhead) / self.per_token + 1e-9))
 
 
 @dataclass
