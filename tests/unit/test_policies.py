@@ -376,7 +376,7 @@ def test_new_tenant_order_is_exact():
     add(sched, "c1", 4, 4, tenant="C")
     # C starts at the active minimum, A's 30 (no credit for its idle past). a2 ends at 36;
     # C (30) goes next, reaches 42; A (36) reaches 48; C (42); A.
-    assert sched.policy.tenants["C"].virtual_counter == 30
+    assert sched.queue_policy.tenants["C"].virtual_counter == 30
     assert run_to_end(sched) == ["c0", "a3", "c1", "a4"]
 
 
@@ -400,8 +400,8 @@ def test_fair_charges_cached_prompt_tokens_nothing():
     sched.add_request(Request("y", shared + [60], params, tenant="A"))
     run_to_end(sched)
     # x: 13 prompt tokens; y: 12 of them cached (3 blocks), 1 computed; 1 output token each.
-    assert sched.policy.tenants["A"].prompt_tokens == 13 + 1
-    assert sched.policy.tenants["A"].output_tokens == 2
+    assert sched.queue_policy.tenants["A"].prompt_tokens == 13 + 1
+    assert sched.queue_policy.tenants["A"].output_tokens == 2
 
 
 def vtc_bound(requests: list[Request], sched: Scheduler) -> float:
@@ -440,7 +440,7 @@ def test_vtc_bounds_the_service_gap_of_backlogged_tenants(seed, num_tenants, slo
     for request in requests:
         sched.add_request(request)
     bound = vtc_bound(requests, sched)
-    tenants = sched.policy.tenants
+    tenants = sched.queue_policy.tenants
     gap_seen = 0.0
     for _ in range(5_000):
         if not sched.has_unfinished():

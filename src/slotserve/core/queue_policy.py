@@ -281,6 +281,7 @@ class DeadlinePolicy(QueuePolicy):
         return max(0, tokens - num_decodes)
 
     def should_reject(self, request: Request, now: float) -> bool:
+        """slo_reject: a request never run (not preempted either) whose slack is negative."""
         return (self.config.slo_reject and request.times.first_token is None
                 and request.num_preemptions == 0 and self.slack(request, now) < 0)
 

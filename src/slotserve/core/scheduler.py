@@ -39,7 +39,7 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self.cost = CostModel()
-        self.policy: QueuePolicy = make_policy(config, self.cost)
+        self.queue_policy: QueuePolicy = make_policy(config, self.cost)
         self._prefill_allowance: int | None = None  # prefill tokens left this iteration
         self._scheduled_at: float | None = None  # clock when the last plan was made
         self.waiting: deque[Request] = deque()
@@ -77,7 +77,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self.policy.on_add(request)
+        self.queue_policy.on_add(request)
 
     @staticmethod
     def _check_policy_fields(request: Request) -> None:
@@ -99,7 +99,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
-        self.policy.on_finish(request)
+        self.queue_policy.on_finish(request)
         request.status = status
         request.times.finished = self.clock()
         return request
@@ -120,12 +120,12 @@ class Scheduler:
 
     @property
     def scheduling_policy(self) -> str:
-        return self.policy.name
+        return self.queue_policy.name
 
     def policy_state(self) -> dict:
         """Read-only, for metrics: the scheduling policy's name and per-tenant counters
         (virtual counter, prompt/output tokens served, weight, active requests)."""
-        return self.policy.state()
+        return self.queue_policy.state()
 
     # ----------------------------------------------------------------- one iteration
     def schedule(self) -> SchedulerOutput:
@@ -135,15 +135,17 @@ class Scheduler:
         may_admit = policy.may_admit(self.config.policy, len(self.running))
         plan: dict[str, int] = {}
         preempted: list[str] = []
-        self.policy.begin_iteration()
-        self.policy.order_running(self.running)
-        self._prefill_allowance = self.policy.prefill_allowance(self.running, now)
+        self.queue_policy.begin_iteration()
+        self.queue_policy.order_running(self.running)
+        self._prefill_allowance = self.queue_policy.prefill_allowance(self.running, now)
         budget = self._schedule_running(budget, plan, preempted)
         if not plan:
             # NOTE: the prefill cap protects running decodes; with none planned it would
             # only idle the iteration, so progress wins (at least one chunk).
             self._prefill_allowance = None
-        # NOTE: no admission in an iteration that had to preempt: memory is short.
+        # NOTE: no admission in an iteration that had to preempt a running request for
+        # memory: memory is short. (`priority` preempts for a waiting request in
+        # _schedule_waiting, after this check.)
         if may_admit and not preempted:
             self._schedule_waiting(budget, plan, preempted, now)
         output = self._build_output(plan, preempted)
@@ -173,7 +175,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the newest
             plan[request.request_id] = num_new
-            self.policy.on_planned(request, num_new)
+            self.queue_policy.on_planned(request, num_new)
             budget -= num_new
             index += 1
         return budget
@@ -195,7 +197,7 @@ class Scheduler:
         while self.waiting:
             if needs_tokens and (budget <= 0 or self._prefill_allowance == 0):
                 break
-            request = self.policy.next_waiting(self.waiting, now)
+            request = self.queue_policy.next_waiting(self.waiting, now)
             if len(self.running) >= self.config.max_num_seqs:
                 freed = self._preempt_for(request, plan, preempted)
                 if freed is None:
@@ -218,7 +220,7 @@ class Scheduler:
             self._admit(request)
             if num_new > 0:
                 plan[request.request_id] = num_new
-                self.policy.on_planned(request, num_new)
+                self.queue_policy.on_planned(request, num_new)
                 budget -= num_new
 
     def _uncap_prefill(self, request: Request, num_new: int) -> None:
@@ -236,7 +238,7 @@ class Scheduler:
                      preempted: list[str]) -> int | None:
         """Preempt the running request the policy gives up for `request` (priority: one of
         strictly lower priority). Returns the budget its plan held, or None if none."""
-        victim = self.policy.preempts_for(request, self.running)
+        victim = self.queue_policy.preempts_for(request, self.running)
         if victim is None:
             return None
         freed = plan.pop(victim.request_id, 0)
@@ -318,7 +320,7 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the forward ran
-            self.policy.on_processed(request, seq.start_pos, seq.num_tokens, seq.sample)
+            self.queue_policy.on_processed(request, seq.start_pos, seq.num_tokens, seq.sample)
             request.num_computed_tokens += seq.num_tokens
             self.kv.cache_full_blocks(request)
             if not seq.sample:
@@ -338,7 +340,7 @@ class Scheduler:
         """Finish (FINISHED_REJECTED) the waiting requests that can no longer meet their
         TTFT deadline (`deadline` with slo_reject): the engine returns them as finished."""
         rejected = []
-        for request in [r for r in self.waiting if self.policy.should_reject(r, now)]:
+        for request in [r for r in self.waiting if self.queue_policy.should_reject(r, now)]:
             self.finish_request(request.request_id, RequestStatus.FINISHED_REJECTED)
             request.error = (f"slo: the first token cannot come within slo_ttft_ms="
                              f"{request.slo_ttft_ms:g} of arrival")
@@ -379,7 +381,7 @@ class Scheduler:
         active: dict[str, int] = {}
         for request in self.requests.values():
             active[request.tenant] = active.get(request.tenant, 0) + 1
-        tenants = self.policy.tenants
+        tenants = self.queue_policy.tenants
         assert all(tenants[t].active == active.get(t, 0) for t in tenants), "tenant counts"
         assert set(active) <= set(tenants), "a request of an unknown tenant"
 
