@@ -203,6 +203,21 @@ def test_priority_preempts_for_blocks_when_slots_are_free():
     assert low.status == RequestStatus.FINISHED_LENGTH and len(low.output_token_ids) == 3
 
 
+def test_priority_does_not_preempt_in_vain():
+    # 8 blocks of 4: high holds 5, low 2; urgent needs 4, but low's 2 and the free one make
+    # only 3: preempting low would not admit urgent, so low keeps running.
+    sched = make_scheduler(scheduling_policy="priority", num_blocks=8, max_num_seqs=4)
+    add(sched, "high", 17, 2, priority=0)
+    low = add(sched, "low", 5, 3, priority=1)
+    step(sched)
+    add(sched, "urgent", 14, 1, priority=0)
+    plans = []
+    while sched.has_unfinished():
+        plans.append(step(sched))
+    assert not any(plan.preempted for plan, _ in plans) and low.num_preemptions == 0
+    assert [a for _, a in plans if a] == [["urgent"]]  # once high's blocks are free
+
+
 def test_priority_memory_preemption_takes_the_lowest_priority_running():
     # Three requests grow until blocks run out: the lowest priority is preempted, even
     # though it arrived first.

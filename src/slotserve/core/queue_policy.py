@@ -195,9 +195,10 @@ class QueuePolicy:
         """The waiting request to admit next (waiting is not empty)."""
         return next(iter(waiting))
 
-    def preempts_for(self, candidate: Request, running: list[Request]) -> Request | None:
-        """A running request to preempt so `candidate` can be admitted, or None."""
-        return None
+    def victims_for(self, candidate: Request, running: list[Request]) -> list[Request]:
+        """The running requests this policy may preempt to admit `candidate`, the first to
+        go first (none but under `priority`)."""
+        return []
 
     def prefill_allowance(self, running: list[Request], now: float) -> int | None:
         """Most prefill tokens this iteration may take (None: no limit)."""
@@ -232,12 +233,13 @@ class PriorityPolicy(QueuePolicy):
     def next_waiting(self, waiting: Iterable[Request], now: float) -> Request:
         return min(waiting, key=self.key)
 
-    def preempts_for(self, candidate: Request, running: list[Request]) -> Request | None:
-        if not running or self.config.policy == "static":
-            return None  # NOTE: static never changes a batch mid-flight
-        victim = max(running, key=self.key)
-        # NOTE: strictly lower priority only: equals never preempt each other.
-        return victim if victim.priority > candidate.priority else None
+    def victims_for(self, candidate: Request, running: list[Request]) -> list[Request]:
+        if self.config.policy == "static":
+            return []  # NOTE: static never changes a batch mid-flight
+        # NOTE: strictly lower priority only: equals never preempt each other. The lowest
+        # priority goes first, the latest arrival among equals.
+        lower = [r for r in running if r.priority > candidate.priority]
+        return sorted(lower, key=self.key, reverse=True)
 
 
 class DeadlinePolicy(QueuePolicy):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from slotserve.config import SchedulerConfig, check_slo_ms
@@ -198,19 +198,16 @@ class Scheduler:
             if needs_tokens and (budget <= 0 or self._prefill_allowance == 0):
                 break
             request = self.queue_policy.next_waiting(self.waiting, now)
-            if len(self.running) >= self.config.max_num_seqs:
-                freed = self._preempt_for(request, plan, preempted)
-                if freed is None:
-                    break
-                budget += freed
-                continue
+            slots_full = len(self.running) >= self.config.max_num_seqs
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             waits = self.kv.next_block_in_flight(request, len(computed_blocks))
             num_new = 0 if waits else min(request.num_tokens - num_hit, max(budget, 0))
             num_new = self._cap_prefill(request, num_new)
-            if self.kv.allocate_slots(request, num_hit + num_new, computed_blocks) is None:
+            if slots_full or self.kv.allocate_slots(
+                    request, num_hit + num_new, computed_blocks) is None:
                 self._uncap_prefill(request, num_new)
-                freed = self._preempt_for(request, plan, preempted)
+                freed = self._preempt_for(request, num_hit + num_new, computed_blocks, plan,
+                                          preempted)
                 if freed is None:
                     break  # nobody overtakes the policy's head of the queue
                 budget += freed
@@ -234,17 +231,32 @@ class Scheduler:
         else:
             self.waiting.remove(request)
 
-    def _preempt_for(self, request: Request, plan: dict[str, int],
-                     preempted: list[str]) -> int | None:
-        """Preempt the running request the policy gives up for `request` (priority: one of
-        strictly lower priority). Returns the budget its plan held, or None if none."""
-        victim = self.queue_policy.preempts_for(request, self.running)
-        if victim is None:
+    def _preempt_for(self, request: Request, num_total: int, computed_blocks: list[int],
+                     plan: dict[str, int], preempted: list[str]) -> int | None:
+        """Preempt the first running request the policy gives up for `request` (priority:
+        the lowest of strictly lower priority). Returns the budget its plan held, or None if
+        none may go, or if even all of them going would not make room for `request`'s
+        num_total tokens (then preempting would be in vain)."""
+        victims = self.queue_policy.victims_for(request, self.running)
+        if not victims or not self._room_without(victims, num_total, computed_blocks):
             return None
+        victim = victims[0]
         freed = plan.pop(victim.request_id, 0)
         self._preempt(victim)
         preempted.append(victim.request_id)
         return freed
+
+    def _room_without(self, victims: list[Request], num_total: int,
+                      computed_blocks: list[int]) -> bool:
+        """Whether a waiting request holding computed_blocks would find blocks for num_total
+        tokens once the victims' blocks are free (a block frees when all its holders go)."""
+        pool = self.kv.pool
+        holders = Counter(b for v in victims for b in self.kv.block_tables[v.request_id])
+        hit = set(computed_blocks)
+        freed = sum(1 for block, count in holders.items()
+                    if count == pool.ref_count(block) and block not in hit)
+        needed = self.kv.blocks_for(num_total) - len(computed_blocks)
+        return needed <= pool.num_free - pool.num_free_among(computed_blocks) + freed
 
     def _waits_for_prefix(self, request: Request) -> bool:
         """Whether a running request, all of whose blocks are computed, should wait for its
