@@ -139,6 +139,14 @@ def test_priority_admission_order_ties_by_arrival():
     assert run_to_end(sched) == ["b", "d", "c", "a", "e"]
 
 
+def test_fcfs_ignores_priority_tenant_and_slo():
+    sched = make_scheduler(max_num_seqs=1)
+    assert sched.scheduling_policy == "fcfs"
+    for rid, prio in [("a", 2), ("b", 0), ("c", 1)]:
+        add(sched, rid, 4, 2, priority=prio, tenant=rid, slo_ttft_ms=100 - 10 * prio)
+    assert run_to_end(sched) == ["a", "b", "c"]
+
+
 def test_priority_works_with_static_admission():
     sched = make_scheduler(scheduling_policy="priority", policy="static", max_num_seqs=2)
     for rid, prio in [("a", 3), ("b", 1), ("c", 2), ("d", 0)]:
