@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Policy = Literal["continuous", "static"]
+SchedulingPolicy = Literal["fcfs", "priority", "deadline", "fair"]
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,20 @@ class SchedulerConfig:
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
         enforces it (it reads it from here); the scheduler never refuses a request for it.
+    policy: admission rule (continuous | static), combined with any scheduling policy.
+    scheduling_policy: queue order (vLLM's --scheduling-policy), see core/queue_policy.py:
+        fcfs (arrival order), priority (Request.priority, lower first; preempts strictly
+        lower-priority running requests), deadline (least TTFT slack first, prefill chunks
+        capped to keep running requests' TPOT SLO), fair (per-tenant virtual token counters).
+    slo_ttft_ms / slo_tpot_ms: default SLOs of a request (None: none); a request's own
+        `slo_ttft_ms` / `slo_tpot_ms` override them. Used by `deadline` to order and cap,
+        and by every policy for goodput bookkeeping (`Request.met_slo`).
+    slo_reject: under `deadline`, a waiting request that can no longer meet its TTFT
+        deadline finishes with status FINISHED_REJECTED (finish_reason "rejected", error
+        "slo: ...", for an HTTP 503) instead of being served last.
+    tenant_weights: (tenant, weight) pairs (or a dict) for `fair`; unnamed tenants weigh 1.
+    fair_input_weight / fair_output_weight: VTC's cost of a processed prompt token and of
+        a generated token (the paper's w_p = 1, w_q = 2).
     """
 
     max_num_seqs: int = 16
@@ -112,6 +128,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: Policy = "continuous"
     max_waiting: int | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    fair_input_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -119,6 +142,55 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            check_slo_ms(name, getattr(self, name))
+        if not isinstance(self.slo_reject, bool):
+            raise ValueError(f"slo_reject must be a bool, got {self.slo_reject!r}")
+        if self.slo_reject and self.scheduling_policy != "deadline":
+            raise ValueError("slo_reject needs scheduling_policy='deadline', "
+                             f"got {self.scheduling_policy!r}")
+        for name in ("fair_input_weight", "fair_output_weight"):
+            if not _is_number(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        if self.fair_input_weight == 0 and self.fair_output_weight == 0:
+            raise ValueError("fair_input_weight and fair_output_weight must not both be 0")
+        # NOTE: frozen, so a dict given by the caller is stored as sorted pairs (hashable).
+        object.__setattr__(self, "tenant_weights", _tenant_weight_pairs(self.tenant_weights))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def check_slo_ms(name: str, value: Any) -> None:
+    """ValueError naming the field unless value is None or a positive finite number."""
+    if value is None:
+        return
+    if not _is_number(value) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number of milliseconds or None, "
+                         f"got {value!r}")
+
+
+def _tenant_weight_pairs(weights: Any) -> tuple[tuple[str, float], ...]:
+    try:
+        pairs = list(weights.items()) if isinstance(weights, dict) else list(weights)
+        pairs = [(tenant, weight) for tenant, weight in pairs]
+    except (TypeError, ValueError):
+        raise ValueError("tenant_weights must be a dict or (tenant, weight) pairs, "
+                         f"got {weights!r}") from None
+    for tenant, weight in pairs:
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant_weights: tenant names must be non-empty strings, "
+                             f"got {tenant!r}")
+        if not _is_number(weight) or not 0 < weight < float("inf"):
+            raise ValueError(f"tenant_weights: weight of {tenant!r} must be a positive "
+                             f"number, got {weight!r}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("tenant_weights: a tenant is named twice")
+    return tuple(sorted((t, float(w)) for t, w in pairs))
 
 
 KERNELS = ("auto", "mkl", "reference")

@@ -17,10 +17,13 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"  # max_tokens or the model/pool length cap
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    # NOTE: the `deadline` policy with slo_reject=True: the request could no longer meet its
+    # TTFT deadline and was never run; error is "slo: ..." (a server answers HTTP 503).
+    FINISHED_REJECTED = "rejected"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.value in ("stop", "length", "abort", "error", "rejected")
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Request:
     cache_salt: requests with different salts never share cached blocks.
     num_cached_tokens: prompt tokens its first prefill found in the prefix cache.
     block_hashes: hashes of its full blocks of tokens (the KV manager fills them in).
+    priority: lower runs first under the `priority` scheduling policy (as vLLM).
+    tenant: whose request it is, for the `fair` scheduling policy.
+    slo_ttft_ms / slo_tpot_ms: this request's SLOs (None: the scheduler's defaults, which
+    `Scheduler.add_request` writes here, so after it they are the SLOs in force).
     """
 
     request_id: str
@@ -86,6 +93,10 @@ class Request:
     cache_salt: str | None = None
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    priority: int = 0
+    tenant: str = "default"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
@@ -132,3 +143,33 @@ class Request:
         if self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # ----------------------------------------------------------------- goodput
+    @property
+    def met_ttft_slo(self) -> bool | None:
+        """First token within slo_ttft_ms of arrival (True if no SLO); None before it came."""
+        if self.slo_ttft_ms is None:
+            return True
+        ttft = self.times.ttft
+        return None if ttft is None else ttft * 1000.0 <= self.slo_ttft_ms
+
+    @property
+    def met_tpot_slo(self) -> bool | None:
+        """Mean time per output token after the first within slo_tpot_ms (True if no SLO or
+        fewer than two tokens); None before the first token."""
+        if self.slo_tpot_ms is None:
+            return True
+        if self.times.first_token is None:
+            return None
+        tpot = self.times.tpot
+        return True if tpot is None else tpot * 1000.0 <= self.slo_tpot_ms
+
+    @property
+    def met_slo(self) -> bool:
+        """Goodput: the request finished normally (stop or length) and met both SLOs.
+
+        NOTE: False for a request still running, aborted, failed or rejected.
+        """
+        if self.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            return False
+        return bool(self.met_ttft_slo) and bool(self.met_tpot_slo)

@@ -1,9 +1,10 @@
 """The iteration scheduler: which requests run in the next forward, and how many tokens each.
 
 One token-budget loop, no prefill/decode phases (as vLLM v1): running requests first (a
-decode token or their next prefill chunk), then waiting ones in FCFS order while slots,
-budget and KV blocks allow. Preemption by recompute frees blocks when a running request
-needs one and none is free.
+decode token or their next prefill chunk), then waiting ones while slots, budget and KV
+blocks allow. Preemption by recompute frees blocks when a running request needs one and none
+is free. The scheduling policy (core/queue_policy.py: fcfs, priority, deadline, fair) picks
+the order of both loops, the preemption victim, and caps an iteration's prefill tokens.
 
 Prefix caching: a request starts after the longest prefix of full blocks found in the KV
 cache, so only its uncached tokens take budget. A request whose next block is being computed
@@ -16,21 +17,31 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 
-from slotserve.config import SchedulerConfig
+from slotserve.config import SchedulerConfig, check_slo_ms
 from slotserve.core import policy
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, SlotState
+from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.request import Request, RequestStatus
 
 
 class Scheduler:
     """Decides every iteration; owns the waiting queue, the running batch and the KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: seconds, for request timestamps, SLO deadlines and the cost model (tests
+        inject a fake one; it must be the clock of the requests' arrival times)."""
         self.config = config
         self.kv = kv
+        self.clock = clock
+        self.cost = CostModel()
+        self.queue_policy: QueuePolicy = make_policy(config, self.cost)
+        self._prefill_allowance: int | None = None  # prefill tokens left this iteration
+        self._scheduled_at: float | None = None  # clock when the last plan was made
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -57,10 +68,25 @@ class Scheduler:
                 f"{limit} tokens per sequence (max_model_len={self.config.max_model_len}, "
                 f"KV pool={self.kv.num_blocks * self.kv.block_size}); the prompt and at least "
                 "one output token must fit")
+        self._check_policy_fields(request)
+        if request.slo_ttft_ms is None:
+            request.slo_ttft_ms = self.config.slo_ttft_ms
+        if request.slo_tpot_ms is None:
+            request.slo_tpot_ms = self.config.slo_tpot_ms
         request.max_total_tokens = limit
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.queue_policy.on_add(request)
+
+    @staticmethod
+    def _check_policy_fields(request: Request) -> None:
+        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+            raise ValueError(f"priority must be an integer, got {request.priority!r}")
+        if not isinstance(request.tenant, str) or not request.tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {request.tenant!r}")
+        check_slo_ms("slo_ttft_ms", request.slo_ttft_ms)
+        check_slo_ms("slo_tpot_ms", request.slo_tpot_ms)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, error, stop string): it leaves and its blocks return."""
@@ -73,8 +99,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
+        self.queue_policy.on_finish(request)
         request.status = status
-        request.times.finished = time.monotonic()
+        request.times.finished = self.clock()
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -91,18 +118,47 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def scheduling_policy(self) -> str:
+        return self.queue_policy.name
+
+    def policy_state(self) -> dict:
+        """Read-only, for metrics: the scheduling policy's name and per-tenant counters
+        (virtual counter, prompt/output tokens served, weight, active requests)."""
+        return self.queue_policy.state()
+
     # ----------------------------------------------------------------- one iteration
     def schedule(self) -> SchedulerOutput:
         """Plan the next iteration."""
+        now = self.clock()
         budget = self.config.max_num_batched_tokens
         may_admit = policy.may_admit(self.config.policy, len(self.running))
         plan: dict[str, int] = {}
         preempted: list[str] = []
+        self.queue_policy.begin_iteration()
+        self.queue_policy.order_running(self.running)
+        self._prefill_allowance = self.queue_policy.prefill_allowance(self.running, now)
         budget = self._schedule_running(budget, plan, preempted)
-        # NOTE: no admission in an iteration that had to preempt: memory is short.
+        if not plan:
+            # NOTE: the prefill cap protects running decodes; with none planned it would
+            # only idle the iteration, so progress wins (at least one chunk).
+            self._prefill_allowance = None
+        # NOTE: no admission in an iteration that had to preempt a running request for
+        # memory: memory is short. (`priority` preempts for a waiting request in
+        # _schedule_waiting, after this check.)
         if may_admit and not preempted:
-            self._schedule_waiting(budget, plan)
-        return self._build_output(plan, preempted)
+            self._schedule_waiting(budget, plan, preempted, now)
+        output = self._build_output(plan, preempted)
+        self._scheduled_at = self.clock()
+        return output
+
+    def _cap_prefill(self, request: Request, num_new: int) -> int:
+        """num_new, cut to the iteration's prefill allowance if it is a prefill chunk."""
+        if self._prefill_allowance is None or num_new <= 1 and request.output_token_ids:
+            return num_new
+        num_new = min(num_new, self._prefill_allowance)
+        self._prefill_allowance -= num_new
+        return num_new
 
     def _schedule_running(self, budget: int, plan: dict[str, int], preempted: list[str]) -> int:
         index = 0
@@ -112,16 +168,21 @@ class Scheduler:
             if self._waits_for_prefix(request):
                 index += 1
                 continue
-            num_new = min(request.num_pending_tokens, budget)
+            num_new = self._cap_prefill(request, min(request.num_pending_tokens, budget))
+            if num_new == 0:
+                index += 1  # a prefill past the iteration's prefill cap: it waits a turn
+                continue
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the newest
             plan[request.request_id] = num_new
+            self.queue_policy.on_planned(request, num_new)
             budget -= num_new
             index += 1
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Find blocks for num_new more tokens, preempting the newest running requests."""
+        """Find blocks for num_new more tokens, preempting the last running requests (the
+        newest; under `priority` the lowest priority: running is in policy order)."""
         while self.kv.allocate_slots(request, request.num_computed_tokens + num_new) is None:
             victim = self.running[-1]
             self._preempt(victim)
@@ -130,23 +191,72 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, budget: int, plan: dict[str, int]) -> None:
+    def _schedule_waiting(self, budget: int, plan: dict[str, int], preempted: list[str],
+                          now: float) -> None:
         needs_tokens = policy.admission_needs_tokens(self.config.policy)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if needs_tokens and budget <= 0:
+        while self.waiting:
+            if needs_tokens and (budget <= 0 or self._prefill_allowance == 0):
                 break
-            request = self.waiting[0]
+            request = self.queue_policy.next_waiting(self.waiting, now)
+            slots_full = len(self.running) >= self.config.max_num_seqs
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             waits = self.kv.next_block_in_flight(request, len(computed_blocks))
             num_new = 0 if waits else min(request.num_tokens - num_hit, max(budget, 0))
-            if self.kv.allocate_slots(request, num_hit + num_new, computed_blocks) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            num_new = self._cap_prefill(request, num_new)
+            if slots_full or self.kv.allocate_slots(
+                    request, num_hit + num_new, computed_blocks) is None:
+                self._uncap_prefill(request, num_new)
+                freed = self._preempt_for(request, num_hit + num_new, computed_blocks, plan,
+                                          preempted)
+                if freed is None:
+                    break  # nobody overtakes the policy's head of the queue
+                budget += freed
+                continue
+            self._remove_waiting(request)
             request.num_computed_tokens = num_hit
             self._admit(request)
             if num_new > 0:
                 plan[request.request_id] = num_new
+                self.queue_policy.on_planned(request, num_new)
                 budget -= num_new
+
+    def _uncap_prefill(self, request: Request, num_new: int) -> None:
+        """Give back a chunk `_cap_prefill` counted but that was not scheduled."""
+        if self._prefill_allowance is not None and (num_new > 1 or not request.output_token_ids):
+            self._prefill_allowance += num_new
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+
+    def _preempt_for(self, request: Request, num_total: int, computed_blocks: list[int],
+                     plan: dict[str, int], preempted: list[str]) -> int | None:
+        """Preempt the first running request the policy gives up for `request` (priority:
+        the lowest of strictly lower priority). Returns the budget its plan held, or None if
+        none may go, or if even all of them going would not make room for `request`'s
+        num_total tokens (then preempting would be in vain)."""
+        victims = self.queue_policy.victims_for(request, self.running)
+        if not victims or not self._room_without(victims, num_total, computed_blocks):
+            return None
+        victim = victims[0]
+        freed = plan.pop(victim.request_id, 0)
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return freed
+
+    def _room_without(self, victims: list[Request], num_total: int,
+                      computed_blocks: list[int]) -> bool:
+        """Whether a waiting request holding computed_blocks would find blocks for num_total
+        tokens once the victims' blocks are free (a block frees when all its holders go)."""
+        pool = self.kv.pool
+        holders = Counter(b for v in victims for b in self.kv.block_tables[v.request_id])
+        hit = set(computed_blocks)
+        freed = sum(1 for block, count in holders.items()
+                    if count == pool.ref_count(block) and block not in hit)
+        needed = self.kv.blocks_for(num_total) - len(computed_blocks)
+        return needed <= pool.num_free - pool.num_free_among(computed_blocks) + freed
 
     def _waits_for_prefix(self, request: Request) -> bool:
         """Whether a running request, all of whose blocks are computed, should wait for its
@@ -159,7 +269,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
         if request.times.scheduled is None:
-            request.times.scheduled = time.monotonic()
+            request.times.scheduled = self.clock()
         self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
@@ -213,12 +323,16 @@ class Scheduler:
         Returns the requests that got a token or finished in this iteration. Finished ones
         have left the batch and their blocks are free when this returns.
         """
-        now = time.monotonic()
+        now = self.clock()
+        if self._scheduled_at is not None and output.seqs:
+            self.cost.observe(output.num_batched_tokens, now - self._scheduled_at)
+        self._scheduled_at = None
         touched: list[Request] = []
         for seq in output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the forward ran
+            self.queue_policy.on_processed(request, seq.start_pos, seq.num_tokens, seq.sample)
             request.num_computed_tokens += seq.num_tokens
             self.kv.cache_full_blocks(request)
             if not seq.sample:
@@ -230,7 +344,20 @@ class Scheduler:
             status = request.check_stop()
             if status is not None:
                 self.finish_request(request.request_id, status)
+        if self.config.slo_reject:
+            touched += self._reject_hopeless(now)
         return touched
+
+    def _reject_hopeless(self, now: float) -> list[Request]:
+        """Finish (FINISHED_REJECTED) the waiting requests that can no longer meet their
+        TTFT deadline (`deadline` with slo_reject): the engine returns them as finished."""
+        rejected = []
+        for request in [r for r in self.waiting if self.queue_policy.should_reject(r, now)]:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_REJECTED)
+            request.error = (f"slo: the first token cannot come within slo_ttft_ms="
+                             f"{request.slo_ttft_ms:g} of arrival")
+            rejected.append(request)
+        return rejected
 
     def fail_requests(self, request_ids: list[str], message: str) -> list[Request]:
         """End these requests with an error result (an iteration that raised)."""
@@ -263,4 +390,10 @@ class Scheduler:
                 f"{cached} cached and {held} held blocks")
         if not self.requests:
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle, but blocks are held"
+        active: dict[str, int] = {}
+        for request in self.requests.values():
+            active[request.tenant] = active.get(request.tenant, 0) + 1
+        tenants = self.queue_policy.tenants
+        assert all(tenants[t].active == active.get(t, 0) for t in tenants), "tenant counts"
+        assert set(active) <= set(tenants), "a request of an unknown tenant"
 

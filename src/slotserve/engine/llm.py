@@ -17,7 +17,10 @@ def engine_config(model: str | None = None, *, device: str = "cpu", dtype: str |
                   num_blocks: int | None = None, kv_cache_memory: int | None = None,
                   max_waiting: int | None = None, trace_capacity: int = 4096,
                   kernels: str = "auto", quantization: str | None = None,
-                  enable_prefix_caching: bool = True) -> EngineConfig:
+                  enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
+                  slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                  slo_reject: bool = False,
+                  tenant_weights: dict | tuple = ()) -> EngineConfig:
     """An EngineConfig from flat keyword arguments (the names the CLI flags use)."""
     return EngineConfig(
         model=model, device=device, dtype=dtype, seed=seed, trace_capacity=trace_capacity,
@@ -28,7 +31,10 @@ def engine_config(model: str | None = None, *, device: str = "cpu", dtype: str |
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, policy=policy,
-                                  max_waiting=max_waiting))
+                                  max_waiting=max_waiting,
+                                  scheduling_policy=scheduling_policy,
+                                  slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                                  slo_reject=slo_reject, tenant_weights=tenant_weights))
 
 
 class LLM:

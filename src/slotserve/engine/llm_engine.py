@@ -112,12 +112,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival: float | None = None, prompt_text: str | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0,
+                    tenant: str = "default", slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> None:
         """Queue a request (n completions of it). ValueError if it is malformed or can never fit.
 
         prompt_text: the text of a prompt passed as token ids (shown in outputs).
         cache_salt: a non-empty string; requests with different salts never share cached
         blocks (so one tenant cannot time another's prompts through the prefix cache).
+        priority, tenant, slo_ttft_ms, slo_tpot_ms: for the scheduling policy (see
+        core/queue_policy.py); every completion gets them.
         """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -129,6 +133,8 @@ class LLMEngine:
                     for i in range(params.n)]
         for seq in children:
             seq.request.cache_salt = cache_salt
+            seq.request.priority, seq.request.tenant = priority, tenant
+            seq.request.slo_ttft_ms, seq.request.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
         try:
             self._register(request_id, children)
         except BaseException:
