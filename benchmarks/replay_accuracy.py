@@ -20,6 +20,8 @@ import math
 import sys
 import time
 
+import torch
+
 from benchmarks.perf import workload_w
 from slotserve.lab.bench import BenchSampling, EngineTarget, generate_workload, run_bench
 from slotserve.lab.bench.report import write_report
@@ -29,7 +31,12 @@ from slotserve.lab.replay import (
     replay,
     requests_from_workload,
 )
-from slotserve.lab.replay.calibrate import CalibrationGrid, calibrate
+from slotserve.lab.replay.calibrate import (
+    CalibrationGrid,
+    calibrate,
+    format_points,
+    format_residuals,
+)
 
 FIELDS = (("wall s", lambda r: r.duration_s), ("out tok/s", lambda r: r.output_throughput),
           ("TTFT p50", lambda r: r.ttft_ms.p50), ("TTFT p99", lambda r: r.ttft_ms.p99),
@@ -61,13 +68,22 @@ def main() -> None:
     p.add_argument("--profile", help="a `slotserve calibrate` profile (default: calibrate now)")
     p.add_argument("--cases", default="w16,w64,w-online,knee")
     p.add_argument("--out", default="benchmarks/results/replay-accuracy.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for calibration and runs (default: one per core)")
+    p.add_argument("--small-grid", action="store_true",
+                   help="calibrate on batches 1, 8, 32 x contexts 32, 128 x chunk 512 only")
     args = p.parse_args()
     target = EngineTarget.load(**ENGINE)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # NOTE: after load, which sets one per core
     if args.profile:
         profile = load_profile(args.profile)
     else:
         print("calibrating ...", file=sys.stderr, flush=True)
-        profile, _ = calibrate(EngineTarget.load(), CalibrationGrid(), log=print)
+        grid = CalibrationGrid(batch_sizes=(1, 8, 32), context_lens=(32, 128),
+                               chunk_sizes=(512,)) if args.small_grid else CalibrationGrid()
+        profile, samples = calibrate(target.configured(), grid, log=print)
+        print(model_text(profile, samples))
         profile.save(args.out.replace(".json", "-profile.json"))
     rows = []
     for label, workload, slots in cases([c.strip() for c in args.cases.split(",") if c]):
@@ -89,6 +105,11 @@ def main() -> None:
     print(format_rows(rows))
     write_report(args.out, profile=profile.to_profile(), cases=rows)
     print(f"wrote {args.out}")
+
+
+def model_text(profile, samples) -> str:
+    return "\n".join([profile.format(), format_residuals(profile.meta["fit"]),
+                      format_points(profile, samples)])
 
 
 def _ratio(predicted, measured):

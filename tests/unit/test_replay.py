@@ -199,6 +199,28 @@ def test_fit_recovers_known_coefficients():
     assert fit.residuals(noisy)["median_rel_error"] < 0.05
 
 
+def test_fit_keeps_coefficients_nonnegative():
+    # Data a negative coefficient fits best (bigger prefills look cheaper, as noise can make
+    # them look): plain least squares returns it; the fit drops that feature and refits.
+    rng = np.random.default_rng(2)
+    features = _synthetic(80, rng)
+    samples = [(f, 0.5 + 0.004 * f.decode_seqs - 2e-4 * f.prefill_tokens) for f in features]
+    free = LinearCost.fit(samples, nonnegative=False)
+    assert free.coefficients["prefill_tokens"] == pytest.approx(-2e-4, rel=1e-6)
+    fit = LinearCost.fit(samples)
+    assert fit.coefficients["prefill_tokens"] == 0.0
+    assert min(fit.coefficients.values()) >= 0 and fit.base > 0
+    assert fit.coefficients["decode_seqs"] == pytest.approx(0.004, rel=0.3)
+    # Collinear twins (every decode sequence is a sampled row) share their cost.
+    twins = [(StepFeatures(0, b, b * (30 + 7 * b % 50), b), 0.03 + 0.005 * b)
+             for b in range(1, 40)]
+    fit = LinearCost.fit(twins)
+    assert min(fit.coefficients.values()) >= 0
+    assert fit.coefficients["decode_seqs"] + fit.coefficients["sampled_rows"] == \
+        pytest.approx(0.005, rel=1e-3)
+    assert fit.residuals(twins)["max_rel_error"] < 1e-3
+
+
 def test_features_of_a_plan():
     result = replay([ReplayRequest("a", 20, 3), ReplayRequest("b", 5, 2)],
                     ReplaySettings(max_num_batched_tokens=16), UnitCost(), keep_plans=True)

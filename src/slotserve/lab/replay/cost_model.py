@@ -91,11 +91,16 @@ class LinearCost:
 
     @classmethod
     def fit(cls, samples: list[tuple[StepFeatures, float]], relative: bool = True,
-            meta: dict | None = None) -> LinearCost:
+            nonnegative: bool = True, meta: dict | None = None) -> LinearCost:
         """Least squares over (features, measured seconds) samples.
 
         relative: weight each sample by 1/seconds, so a 10 ms step's error counts as much
         as a 1 s step's in proportion (minimises relative, not absolute, error).
+        nonnegative: no feature may make an iteration cheaper. Features are collinear in
+        practice (every decode sequence is also a sampled row), and noise then gives one a
+        large negative coefficient and its twin a large positive one; a feature whose
+        coefficient comes out negative is dropped (held at 0) and the rest refit, until
+        none is negative.
         """
         if len(samples) < len(FEATURES) + 1:
             raise ValueError(f"samples: need at least {len(FEATURES) + 1} to fit "
@@ -105,7 +110,7 @@ class LinearCost:
         if not np.all(y > 0):
             raise ValueError("samples: measured seconds must be > 0")
         w = 1.0 / y if relative else np.ones_like(y)
-        coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+        coef = _least_squares(x * w[:, None], y * w, nonnegative)
         return cls(float(coef[0]), {f: float(c) for f, c in zip(FEATURES, coef[1:])},
                    dict(meta or {}))
 
@@ -143,6 +148,19 @@ class LinearCost:
             scale = 1e6 if f == "attention_pairs" else 1000
             lines.append(f"  {f:<16}{self.coefficients[f] * scale:10.4f} {units[f]}")
         return "\n".join(lines)
+
+
+def _least_squares(x: np.ndarray, y: np.ndarray, nonnegative: bool) -> np.ndarray:
+    """argmin |x c - y|; with nonnegative, features (not the base, column 0) whose
+    coefficient is negative are dropped one at a time, most negative first."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[active], *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [i for i in active[1:] if coef[i] < 0]
+        if not nonnegative or not negative:
+            return coef
+        active.remove(min(negative, key=lambda i: coef[i]))
 
 
 def profile_from_dict(data: dict) -> LinearCost:
