@@ -377,3 +377,26 @@ def test_kv_manager_is_the_core_one():
     result = replay([ReplayRequest("a", 4, 1)], ReplaySettings(), UnitCost(), keep_plans=True)
     assert result.trace["kv_blocks_total"] == ReplaySettings().resolved_num_blocks()
     assert KVCacheManager.__module__ == "slotserve.core.kv_manager"
+
+
+def test_cli_calibrate_writes_a_profile_simulate_reads(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    tiny_hf_model().save_pretrained(model_dir)
+    profile = tmp_path / "profile.json"
+    code = main(["calibrate", "--model", str(model_dir), "--kernels", "reference",
+                 "--batch-sizes", "1,3", "--context-lens", "8,20", "--chunk-sizes", "16",
+                 "--decode-steps", "2", "--out", str(profile)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "residuals:" in text and "prefill_tokens" in text and "wrote" in text
+    model = load_profile(profile)
+    assert model.meta["grid"]["batch_sizes"] == [1, 3] and model.meta["fit"]["samples"] >= 10
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7, 8], "max_tokens": 3,
+                                            "arrival": 0.01 * i}) + "\n" for i in range(6)))
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(workload), "--profile", str(profile),
+                 "--max-num-seqs", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["completed"] == 6 and row["total_output_tokens"] == 18
+    assert row["config"]["cost_model"]["kind"] == "linear"
