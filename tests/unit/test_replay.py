@@ -400,3 +400,18 @@ def test_cli_calibrate_writes_a_profile_simulate_reads(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["results"]
     assert row["completed"] == 6 and row["total_output_tokens"] == 18
     assert row["config"]["cost_model"]["kind"] == "linear"
+
+
+def test_cli_plan_verify_runs_the_winner_on_the_engine(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    tiny_hf_model().save_pretrained(model_dir)
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7, 8, 9], "max_tokens": 4})
+                                + "\n" for i in range(8)))
+    code = main(["plan", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9", "--workload",
+                 str(workload), "--model", str(model_dir), "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "64", "--rates", "inf", "--verify"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "verifying: 8 requests" in text and "predicted vs measured" in text
+    assert "goodput: predicted" in text and "(100%)" in text

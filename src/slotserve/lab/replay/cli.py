@@ -11,7 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from slotserve.lab.replay.cost_model import UnitCost, load_profile
-from slotserve.lab.replay.inputs import load_input, scale_rate, with_poisson
+from slotserve.lab.replay.inputs import (
+    load_input,
+    requests_from_workload,
+    scale_rate,
+    with_poisson,
+)
 from slotserve.lab.replay.simulator import ReplayResult, ReplaySettings, replay
 
 REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size",
@@ -233,7 +238,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="tokenizer for text/chat workloads")
     p.add_argument("--top", type=int, default=8, help="settings shown")
     p.add_argument("--verify", action="store_true",
-                   help="not implemented yet: run the winner with `slotserve bench`")
+                   help="then run the winner for real (in-process engine, as `slotserve "
+                        "bench`) and print predicted vs measured")
     p.set_defaults(func=cmd_plan)
     return p
 
@@ -241,14 +247,15 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_plan(args: argparse.Namespace) -> int:
     from slotserve.lab.replay.plan import DEFAULT_RATES, SLO, format_plan, search
 
-    if args.verify:
-        raise ValueError("--verify is not implemented yet: run the printed settings with "
-                         "`slotserve bench --request-rate R ...` and compare")
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    workload = None
     if args.workload:
         requests, _ = load_input(args.workload, lambda: _tokenizer(args.model))
+        if args.verify:
+            workload = _workload_file(args.workload)
     else:
-        requests = default_workload_requests(args.model)
+        workload = default_workload()
+        requests = requests_from_workload(workload, _tokenizer(args.model))
     cost = _cost_model(args.profile)
     base = ReplaySettings(num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching)
@@ -261,15 +268,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     clock = "unit cost: no --profile" if isinstance(cost, UnitCost) else f"profile {args.profile}"
     print(f"({len(candidates)} replays of {len(requests)} requests in "
           f"{time.perf_counter() - started:.1f} s; {clock})")
+    if args.verify:
+        verify(candidates[0], workload, slo, args)
     return 0
 
 
-def default_workload_requests(model: str | None):
-    """W: `slotserve bench`'s default workload (64 chat requests), tokenized."""
-    from slotserve.lab.replay.inputs import requests_from_workload
+def verify(winner, workload, slo, args: argparse.Namespace) -> None:
+    """Run the winning settings and rate on the real engine; print predicted vs measured."""
+    from slotserve.lab.bench.report import format_ratios, format_table
+    from slotserve.lab.bench.stats import BenchSampling, compare_ratios, summarize
+    from slotserve.lab.bench.targets import EngineTarget
+    from slotserve.lab.replay.plan import score_records
+    from slotserve.lab.workload import with_poisson_arrivals
+
+    s = winner.settings
+    target = EngineTarget.load(
+        args.model, policy=s.policy, max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
+        block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
+        enable_prefix_caching=s.enable_prefix_caching, seed=args.seed)
+    timed = with_poisson_arrivals(workload, winner.rate, args.seed)
+    print(f"verifying: {len(timed)} requests at {timed.params['request_rate']} req/s on the "
+          "engine ...", flush=True)
+    run = target.run(timed, BenchSampling())
+    run.config = {**run.config, "workload": dict(timed.params)}
+    measured = summarize(run, "measured", target.name)
+    predicted = winner.result.bench_result("predicted")
+    print(format_table([predicted, measured]))
+    print(format_ratios(compare_ratios(measured, predicted)))  # predicted / measured
+    goodput, attainment = score_records(run.records, run.duration, slo)
+    print(f"goodput: predicted {winner.goodput:.2f} req/s ({winner.attainment:.0%} meet the "
+          f"SLOs), measured {goodput:.2f} req/s ({attainment:.0%})")
+
+
+def _workload_file(path: str):
+    from slotserve.lab.workload import load_workload
+
+    try:
+        return load_workload(path)
+    except ValueError as exc:
+        raise ValueError(f"--verify needs a workload file (prompts), not a trace: {exc}") \
+            from None
+
+
+def default_workload():
+    """W: `slotserve bench`'s default workload (64 chat requests, seed 0)."""
     from slotserve.lab.workload import generate_workload
 
-    return requests_from_workload(generate_workload(64, prompts="chat"), _tokenizer(model))
+    return generate_workload(64, prompts="chat")
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:

@@ -53,6 +53,14 @@ def score(result: ReplayResult, slo: SLO) -> tuple[float, float]:
     return met / max(result.duration, 1e-9), met / n if n else 0.0
 
 
+def score_records(records, duration: float, slo: SLO) -> tuple[float, float]:
+    """(goodput req/s, attainment) of a measured run (`slotserve bench`'s RequestRecords)."""
+    met = sum(r.ok and r.ttft is not None and r.ttft * 1000 <= slo.ttft_ms
+              and (r.tpot is None or r.tpot * 1000 <= slo.tpot_ms) for r in records)
+    n = len(records)
+    return met / max(duration, 1e-9), met / n if n else 0.0
+
+
 def search(requests: list[ReplayRequest], slo: SLO, cost_model, *,
            base: ReplaySettings | None = None, policies: tuple[str, ...] = ("continuous",),
            max_num_seqs: tuple[int, ...] = (4, 8, 16, 32, 64),
