@@ -1,4 +1,5 @@
-"""`slotserve` command line: serve | generate | chat | bench | simulate | timeline."""
+"""`slotserve` command line: serve | generate | chat | bench | simulate | timeline | calibrate
+| plan."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands defined next to the code they drive.
 _PLUGGED: list[tuple[str, list[str]]] = [
-    ("slotserve.lab.commands", ["add_simulate_parser", "add_timeline_parser"]),
+    ("slotserve.lab.commands", ["add_simulate_parser", "add_timeline_parser",
+                                "add_calibrate_parser", "add_plan_parser"]),
     ("slotserve.lab.bench", ["add_bench_parser"]),
     ("slotserve.server.commands", ["add_serve_parser", "add_chat_parser"]),
 ]

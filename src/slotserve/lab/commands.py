@@ -1,4 +1,7 @@
-"""`slotserve simulate` and `slotserve timeline`: argparse hooks for cli.py.
+"""`slotserve simulate`, `timeline`, `calibrate` and `plan`: argparse hooks for cli.py.
+
+`simulate` alone is the seed's toy (`slotserve.lab.simulate`); `simulate --trace` replays a
+real run or a workload through the real scheduler (`slotserve.lab.replay`).
 
 Each `add_*_parser(subparsers)` adds one subcommand and sets `func` to a function that
 takes the parsed args and returns an exit code (0 ok, 2 bad input).
@@ -12,6 +15,13 @@ import os
 import sys
 from pathlib import Path
 
+from slotserve.lab.replay.cli import (  # noqa: F401  (cli.py plugs these in)
+    add_calibrate_parser,
+    add_plan_parser,
+    add_replay_args,
+    replay_requested,
+    run_replay,
+)
 from slotserve.lab.simulate import POLICIES, SEED_TOY, SimRequest, simulate, summarize
 from slotserve.lab.timeline import render_html, render_png, render_terminal
 
@@ -19,13 +29,18 @@ _TERMINAL_COLUMNS = 120  # iterations shown in the terminal when no window is gi
 
 
 def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
-    """`slotserve simulate`: the seed's slot model, static vs continuous batching."""
+    """`slotserve simulate`: the seed's slot model, or (--trace) a replay on the real
+    scheduler."""
     p = subparsers.add_parser(
-        "simulate", help="simulate static vs continuous batching on S slots",
+        "simulate", help="simulate static vs continuous batching on S slots, or replay a run",
         description="Simulate the seed's slot model (one token per slot per iteration). "
-                    "Default: the seed's toy (6 requests, 3 slots), both policies.")
+                    "Default: the seed's toy (6 requests, 3 slots), both policies. With "
+                    "--trace: replay a real run's trace or a workload through the real "
+                    "scheduler on a modelled clock.")
     p.add_argument("--slots", type=int, default=3, help="number of slots (default 3)")
-    p.add_argument("--policy", choices=[*POLICIES, "both"], default="both")
+    p.add_argument("--policy", default=None,
+                   help=f"toy: {', '.join(POLICIES)} or both (default); replay: any policy "
+                        "the scheduler accepts, or both (default: the trace's)")
     p.add_argument("--lengths", type=_int_list, metavar="N,N,...",
                    help="output lengths, one per request R1..Rn (default: the seed's toy)")
     p.add_argument("--arrivals", type=_int_list, metavar="T,T,...",
@@ -34,10 +49,11 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                    help='one request a line: {"id", "output_tokens", "arrival_iteration"}')
     p.add_argument("--prefill-iterations", type=int, default=0,
                    help="iterations of prefill before the first token (default 0, the seed)")
-    p.add_argument("--out", metavar="TRACE.json",
-                   help="write the trace (with both policies: TRACE.static.json and "
-                        "TRACE.continuous.json)")
+    p.add_argument("--out", metavar="FILE.json",
+                   help="toy: write the trace (with both policies: TRACE.static.json and "
+                        "TRACE.continuous.json); replay: the results JSON of `bench --out`")
     _add_chart_options(p)
+    add_replay_args(p)
     p.set_defaults(func=run_simulate)
     return p
 
@@ -69,8 +85,14 @@ def _add_chart_options(p: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate each policy, print its strip and numbers, write the requested files."""
     try:
+        if replay_requested(args):
+            return run_replay(args, _write_charts)
         requests = _requests_from_args(args)
-        policies = POLICIES if args.policy == "both" else (args.policy,)
+        policy = args.policy or "both"
+        if policy not in (*POLICIES, "both"):
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)} or both for the "
+                             f"toy, got {policy!r}")
+        policies = POLICIES if policy == "both" else (policy,)
         traces = [simulate(requests, args.slots, p, args.prefill_iterations)
                   for p in policies]
         for trace in traces:

@@ -26,6 +26,10 @@ Trace format (version 1), a JSON-able dict::
 
 `kind` is "prefill", "decode" or "stalled" (holds its slot, got no tokens this iteration).
 The simulator's clock is the iteration: start=index, end=index+1, arrival=arrival_iteration.
+
+This is the seed's model, with its own admission code. `slotserve.lab.replay` runs the
+engine's real scheduler instead, on a unit clock (the same seed numbers) or on a cost model
+calibrated on this machine (`slotserve simulate --trace`, `slotserve plan`).
 """
 
 from __future__ import annotations

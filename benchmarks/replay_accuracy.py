@@ -1,0 +1,174 @@
+"""Replay accuracy: predicted (`slotserve simulate`'s replay on a calibrated profile) vs
+measured (`slotserve bench`'s in-process engine) on workloads not used for calibration.
+
+    python -m benchmarks.replay_accuracy --profile PROFILE.json --cases w16,w64,w-online,knee
+
+Cases: W (64 chat requests, lognormal output lengths, seed 0, all at t=0) at 16 and 64
+slots (`w16`, `w64`); its online form, Poisson 4 req/s at 16 slots (`w-online`); the knee
+(64 requests of 24 output tokens at t=0, max_num_seqs 1, 4, 16, 64: `knee`). Each case runs
+for real once, then is replayed on the profile; each figure is reported as predicted /
+measured. Without --profile the script calibrates first (`slotserve calibrate`'s default
+grid: random-token prompts, fixed batch and context grid) and saves the profile beside the
+report. NOTE: the measurement needs quiet cores; on a shared machine the measured side is
+noisy, and so is the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.perf import workload_w
+from slotserve.lab.bench import BenchSampling, EngineTarget, generate_workload, run_bench
+from slotserve.lab.bench.report import write_report
+from slotserve.lab.replay import (
+    FEATURES,
+    LinearCost,
+    ReplaySettings,
+    StepFeatures,
+    load_profile,
+    replay,
+    requests_from_workload,
+)
+from slotserve.lab.replay.calibrate import (
+    CalibrationGrid,
+    calibrate,
+    format_points,
+    format_residuals,
+)
+
+FIELDS = (("wall s", "duration_s", None), ("out tok/s", "output_throughput", None),
+          ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
+          ("TPOT p50", "tpot_ms", "p50"), ("TPOT p99", "tpot_ms", "p99"))
+ENGINE = dict(max_num_batched_tokens=512, max_model_len=1024)
+
+
+def cases(names: list[str]) -> list[tuple[str, object, int]]:
+    """(label, workload, max_num_seqs) for each named case."""
+    out = []
+    for name in names:
+        if name == "w16":
+            out.append(("W, 16 slots", workload_w(), 16))
+        elif name == "w64":
+            out.append(("W, 64 slots", workload_w(), 64))
+        elif name == "w-online":
+            out.append(("W online 4 req/s, 16 slots", workload_w(4.0), 16))
+        elif name == "knee":
+            knee = generate_workload(64, prompts="chat", output_len=24, seed=0)
+            out += [(f"knee, {n} slots", knee, n) for n in (1, 4, 16, 64)]
+        else:
+            raise SystemExit(f"unknown case {name!r} (w16, w64, w-online, knee)")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", help="a `slotserve calibrate` profile (default: calibrate now)")
+    p.add_argument("--cases", default="w16,w64,w-online,knee")
+    p.add_argument("--out", default="benchmarks/results/replay-accuracy.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for calibration and runs (default: one per core)")
+    p.add_argument("--small-grid", action="store_true",
+                   help="calibrate on batches 1, 8, 32 x contexts 32, 128 x chunk 512 only")
+    p.add_argument("--reuse-measured", metavar="REPORT.json",
+                   help="take the measured side from an earlier report (same case labels) "
+                        "instead of running it: re-predict on another profile")
+    p.add_argument("--refit", action="store_true",
+                   help="refit --profile from the samples it stores (the current fit method)")
+    args = p.parse_args()
+    target = EngineTarget.load(**ENGINE)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # NOTE: after load, which sets one per core
+    if args.profile:
+        profile = load_profile(args.profile)
+        if args.refit:
+            profile = refit(profile)
+    else:
+        print("calibrating ...", file=sys.stderr, flush=True)
+        grid = CalibrationGrid(batch_sizes=(1, 8, 32), context_lens=(32, 128),
+                               chunk_sizes=(512,)) if args.small_grid else CalibrationGrid()
+        profile, samples = calibrate(target.configured(), grid, log=print)
+        print(model_text(profile, samples))
+        profile.save(args.out.replace(".json", "-profile.json"))
+    reused = {}
+    if args.reuse_measured:
+        report = json.loads(Path(args.reuse_measured).read_text())
+        reused = {row["case"]: row["measured"] for row in report["cases"]}
+    rows = []
+    for label, workload, slots in cases([c.strip() for c in args.cases.split(",") if c]):
+        if label in reused:
+            measured = reused[label]
+        else:
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            measured = run_bench(workload, target.configured(max_num_seqs=slots),
+                                 sampling=BenchSampling(), label=label).to_dict()
+        requests = requests_from_workload(workload, target.tokenizer)
+        settings = ReplaySettings(max_num_seqs=slots, num_blocks=measured["config"]["num_blocks"],
+                                  **ENGINE)
+        started = time.perf_counter()
+        predicted = replay(requests, settings, profile, workload=workload.params).bench_result(
+            label)
+        replay_s = time.perf_counter() - started
+        predicted = predicted.to_dict()
+        rows.append({"case": label, "replay_s": replay_s, "measured": measured,
+                     "predicted": predicted,
+                     "ratios": {name: _ratio(_get(predicted, key, sub), _get(measured, key, sub))
+                                for name, key, sub in FIELDS}})
+        print(format_row(rows[-1]), flush=True)
+    print(format_rows(rows))
+    write_report(args.out, profile=profile.to_profile(), cases=rows)
+    print(f"wrote {args.out}")
+
+
+def refit(profile: LinearCost) -> LinearCost:
+    """The profile's stored samples fit again (with today's `LinearCost.fit`)."""
+    samples = [(StepFeatures(**{f: s[f] for f in FEATURES}), s["seconds"])
+               for s in profile.meta.get("samples", [])]
+    model = LinearCost.fit(samples, meta=profile.meta)
+    model.meta = {**profile.meta, "fit": model.residuals(samples), "refit": True}
+    return model
+
+
+def model_text(profile, samples) -> str:
+    return "\n".join([profile.format(), format_residuals(profile.meta["fit"]),
+                      format_points(profile, samples)])
+
+
+def _get(result: dict, key: str, sub: str | None):
+    return result[key] if sub is None else result[key][sub]
+
+
+def _ratio(predicted, measured):
+    return None if predicted is None or not measured else predicted / measured
+
+
+def format_row(row: dict) -> str:
+    cells = "  ".join(f"{name} x{row['ratios'][name]:.2f}" if row["ratios"][name] is not None
+                      else f"{name} -" for name, _, _ in FIELDS)
+    return f"{row['case']}: {cells} (replayed in {row['replay_s']:.3f} s)"
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table: measured / predicted (ratio) per figure."""
+    head = "| case | " + " | ".join(name for name, _, _ in FIELDS) + " |"
+    lines = [head, "|" + " --- |" * (len(FIELDS) + 1)]
+    for row in rows:
+        cells = []
+        for name, key, sub in FIELDS:
+            m, p = _get(row["measured"], key, sub), _get(row["predicted"], key, sub)
+            ratio = row["ratios"][name]
+            cells.append("-" if m is None or p is None or ratio is None or math.isnan(ratio)
+                         else f"{m:.4g} / {p:.4g} (x{ratio:.2f})")
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

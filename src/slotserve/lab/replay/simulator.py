@@ -1,0 +1,253 @@
+"""Replay: the real scheduler and KV manager on a virtual clock.
+
+    result = replay(requests, ReplaySettings(max_num_seqs=16), LinearCost(...))
+    result.trace            # the engine's trace format (slotserve timeline draws it)
+    result.bench_result()   # what `slotserve bench --out` writes, predicted
+
+The loop is the engine's (`LLMEngine.step` driven by `slotserve bench`): before each
+iteration, every request whose arrival time has come joins the scheduler; `schedule()` plans
+the iteration; the fake runner "executes" it by moving the clock by the cost model's time and
+returning one token per sampling sequence; `update()` applies it. Scheduling decisions are the
+scheduler's own (any policy its config accepts), so a replay takes the same decisions as the
+engine on the same inputs; only time is modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.kv_manager import KVCacheManager, cdiv
+from slotserve.core.outputs import SchedulerOutput
+from slotserve.core.scheduler import Scheduler
+from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
+from slotserve.obs.trace import TraceRecorder
+from slotserve.request import Request
+from slotserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """One request to replay: its prompt length, its recorded output length, its arrival (s).
+
+    prompt_token_ids: the real prompt (prefix caching then shares what a real run shares);
+    None: `prompt_tokens` filler tokens under a per-request cache salt (nothing shared).
+    """
+
+    id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float = 0.0
+    prompt_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"id must be a non-empty string, got {self.id!r}")
+        for name in ("prompt_tokens", "output_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r} "
+                                 f"(request {self.id!r})")
+        if not isinstance(self.arrival, (int, float)) or not self.arrival >= 0 \
+                or math.isinf(self.arrival):
+            raise ValueError(f"arrival must be finite seconds >= 0, got {self.arrival!r} "
+                             f"(request {self.id!r})")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(self.prompt_token_ids)} tokens, "
+                             f"prompt_tokens says {self.prompt_tokens} (request {self.id!r})")
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """The engine settings a replay varies (names as `engine_config`'s).
+
+    num_blocks None: the engine's default when memory is plentiful, enough blocks for
+    max_num_seqs sequences of max_model_len tokens.
+    """
+
+    policy: str = "continuous"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=self.max_model_len, policy=self.policy)
+
+    def resolved_num_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return self.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+
+@dataclass
+class RequestOutcome:
+    """One replayed request's virtual timestamps (seconds from the start of the run)."""
+
+    id: str
+    prompt_tokens: int
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass
+class ReplayResult:
+    """A replay's trace, per-request outcomes and totals."""
+
+    trace: dict
+    outcomes: list[RequestOutcome]
+    duration: float
+    iterations: int
+    busy_slot_iterations: int
+    preemptions: int
+    settings: ReplaySettings
+    cost_model: dict
+    workload: dict = field(default_factory=dict)
+    plans: list[SchedulerOutput] | None = None
+
+    @property
+    def utilisation(self) -> float | None:
+        slots = self.settings.max_num_seqs * self.iterations
+        return self.busy_slot_iterations / slots if slots else None
+
+    def config(self) -> dict:
+        return {"target": "simulator", **asdict(self.settings),
+                "num_blocks": self.settings.resolved_num_blocks(),
+                "cost_model": self.cost_model, "workload": dict(self.workload)}
+
+    def bench_result(self, label: str | None = None):
+        """The predicted run as `slotserve bench` reports a measured one (`BenchResult`)."""
+        from slotserve.lab.bench.stats import RequestRecord, RunStats, summarize
+
+        records = [RequestRecord(o.id, o.error is None and o.finished is not None,
+                                 o.prompt_tokens, len(o.token_times), o.ttft, o.tpot, o.e2e,
+                                 [b - a for a, b in zip(o.token_times, o.token_times[1:])],
+                                 o.error) for o in self.outcomes]
+        run = RunStats(records, self.duration, self.config(), self.utilisation,
+                       self.preemptions, self.iterations)
+        return summarize(run, label or self.settings.policy, "simulator")
+
+
+def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_model, *,
+           keep_plans: bool = False, check: bool = False,
+           workload: dict | None = None) -> ReplayResult:
+    """Run the requests through the real scheduler on the cost model's clock.
+
+    keep_plans: keep every SchedulerOutput (tests compare them with the engine's).
+    check: assert the scheduler's invariants after every iteration (slower).
+    A request the scheduler refuses (e.g. longer than max_model_len) is a failed outcome,
+    as `slotserve bench` counts it. Raises ValueError on bad settings or duplicate ids.
+    """
+    ids = [r.id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids must be unique")
+    cache = settings.cache_config()
+    kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    scheduler = Scheduler(settings.scheduler_config(), kv)
+    runner = FakeRunner(cost_model, VirtualClock())
+    trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
+                          capacity=1 << 62)
+    outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
+    # NOTE: arrival order, input order among equal arrivals (as a workload's).
+    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    plans: list[SchedulerOutput] = []
+    busy = 0
+    while pending or scheduler.has_unfinished():
+        _add_due(scheduler, trace, pending, runner.clock.now, outcomes)
+        if not scheduler.has_unfinished():
+            if pending:
+                runner.clock.advance_to(pending[0].arrival)
+            continue
+        plan = scheduler.schedule()
+        if plan.is_empty:
+            if not pending:
+                raise RuntimeError(f"the scheduler planned nothing with "
+                                   f"{len(scheduler.requests)} requests unfinished")
+            runner.clock.advance_to(pending[0].arrival)
+            continue
+        result = runner.execute(plan)
+        for request in scheduler.update(plan, result):
+            _on_token(request, runner.clock.now, scheduler, trace, outcomes)
+        trace.record(plan, runner.last_start, runner.last_end)
+        busy += len(plan.seqs)
+        if keep_plans:
+            plans.append(plan)
+        if check:
+            scheduler.check_integrity()
+    exported = trace.export()
+    exported.update(source="replay", cost_model=cost_model.describe(),
+                    settings=asdict(settings))
+    return ReplayResult(exported, list(outcomes.values()), runner.clock.now,
+                        len(exported["iterations"]), busy, scheduler.num_preemptions, settings,
+                        cost_model.describe(), dict(workload or {}),
+                        plans if keep_plans else None)
+
+
+def sampling_params_for(request: ReplayRequest) -> SamplingParams:
+    """Exactly the recorded length: max_tokens = output_tokens, EOS ignored."""
+    return SamplingParams(max_tokens=request.output_tokens, ignore_eos=True)
+
+
+def scheduler_request(request: ReplayRequest) -> Request:
+    """The core Request a replayed request becomes."""
+    if request.prompt_token_ids is not None:
+        ids, salt = list(request.prompt_token_ids), None
+    else:
+        # NOTE: filler ids are identical across requests; the salt keeps them from sharing
+        # cached blocks, which a real run's different prompts would not share either.
+        ids, salt = [FILLER_TOKEN] * request.prompt_tokens, f"replay:{request.id}"
+    core = Request(request.id, ids, sampling_params_for(request))
+    core.cache_salt = salt
+    core.times.arrival = float(request.arrival)
+    return core
+
+
+def _add_due(scheduler: Scheduler, trace: TraceRecorder, pending: deque, now: float,
+             outcomes: dict[str, RequestOutcome]) -> None:
+    while pending and pending[0].arrival <= now:
+        request = pending.popleft()
+        try:
+            scheduler.add_request(scheduler_request(request))
+        except ValueError as exc:
+            outcomes[request.id].error = str(exc)
+            continue
+        trace.request_arrived(request.id, float(request.arrival), scheduler.iteration,
+                              request.prompt_tokens)
+
+
+def _on_token(request: Request, now: float, scheduler: Scheduler, trace: TraceRecorder,
+              outcomes: dict[str, RequestOutcome]) -> None:
+    outcome = outcomes[request.request_id]
+    outcome.token_times.append(now)
+    if request.is_finished:
+        outcome.finished = now
+        outcome.finish_reason = request.finish_reason
+        trace.request_finished(request.request_id, scheduler.iteration - 1,
+                               request.finish_reason or "", len(request.output_token_ids))
