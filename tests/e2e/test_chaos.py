@@ -13,6 +13,9 @@ interleaved rounds; benchmarks/RELIABILITY.md).
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
 from benchmarks import chaos
@@ -54,3 +57,41 @@ def test_the_victim_does_not_notice_the_adversary(keyed_server):
     assert report.server_log["streams_left_aborted"] == report.server_log["streams_left"] >= 1
     assert not report.failures, report.summary()
     assert keyed_server.stop() == 0
+
+
+# --------------------------------------------------------------------------- found
+@pytest.fixture
+def two_connection_server(tmp_path):
+    keys = chaos.write_keys_file(tmp_path / "keys.txt")
+    proc = launch_server(tmp_path, *chaos.server_flags(keys), "--max-connections=2")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "slow-loris uploads hold --max-connections slots indefinitely: ConcurrencyLimit wraps "
+    "BodySizeLimit, whose body read has no timeout, so one tenant dribbling N bodies locks "
+    "every other tenant out with 503 (server/api.py)"))
+def test_slow_loris_uploads_do_not_lock_out_other_tenants(two_connection_server):
+    """Two slow uploads of one tenant fill --max-connections 2; another tenant's request
+    must still be served (a body that stalls should time out, or not count)."""
+    url = two_connection_server.url
+
+    async def run() -> int:
+        done = asyncio.Event()
+        lorises = [asyncio.ensure_future(chaos.slow_loris(url, chaos.ADVERSARY_KEY, done, 30))
+                   for _ in range(2)]
+        await asyncio.sleep(3)  # both are dribbling their bodies now
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                r = await client.post("/v1/completions", json=chaos.small(temperature=0.0),
+                                      headers={"Authorization": f"Bearer {chaos.VICTIM_KEY}"})
+            return r.status_code
+        finally:
+            done.set()
+            await asyncio.gather(*lorises)
+
+    assert asyncio.run(run()) == 200
