@@ -145,16 +145,22 @@ class Outcome:
 
 @dataclass
 class Context:
-    """What the attacks share: the server, the greedy reference, live victim ids."""
+    """What the attacks share: the server, the greedy reference, the phase's tag (victim ids
+    are `victim-<tag>-<i>`)."""
 
     url: str
     greedy_text: str  # ADVERSARY_PROMPT, greedy, ATTACK_MAX_TOKENS tokens
-    live_victim_id: str
+    tag: str
     counter: int = 0
 
+    @property
+    def live_victim_id(self) -> str:
+        return f"victim-{self.tag}-0"
+
     def next_id(self, name: str) -> str:
+        """A fresh X-Request-Id, unique over the whole run (the log is matched by it)."""
         self.counter += 1
-        return f"adv-{name}-{self.counter}"
+        return f"adv-{self.tag}-{name}-{self.counter}"
 
 
 AUTH = {"Authorization": f"Bearer {ADVERSARY_KEY}"}
@@ -177,15 +183,16 @@ async def post(ctx: Context, name: str, body: dict | None = None, *, content: by
         return await client.post(path, json=body, headers=headers)
 
 
-def status_of(expect_text: str | None = None):
-    """An attack that posts a body and keeps its status (and, if given, checks its text)."""
+def status_of(greedy: bool = False):
+    """An attack that posts a body and keeps its status; greedy: a 200 must carry the greedy
+    text of ADVERSARY_PROMPT."""
     def decorate(build: Callable[[Context], dict]):
         async def attack(ctx: Context) -> Outcome:
             r = await post(ctx, build.__name__, build(ctx))
             if r.status_code != 200:
                 return Outcome(r.status_code, _error_note(r))
             text = r.json()["choices"][0]["text"]
-            ok = expect_text is None or text == ctx.greedy_text
+            ok = not greedy or text == ctx.greedy_text
             return Outcome(200, f"text {text!r}" + ("" if ok else " != greedy"), ok)
         return attack
     return decorate
@@ -203,12 +210,12 @@ def top_k_huge(ctx):
     return small(top_k=10**30, temperature=1.0, seed=1)
 
 
-@status_of(expect_text="greedy")
+@status_of(greedy=True)
 def temperature_tiny(ctx):
     return small(temperature=1e-50)
 
 
-@status_of(expect_text="greedy")
+@status_of(greedy=True)
 def top_p_tiny(ctx):
     return small(temperature=1.0, top_p=1e-50)
 
@@ -459,7 +466,7 @@ def chaos_phase(url: str, bodies: list[dict], tag: str, greedy_text: str, gap_s:
     measured TPOT on the client side, not the server's)."""
     mp = multiprocessing.get_context("spawn")
     ready, done, results = mp.Event(), mp.Event(), mp.Queue()
-    ctx = Context(url, greedy_text, live_victim_id=f"victim-{tag}-0")
+    ctx = Context(url, greedy_text, tag)
     proc = mp.Process(target=adversary_process, daemon=True,
                       args=(ctx, gap_s, min_passes, ready, done, results))
     proc.start()
