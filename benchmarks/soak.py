@@ -18,9 +18,11 @@ Checked (each failure is listed; the exit status is 1 if any):
 - greedy outputs equal across repeats and equal to the offline API's (unless
   `--no-reference`), or differ first at a token the reference ranks in its top 5
   (the near-tie rule of docs/ARCHITECTURE.md); seeded outputs equal across repeats;
-- server side (its log, by request id: the clients send X-Request-Id): each completed
-  request logged n "finished" lines and no "aborted"; each cancelled one was aborted, or
-  had finished before the disconnect reached it; none has neither (lost);
+- every response echoes the client's X-Request-Id (header) and has the server's own id
+  (`cmpl-...` / `chatcmpl-...`);
+- server side (its log, by the client's X-Request-Id, which the server logs next to its own
+  id): each completed request logged n "finished" lines and no "aborted"; each cancelled one
+  was aborted, or had finished before the disconnect reached it; none has neither (lost);
 - at the end: no request running or waiting, every KV block free, and the server's RSS
   within `--rss-tolerance` of its RSS after the warm-up.
 """
@@ -65,7 +67,7 @@ class Spec:
     """One request of the workload."""
 
     index: int
-    request_id: str  # sent as X-Request-Id
+    request_id: str  # sent as X-Request-Id (the server echoes and logs it, keeps its own id)
     endpoint: str  # "completions" | "chat"
     body: dict
     kind: str  # "greedy" | "seeded" | "free"
@@ -199,7 +201,8 @@ class Result:
     spec: Spec
     outcome: str = "pending"  # completed | cancelled | error
     status: int | None = None
-    response_id: str | None = None
+    response_id: str | None = None  # the server's id (`cmpl-...`)
+    echoed_id: str | None = None  # the response's X-Request-Id header
     texts: dict[int, str] = field(default_factory=lambda: defaultdict(str))
     finish: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
     usage: dict | None = None
@@ -273,11 +276,13 @@ async def exchange(client: httpx.AsyncClient, spec: Spec, result: Result, trace)
     if not spec.stream:
         response = await client.post(path, json=spec.body, headers=headers,
                                      extensions=extensions)
+        result.echoed_id = response.headers.get("x-request-id")
         read_whole(response, spec, result)
         return
     async with client.stream("POST", path, json=spec.body, headers=headers,
                              extensions=extensions) as response:
         result.status = response.status_code
+        result.echoed_id = response.headers.get("x-request-id")
         if response.status_code != 200:
             result.outcome, result.error = "error", (await response.aread()).decode()[:500]
             return
@@ -343,8 +348,10 @@ def check_completed(r: Result) -> list[str]:
     if spec.stream and not r.done_marker:
         problems.append("stream ended without data: [DONE]")
     prefix = "cmpl" if spec.endpoint == "completions" else "chatcmpl"
-    if r.response_id != f"{prefix}-{spec.request_id}":
-        problems.append(f"id {r.response_id!r}, expected {prefix}-{spec.request_id}")
+    if not (r.response_id or "").startswith(f"{prefix}-"):
+        problems.append(f"id {r.response_id!r}, expected {prefix}-...")
+    if r.echoed_id != spec.request_id:
+        problems.append(f"X-Request-Id header {r.echoed_id!r}, expected {spec.request_id}")
     if sorted(r.finish) != list(range(spec.n)):
         problems.append(f"choices {sorted(r.finish)}, expected {spec.n}")
     for index, reasons in r.finish.items():
@@ -442,18 +449,24 @@ def check_greedy_reference(results: list[Result], references: list[dict]) -> tup
 
 
 # --------------------------------------------------------------------------- server side
-LOG_LINE = re.compile(r"(finished|aborted) (?:chat)?cmpl-(\S+?)(?:#(\d+))?: .*?(\w+)?$")
+# `finished cmpl-<hex>[#i] [tenant T, X-Request-Id C]: ..., <reason>` (server/api.py) and
+# `aborted cmpl-<hex> [tenant T, X-Request-Id C]: ...`; groups: what, i, C, reason.
+LOG_LINE = re.compile(r"(finished|aborted) (?:chat)?cmpl-\S+?(?:#(\d+))? "
+                      r"\[tenant [^,\]]+(?:, X-Request-Id (\S+?))?\]: .*?(\w+)?$")
 
 
 def server_outcomes(log_text: str) -> dict[str, dict]:
-    """request id -> {"finished": set of choice indices, "aborted": bool, "reasons": list}."""
+    """client request id (X-Request-Id) -> {"finished": set of choice indices, "aborted":
+    bool, "reasons": list}; lines without a client id are skipped."""
     seen: dict[str, dict] = defaultdict(lambda: {"finished": set(), "aborted": False,
                                                  "reasons": []})
     for line in log_text.splitlines():
         match = LOG_LINE.search(line)
         if not match:
             continue
-        what, request_id, index, reason = match.groups()
+        what, index, request_id, reason = match.groups()
+        if request_id is None:
+            continue
         if what == "aborted":
             seen[request_id]["aborted"] = True
         else:

@@ -36,11 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
-    """Samples of a server's /metrics: 'name' or 'name{label="value",...}' -> value."""
+def scrape_metrics(url: str, timeout: float = 10.0,
+                   headers: dict[str, str] | None = None) -> dict[str, float]:
+    """Samples of a server's /metrics: 'name' or 'name{label="value",...}' -> value.
+    headers: e.g. the admin key's Authorization when the server has keys."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=timeout).text
+    response = httpx.get(url + "/metrics", timeout=timeout, headers=headers)
+    response.raise_for_status()
+    text = response.text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
