@@ -403,7 +403,7 @@ async def slow_loris(url: str, key: str | None, until,
         writer.transport.abort()  # a RST, not a polite close: the client just vanishes
 
 
-SLOW_LORIS = {"slow-loris upload (abandoned)": (VICTIM_KEY, frozenset({None})),
+SLOW_LORIS = {"slow-loris upload (abandoned)": (VICTIM_KEY, frozenset({None, 408})),
               "slow-loris upload without a key": (None, frozenset({401}))}
 
 

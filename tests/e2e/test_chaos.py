@@ -63,7 +63,8 @@ def test_the_victim_does_not_notice_the_adversary(keyed_server):
 @pytest.fixture
 def two_connection_server(tmp_path):
     keys = chaos.write_keys_file(tmp_path / "keys.txt")
-    proc = launch_server(tmp_path, *chaos.server_flags(keys), "--max-connections=2")
+    proc = launch_server(tmp_path, *chaos.server_flags(keys), "--max-connections=2",
+                         "--body-timeout=3")
     try:
         proc.wait_ready()
         yield proc
@@ -71,10 +72,6 @@ def two_connection_server(tmp_path):
         proc.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "slow-loris uploads hold --max-connections slots indefinitely: ConcurrencyLimit wraps "
-    "BodySizeLimit, whose body read has no timeout, so one tenant dribbling N bodies locks "
-    "every other tenant out with 503 (server/api.py)"))
 def test_slow_loris_uploads_do_not_lock_out_other_tenants(two_connection_server):
     """Two slow uploads of one tenant fill --max-connections 2; another tenant's request
     must still be served (a body that stalls should time out, or not count)."""
@@ -95,3 +92,14 @@ def test_slow_loris_uploads_do_not_lock_out_other_tenants(two_connection_server)
             await asyncio.gather(*lorises)
 
     assert asyncio.run(run()) == 200
+
+
+def test_a_body_that_never_completes_gets_408(two_connection_server):
+    """A keyed upload dribbled past --body-timeout (3 s here) is answered 408, not kept."""
+    url = two_connection_server.url
+
+    async def run():
+        return await chaos.slow_loris(url, chaos.ADVERSARY_KEY, asyncio.Event(), 20)
+
+    outcome = asyncio.run(run())
+    assert outcome.status == 408, outcome

@@ -72,6 +72,7 @@ logger = logging.getLogger("slotserve.server")
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_CHARS = 512
+DEFAULT_BODY_TIMEOUT_S = 30.0  # seconds for a whole request body (slow uploads get 408)
 # Threads that tokenize prompts and render chat templates (off the event loop).
 TOKENIZER_THREADS = 2
 # How much a tokenizer's normalizer may shrink text (NFC composes 3-byte Hangul jamo, 9
@@ -99,6 +100,7 @@ class ServerLimits:
     connections of a client's pool do not count).
     max_stop_strings / max_stop_chars: more stop strings, or a longer one, get 400 (every
     token is matched against them; a stream holds back as much text as the longest).
+    body_timeout_s: a request body not complete this long after the request began gets 408.
     """
 
     max_tokens: int | None = None
@@ -106,8 +108,11 @@ class ServerLimits:
     max_connections: int | None = None
     max_stop_strings: int | None = DEFAULT_MAX_STOP_STRINGS
     max_stop_chars: int | None = DEFAULT_MAX_STOP_CHARS
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
                      "max_stop_chars"):
             value = getattr(self, name)
@@ -252,11 +257,17 @@ def _field_path(error: dict) -> str:
 
 # --------------------------------------------------------------------------- limits
 def _add_limit_middleware(app: FastAPI, limits: ServerLimits) -> None:
-    """The body bound inside the concurrency bound (Starlette: the last added is outermost)."""
-    if limits.max_body_bytes is not None:
-        app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    """The concurrency bound inside the body bound (Starlette: the last added is outermost).
+
+    NOTE: a request takes one of the --max-connections places only once its whole body has
+    arrived (within body_timeout_s), so clients that dribble their bodies (slow loris) cannot
+    hold the places that other clients' requests need.
+    """
     if limits.max_connections is not None:
         app.add_middleware(ConcurrencyLimit, max_requests=limits.max_connections)
+    if limits.max_body_bytes is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes,
+                           timeout_s=limits.body_timeout_s)
 
 
 class EchoRequestId:
@@ -328,9 +339,10 @@ class BodySizeLimit:
     is the server's again, so the app still hears http.disconnect (aborts rely on it).
     """
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -338,7 +350,14 @@ class BodySizeLimit:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             return await send_error(send, self._too_large(declared))
-        body = await _read_body(receive, self.max_bytes)
+        try:
+            body = await asyncio.wait_for(_read_body(receive, self.max_bytes), self.timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("refused %s: the body took over %.0f s (--body-timeout)",
+                           scope["path"], self.timeout_s)
+            return await send_error(send, APIError(
+                f"the request body did not arrive within {self.timeout_s:g} s "
+                "(--body-timeout)", 408, code="request_timeout"))
         if body is None:  # the client left while sending
             return None
         if len(body) > self.max_bytes:

@@ -56,6 +56,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-stop-chars", type=_positive_int, default=512, metavar="N",
                    help="requests with a stop string longer than N characters get 400 "
                         "(default: 512)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body not complete S seconds after the request began gets "
+                        "408; only complete requests count against --max-connections "
+                        "(default: 30)")
     add_access_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -136,7 +140,7 @@ def server_limits(args: argparse.Namespace):
     return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                         max_connections=args.max_connections,
                         max_stop_strings=args.max_stop_strings,
-                        max_stop_chars=args.max_stop_chars)
+                        max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
