@@ -24,16 +24,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from slotserve.engine.async_engine import AsyncEngine
+from slotserve.engine.events import build_block_map
 from slotserve.lab.simulate import summarize
+from slotserve.obs.live_feed import LiveClient
+from slotserve.obs.windows import percentile
 from slotserve.sampling import SamplingParams
-from slotserve.server.live import (
-    LiveClient,
-    block_map,
-    build_live_router,
-    most_iterations,
-    percentile,
-    simulate_workload,
-)
+from slotserve.server.live import build_live_router, most_iterations, simulate_workload
 from tests.conftest import random_prompts, tiny_engine, tiny_hf_model
 from tests.e2e.conftest import free_port
 
@@ -54,19 +50,22 @@ TIMEOUT_MS = 60_000
 # --------------------------------------------------------------------------- the server
 def build_test_app(async_engine: AsyncEngine) -> FastAPI:
     """The live router, the engine's trace (as the real app's /debug/trace) and a test-only
-    POST /test/generate that starts n requests in the background."""
+    POST /test/generate that starts n requests in the background (their prompts start with
+    the same `shared` tokens)."""
     app = FastAPI()
     app.include_router(build_live_router(async_engine, stats_interval_s=0.25))
     tasks: set[asyncio.Task] = set()
 
     @app.get("/debug/trace")
     async def trace() -> dict:
-        return async_engine.engine.trace.export()
+        return async_engine.export_trace()
 
     @app.post("/test/generate")
-    async def generate(prefix: str, n: int = 8, max_tokens: int = 64) -> dict:
+    async def generate(prefix: str, n: int = 8, max_tokens: int = 64, shared: int = 0) -> dict:
         prompts = random_prompts(n, min_len=8, max_len=30, seed=len(tasks))
+        common = random_prompts(1, min_len=shared, max_len=shared, seed=99)[0] if shared else []
         for i, prompt in enumerate(prompts):
+            prompt = common + prompt
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
             task = asyncio.create_task(_run(async_engine, f"{prefix}-{i}", prompt, params))
             tasks.add(task)
@@ -111,7 +110,7 @@ def live_server():
     engine = tiny_engine(tiny_hf_model(), max_num_seqs=NUM_SLOTS, num_blocks=NUM_BLOCKS,
                          block_size=BLOCK_SIZE, max_model_len=256)
     async_engine = AsyncEngine(engine)
-    async_engine.add_step_listener(lambda outputs: time.sleep(STEP_DELAY_S))
+    async_engine.subscribe(lambda event: time.sleep(STEP_DELAY_S))
     server = ThreadServer(build_test_app(async_engine))
     async_engine.start()
     server.start()
@@ -122,9 +121,10 @@ def live_server():
         async_engine.stop()
 
 
-def start_requests(server: ThreadServer, prefix: str, n: int = 8, max_tokens: int = 64) -> None:
+def start_requests(server: ThreadServer, prefix: str, n: int = 8, max_tokens: int = 64,
+                   shared: int = 0) -> None:
     r = httpx.post(f"{server.url}/test/generate",
-                   params={"prefix": prefix, "n": n, "max_tokens": max_tokens})
+                   params={"prefix": prefix, "n": n, "max_tokens": max_tokens, "shared": shared})
     assert r.status_code == 200, r.text
 
 
@@ -176,8 +176,12 @@ def test_state_snapshot(live_server):
     assert state["num_slots"] == NUM_SLOTS and state["kv_blocks_total"] == NUM_BLOCKS
     assert state["policy"] == "continuous" and state["block_size"] == BLOCK_SIZE
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "preemptions",
-                "tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "blocks"):
+                "tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "blocks",
+                "kv_blocks_cached_free", "kv_blocks_shared", "prefix_cache_queries",
+                "prefix_cache_hits", "prefix_cache_hit_rate"):
         assert key in state
+    assert set(state["blocks"]) == {"owners", "runs", "shared", "cached_free"}
+    assert state["enable_prefix_caching"] is True
 
 
 def test_assets_and_unknown_asset(live_server):
@@ -273,11 +277,9 @@ def test_percentile_and_block_map():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
 
-    class FakeKV:
-        block_tables = {"a": [0, 1, 2, 7], "b": [4, 3], "c": []}
-
-    assert block_map(FakeKV()) == {"owners": ["a", "b"],
-                                   "runs": [[0, 3, 0], [7, 1, 0], [3, 2, 1]]}
+    blocks = build_block_map({"a": [0, 1, 2, 7], "b": [4, 3], "c": []}, []).to_json()
+    assert {k: blocks[k] for k in ("owners", "runs")} == {
+        "owners": ["a", "b"], "runs": [[0, 3, 0], [7, 1, 0], [3, 2, 1]]}
 
 
 # --------------------------------------------------------------------------- the browser
@@ -334,17 +336,31 @@ LEGEND = """prefix => [...document.querySelectorAll('#live-legend li[data-reques
     .filter(li => li.dataset.request.startsWith(prefix)).length"""
 UTILISATION = "() => Number(document.querySelector('#live-util-text').dataset.utilisation)"
 RUNNING = "() => Number(document.querySelector('#stat-running').dataset.value)"
-# Pixels of the block map that are neither free-grey nor background (a used block).
+# Pixels of the block map that are neither free (grey, or pale green: free but cached) nor
+# background (a used block).
 USED_PIXELS = """() => {
     const c = document.querySelector('#block-map');
     const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
     let used = 0;
     for (let i = 0; i < d.length; i += 4) {
         const grey = d[i] === 230 && d[i + 1] === 230 && d[i + 2] === 230;
-        if (d[i + 3] === 255 && !grey) used++;
+        const cached = d[i] === 183 && d[i + 1] === 223 && d[i + 2] === 197;
+        if (d[i + 3] === 255 && !grey && !cached) used++;
     }
     return used;
 }"""
+# Pixels of one exact colour in the block map.
+COLOR_PIXELS = """([r, g, b]) => {
+    const c = document.querySelector('#block-map');
+    const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+    let n = 0;
+    for (let i = 0; i < d.length; i += 4) {
+        if (d[i] === r && d[i + 1] === g && d[i + 2] === b && d[i + 3] === 255) n++;
+    }
+    return n;
+}"""
+CACHED_FREE_RGB = [183, 223, 197]
+SHARED_MARK_RGB = [16, 24, 40]
 
 
 def test_live_strip_shows_the_running_batch(page, live_server):
@@ -364,9 +380,30 @@ def test_live_strip_shows_the_running_batch(page, live_server):
     assert page.evaluate(USED_PIXELS) == 0
     assert page.locator("#stat-kv-free").get_attribute("data-value") == str(NUM_BLOCKS)
     assert page.evaluate(LEGEND, "live-") == 8  # still in the strip after they finished
+    # Their full prompt blocks stay cached, free: pale green, not grey.
+    assert int(page.locator("#block-map").get_attribute("data-cached-free")) > 0
+    assert page.evaluate(COLOR_PIXELS, CACHED_FREE_RGB) > 0
     page.wait_for_function("() => document.querySelector('[data-key=ttft_p50]').textContent "
                            "!== '—'")
     screenshot(page, "dashboard-after.png")
+    assert page.errors == []
+
+
+def test_block_map_shows_shared_prefix_blocks(page, live_server):
+    """Requests behind one 40-token prefix share its two full blocks while they run (a dark
+    centre on the owner's color); the hit rate shows."""
+    wait_idle(live_server)
+    open_dashboard(page, live_server)
+    start_requests(live_server, "shared", n=4, max_tokens=48, shared=40)
+    page.wait_for_function("() => Number(document.querySelector('#block-map')"
+                           ".dataset.shared) > 0")
+    assert page.evaluate(COLOR_PIXELS, SHARED_MARK_RGB) > 0
+    screenshot(page, "dashboard-shared-blocks.png")
+    state = wait_idle(live_server)
+    assert state["prefix_cache_hits"] >= 3 * 32 and state["kv_blocks_shared"] == 0
+    page.wait_for_function("() => document.querySelector('#block-map').dataset.shared === '0'")
+    assert page.evaluate(COLOR_PIXELS, SHARED_MARK_RGB) == 0
+    assert page.locator("#stat-prefix-hit").text_content().endswith("%")
     assert page.errors == []
 
 

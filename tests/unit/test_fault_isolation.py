@@ -183,13 +183,13 @@ def test_a_fault_building_one_output_fails_only_it(tiny_llama, clean, monkeypatc
     assert not engine.has_request(CULPRIT)
 
 
-def test_a_failing_trace_listener_harms_no_request(tiny_llama, clean):
+def test_a_failing_subscriber_harms_no_request(tiny_llama, clean):
     engine = new_engine(tiny_llama)
 
-    def listener(record):
+    def listener(event):
         raise InjectedFault("metrics")
 
-    engine.trace.add_listener(listener)
+    engine.subscribe(listener)
     assert_isolated(run(engine, workload()), clean, set(), tokens_before=0)
 
 
@@ -268,11 +268,11 @@ def assert_idle_and_free(engine: AsyncEngine) -> None:
     assert engine.engine.kv.num_free_blocks == NUM_BLOCKS
 
 
-def test_a_failing_step_listener_harms_no_request(served, clean):
-    def listener(outputs):
+def test_a_failing_subscriber_harms_no_request_when_served(served, clean):
+    def listener(event):
         raise InjectedFault("listener")
 
-    served.add_step_listener(listener)
+    served.subscribe(listener)
     finals = asyncio.run(generate_all(served, workload()))
     assert {rid: out.token_ids for rid, out in finals.items()} == clean
     assert served.healthy

@@ -19,25 +19,11 @@ def samples(metrics: ServerMetrics) -> dict[str, float]:
     return result
 
 
-class StepHook:
-    """Stands in for AsyncEngine's step listeners."""
-
-    def __init__(self) -> None:
-        self.listeners = []
-
-    def add_step_listener(self, callback) -> None:
-        self.listeners.append(callback)
-
-    def on_step(self, outputs) -> None:
-        for listener in self.listeners:
-            listener(outputs)
-
-
-def run(engine, hook, prompts, params) -> None:
+def run(engine, prompts, params, prefix: str = "r") -> None:
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"{prefix}{i}", prompt, params)
     while engine.has_unfinished_requests():
-        hook.on_step(engine.step())
+        engine.step()
 
 
 @pytest.fixture
@@ -48,12 +34,11 @@ def engine(tiny_llama):
 def test_counters_histograms_and_gauges(engine):
     metrics = ServerMetrics(engine)
     seen = []
-    hook = StepHook()
-    hook.add_step_listener(seen.append)
-    metrics.attach(hook)
+    engine.subscribe(seen.append)
+    metrics.attach()
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    run(engine, hook, [[5, 6, 7], [8, 9, 10, 11], [12, 13]], params)
-    assert seen  # other listeners still run
+    run(engine, [[5, 6, 7], [8, 9, 10, 11], [12, 13]], params)
+    assert seen  # other subscribers still run
     m = samples(metrics)
     assert m["slotserve:time_to_first_token_seconds_count"] == 3
     assert m["slotserve:e2e_request_latency_seconds_count"] == 3
@@ -109,3 +94,26 @@ def test_slot_window():
                                    {"request": "c", "kind": "stalled", "tokens": 0},
                                    {"request": "b", "kind": "prefill", "tokens": 9}]})
     assert window.utilisation() == pytest.approx(2 / 4)  # the stalled slot is held, not busy
+
+
+def test_prefix_cache_counters_and_hit_rate(tiny_llama):
+    """Queries and hits in tokens, as vLLM counts them; the hit rate is hits / queries."""
+    engine = tiny_engine(tiny_llama, num_blocks=32, max_num_seqs=4, block_size=4)
+    metrics = ServerMetrics(engine)
+    metrics.attach()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    shared = list(range(10, 22))  # three full blocks of 4
+    run(engine, [shared + [30]], params, prefix="a")
+    m = samples(metrics)
+    assert m["slotserve:prefix_cache_queries_total"] == 13
+    assert m["slotserve:prefix_cache_hits_total"] == 0
+    assert m["slotserve:prefix_cache_hit_rate"] == 0
+    run(engine, [shared + [31]], params, prefix="b")
+    m = samples(metrics)
+    assert m["slotserve:prefix_cache_queries_total"] == 26
+    assert m["slotserve:prefix_cache_hits_total"] == 12
+    assert m["slotserve:prefix_cache_hit_rate"] == pytest.approx(12 / 26)
+    # Idle: the first request's cached blocks wait, free, for the next hit.
+    assert m["slotserve:kv_blocks_cached_free"] >= 3
+    assert m["slotserve:kv_blocks_shared"] == 0
+    assert m["slotserve:kv_blocks_free"] == 32

@@ -31,9 +31,9 @@ class RecordingEngine(AsyncEngine):
         super().__init__(*args, **kwargs)
         self.prompts: list = []
 
-    def generate(self, request_id, prompt, params):
+    def generate(self, request_id, prompt, params, **kwargs):
         self.prompts.append(prompt)
-        return super().generate(request_id, prompt, params)
+        return super().generate(request_id, prompt, params, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from slotserve.lab.commands import add_simulate_parser, add_timeline_parser
 from slotserve.lab.simulate import SEED_TOY, simulate
 from slotserve.lab.timeline import (
     build_grid,
+    describe,
     gantt,
     render_html,
     render_png,
@@ -341,3 +342,25 @@ def test_cli_timeline_bad_file_is_exit_code_2(tmp_path, capsys):
     path.write_text('{"version": 1}')
     assert run_cli("timeline", str(path)) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_skipped_prefill_is_marked(tiny_llama):
+    """An engine trace with a prefix-cache hit: the description counts the skipped prompt
+    tokens and the HTML Gantt marks the request's first iteration."""
+    from slotserve.sampling import SamplingParams
+    from tests.conftest import tiny_engine
+
+    engine = tiny_engine(tiny_llama, num_blocks=32, max_num_seqs=2, block_size=4)
+    shared = list(range(10, 22))
+    for request_id, tail in (("first", 30), ("again", 31)):
+        engine.add_request(request_id, shared + [tail],
+                           SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    trace = json.loads(json.dumps(engine.export_trace()))
+    assert "prefill skipped: 12/26 prompt tokens from the prefix cache (1 requests)" in \
+        describe(build_grid(trace))
+    page = render_html(trace)
+    marks = re.findall(r'class="cached"[^>]*data-cached-tokens="(\d+)"', page)
+    assert marks == ["12"]
+    assert "prefill skipped" not in describe(build_grid(engine_trace(10, 2)))

@@ -73,6 +73,28 @@ class BlockPool:
         """Blocks registered under a hash (held or free)."""
         return len(self._cached)
 
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold cached K/V (evicted on demand)."""
+        return len(self._free_cached)
+
+    def cached_free_blocks(self) -> list[int]:
+        """The free blocks that still hold cached K/V, least recently freed first."""
+        return list(self._free_cached)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the hash of every free cached block (they become plain free blocks).
+
+        Blocks held by requests keep theirs. Returns how many blocks were dropped.
+        """
+        dropped = list(self._free_cached)
+        for block in dropped:
+            del self._cached[self._hash_of[block]]
+            self._hash_of[block] = None
+        self._free_plain.extend(dropped)
+        self._free_cached.clear()
+        return len(dropped)
+
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 

@@ -220,6 +220,11 @@ class KVCacheManager:
         # so the LRU order evicts them first).
         self.pool.free(list(reversed(blocks)))
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached free blocks (the prefix cache forgets them; running requests keep
+        their blocks). Returns how many blocks were dropped."""
+        return self.pool.reset_prefix_cache()
+
     def check_integrity(self) -> None:
         """Assert tables and pool agree: ref counts, the cached/exclusive split, in-flight."""
         self.pool.check_integrity()

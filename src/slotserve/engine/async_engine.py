@@ -1,13 +1,16 @@
 """AsyncEngine: the engine loop in a background thread, one async stream per request.
 
-The event loop never waits on a forward pass: requests and aborts are queued as commands
-that the engine thread applies at the next iteration boundary, and outputs travel back
-with `loop.call_soon_threadsafe`.
+The event loop never waits on a forward pass: requests, aborts and admin actions (a
+prefix-cache reset) are queued as commands that the engine thread applies at the next
+iteration boundary, and outputs travel back with `loop.call_soon_threadsafe`.
+
+The read side passes through: `snapshot()`, `subscribe()`, `export_trace()`, `tokenize()`
+are the engine's (see engine/events.py); nobody above needs `.engine`.
 
 Fault isolation (NOTE: no request, client or tenant may harm another):
 - LLMEngine.step fails only the requests that make the forward or sampling raise, and
   only the request whose output could not be built;
-- a fault applying one command fails that request; one listener's fault is logged; a
+- a fault applying one command fails that request; one subscriber's fault is logged; a
   stream that cannot take an output (its event loop is gone) loses its request only;
 - a fault that escapes step() (schedule, update) fails the requests in flight, and the
   loop goes on;
@@ -24,8 +27,9 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
 from slotserve.sampling import SamplingParams
@@ -61,11 +65,18 @@ class AsyncEngine:
     """Thread-safe front of an LLMEngine for the server."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
-        """max_waiting: if given, sets the engine's SchedulerConfig.max_waiting (the bound
-        AsyncEngine enforces); by default the engine's config holds it already."""
+        """max_waiting: the bound on waiting sequences (see `max_waiting`); by default the
+        engine config's (`SchedulerConfig.max_waiting`, the `--max-waiting` flag)."""
         self.engine = engine
-        if max_waiting is not None:
-            self.max_waiting = max_waiting
+        # The bound on waiting SEQUENCES (None: unbounded). A request with n completions
+        # counts n, from the moment `generate` admits it (before the engine thread has seen
+        # it) until the scheduler runs each completion; preempted completions waiting to
+        # resume count too. A request that would take the count past the bound is refused
+        # with QueueFullError (HTTP 429); one whose n alone exceeds a positive bound can
+        # never be admitted: ValueError (HTTP 400). NOTE: AsyncEngine's own field: the
+        # scheduler never refuses a request for it.
+        self.max_waiting: int | None = (engine.config.scheduler.max_waiting
+                                        if max_waiting is None else max_waiting)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -77,8 +88,6 @@ class AsyncEngine:
         self._fatal: EngineDeadError | None = None  # set once, when the loop dies
         self._step_faults = 0  # consecutive iterations whose step() raised
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
-        self._step_listeners: list = []
-        self._listener_faults: dict = {}  # listener -> faults so far (logged in full once)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -101,42 +110,60 @@ class AsyncEngine:
         started = self._thread.ident is not None
         return not started or self._thread.is_alive() or self._stopping
 
-    def add_step_listener(self, callback) -> None:
-        """callback(list[RequestOutput]) after every iteration, in the engine thread.
-
-        A listener that raises is logged and harms nothing else."""
-        self._step_listeners.append(callback)
-
-    def remove_step_listener(self, callback) -> None:
-        if callback in self._step_listeners:
-            self._step_listeners.remove(callback)
-
-    @property
-    def max_waiting(self) -> int | None:
-        """The bound on waiting SEQUENCES (None: unbounded): SchedulerConfig.max_waiting.
-
-        A request with n completions counts n, from the moment `generate` admits it (before
-        the engine thread has seen it) until the scheduler runs each completion; preempted
-        completions waiting to resume count too. A request that would take the count past
-        the bound is refused with QueueFullError (HTTP 429); one whose n alone exceeds a
-        positive bound can never be admitted: ValueError (HTTP 400)."""
-        return self.engine.scheduler_config.max_waiting
-
-    @max_waiting.setter
-    def max_waiting(self, value: int | None) -> None:
-        scheduler = self.engine.scheduler
-        scheduler.config = replace(scheduler.config, max_waiting=value)
-
     @property
     def num_active(self) -> int:
         with self._lock:
             return len(self._streams)
 
+    # ------------------------------------------------------------------ read side
+    def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
+        """The engine's `snapshot()` (any thread)."""
+        return self.engine.snapshot(include_blocks)
+
+    def subscribe(self, callback) -> None:
+        """The engine's `subscribe()`: callback(IterationEvent) in the engine thread."""
+        self.engine.subscribe(callback)
+
+    def unsubscribe(self, callback) -> None:
+        self.engine.unsubscribe(callback)
+
+    def export_trace(self) -> dict:
+        return self.engine.export_trace()
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The engine's tokenizer over a prompt (thread-safe)."""
+        return self.engine.tokenize(prompt)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_config.name
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Longest sequence (prompt + output) a request may reach."""
+        return self.engine.max_total_tokens
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop the cached free blocks at the next iteration boundary (running requests keep
+        theirs); returns how many. EngineClosedError if the engine does not run."""
+        self._raise_if_dead()
+        if self._stopping or not self._thread.is_alive():
+            raise EngineClosedError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", None, (self.engine.reset_prefix_cache, done, loop), None))
+        self._wakeup.set()
+        return await done
+
     # ------------------------------------------------------------------ requests
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Tokenize and check the request can ever fit; ValueError if not. Thread-safe."""
         _, ids = self.engine.tokenize(prompt)
-        limit = self.engine.scheduler.max_total_tokens
+        limit = self.engine.max_total_tokens
         if len(ids) >= limit:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but this server fits at most {limit} tokens "
@@ -147,10 +174,14 @@ class AsyncEngine:
                              f"queues at most {bound} sequences (--max-waiting)")
         return ids
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (each carries deltas); aborts it if the consumer leaves."""
-        stream = self._open(request_id, prompt, params)
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (each carries deltas); aborts it if the consumer leaves.
+
+        cache_salt: requests with different salts never share prefix-cache blocks (a
+        non-empty string, or None).
+        """
+        stream = self._open(request_id, prompt, params, cache_salt)
         finished = False
         try:
             while True:
@@ -169,18 +200,21 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
 
-    def _open(self, request_id: str, prompt: Prompt, params: SamplingParams) -> _Stream:
+    def _open(self, request_id: str, prompt: Prompt, params: SamplingParams,
+              cache_salt: str | None = None) -> _Stream:
         self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         ids = self.validate(prompt, params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if given")
         text = prompt if isinstance(prompt, str) else None
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), params.n)
         with self._lock:
             self._raise_if_dead()  # NOTE: under the lock that _die sweeps the streams with
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            waiting = self.engine.scheduler.num_waiting + self._queued_seqs
+            waiting = self.engine.num_waiting + self._queued_seqs
             bound = self.max_waiting
             if bound is not None and waiting + params.n > bound:
                 raise QueueFullError(f"{waiting} sequences are waiting and this request adds "
@@ -188,7 +222,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
             self._queued_seqs += params.n
-        self._commands.put(("add", request_id, (text, ids), params))
+        self._commands.put(("add", request_id, (text, ids, cache_salt), params))
         self._wakeup.set()
         return stream
 
@@ -221,7 +255,6 @@ class AsyncEngine:
                 continue
             outputs, fault = self._step()
             self._deliver(outputs)
-            self._notify(outputs)
             if fault is not None:
                 self._end_streams(RuntimeError, fault, self._orphaned)
                 if self._step_faults >= MAX_CONSECUTIVE_STEP_FAULTS:
@@ -263,11 +296,27 @@ class AsyncEngine:
     def _apply(self, kind: str, request_id: str, prompt, params) -> None:
         if kind == "add":
             self._add(request_id, prompt, params)
+        elif kind == "call":
+            self._call(*prompt)
         else:
             self.engine.abort_request(request_id)
 
+    @staticmethod
+    def _call(fn, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        """Run fn() in the engine thread; its result (or exception) goes to `done`."""
+        def settle(method, value) -> None:
+            if not done.done():
+                method(value)
+
+        try:
+            result = fn()
+        except Exception as exc:
+            loop.call_soon_threadsafe(settle, done.set_exception, exc)
+            raise
+        loop.call_soon_threadsafe(settle, done.set_result, result)
+
     def _add(self, request_id: str, prompt: tuple, params: SamplingParams) -> None:
-        text, ids = prompt
+        text, ids, cache_salt = prompt
         with self._lock:
             self._queued_seqs -= params.n
             left = self._queued_adds.pop(request_id) - 1
@@ -277,7 +326,8 @@ class AsyncEngine:
         if stream is None:
             return  # the client left before the engine saw the request
         try:
-            self.engine.add_request(request_id, ids, params, prompt_text=text)
+            self.engine.add_request(request_id, ids, params, prompt_text=text,
+                                    cache_salt=cache_salt)
         except ValueError as exc:
             stream.put(exc)
 
@@ -315,16 +365,6 @@ class AsyncEngine:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.put(RuntimeError(message))
-
-    def _notify(self, outputs: list[RequestOutput]) -> None:
-        for listener in list(self._step_listeners):
-            try:
-                listener(outputs)
-            except Exception:
-                faults = self._listener_faults.get(listener, 0) + 1
-                self._listener_faults[listener] = faults
-                log = logger.exception if faults == 1 else logger.debug
-                log("step listener %r failed (%d times)", listener, faults)
 
     def _orphaned(self, request_id: str) -> bool:
         """The stream waits on a request that the engine no longer has nor has yet to add."""

@@ -9,12 +9,24 @@ sampling raises is retried in smaller groups (bisection down to single requests)
 request(s) that still raise on their own fail; a fault while building one request's output
 fails that request only. Faults outside those (schedule(), update()) escape `step()`; the
 caller (AsyncEngine) then fails what is in flight with `fail_all`.
+
+The read side: other layers never reach into the scheduler, the KV manager or the runner.
+`snapshot()` returns a frozen `EngineSnapshot` (any thread), `subscribe(callback)` delivers
+an `IterationEvent` after every iteration (in the engine's thread), `export_trace()` the
+trace (see engine/events.py).
+
+NOTE (threads): one thread drives the engine (AsyncEngine's, or the caller's offline).
+`_state_lock` is held by every mutation (requests in and out, the planning and the update
+of an iteration, but not its forward pass), so `snapshot()` from another thread sees the
+state between two mutations and waits at most for one bookkeeping phase.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from contextlib import suppress
 from dataclasses import InitVar, dataclass, field, replace
@@ -23,8 +35,10 @@ from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.core.scheduler import Scheduler
+from slotserve.engine.events import EngineSnapshot, FinishedCompletion, IterationEvent
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from slotserve.obs.trace import TraceRecorder
+from slotserve.engine.snapshot import build_snapshot
+from slotserve.engine.trace import TraceRecorder
 from slotserve.request import Request, RequestStatus
 from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
 from slotserve.sampling import SamplingParams
@@ -32,6 +46,16 @@ from slotserve.sampling import SamplingParams
 logger = logging.getLogger("slotserve.engine")
 
 Prompt = str | list[int]
+
+
+def _holding_state_lock(method):
+    """Run an LLMEngine method under its state lock (see the module NOTE on threads)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._state_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclass
@@ -75,6 +99,10 @@ class LLMEngine:
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
         self.stats = EngineStats(kv=self.kv)
+        self._state_lock = threading.RLock()
+        self._subscribers: list = []
+        self._subscriber_faults: dict = {}  # callback -> faults so far (logged in full once)
+        self._finished: list[FinishedCompletion] = []  # since the last IterationEvent
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -89,6 +117,41 @@ class LLMEngine:
     @property
     def scheduler_config(self) -> SchedulerConfig:
         return self.scheduler.config
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Longest sequence (prompt + output) a request may reach (a constant)."""
+        return self.scheduler.max_total_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for a slot (one len() read: safe from any thread)."""
+        return self.scheduler.num_waiting
+
+    # ------------------------------------------------------------------ read side
+    def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
+        """The engine now, as frozen data; include_blocks: with the block map. Any thread."""
+        with self._state_lock:
+            return build_snapshot(self, include_blocks)
+
+    def subscribe(self, callback) -> None:
+        """callback(IterationEvent) after every iteration that ran, in the engine's thread
+        (outside the state lock). A callback that raises is logged and harms nothing else;
+        a slow one slows the engine, so hand the work to another thread."""
+        self._subscribers.append(callback)
+
+    def unsubscribe(self, callback) -> None:
+        if callback in self._subscribers:
+            self._subscribers.remove(callback)
+
+    def export_trace(self) -> dict:
+        """The iteration trace (version 1, JSON-able). Any thread."""
+        return self.trace.export()
+
+    @_holding_state_lock
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached free blocks (running requests keep theirs); returns how many."""
+        return self.kv.reset_prefix_cache()
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); ValueError on an empty or unusable prompt."""
@@ -110,6 +173,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
 
+    @_holding_state_lock
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival: float | None = None, prompt_text: str | None = None,
                     cache_salt: str | None = None, priority: int = 0,
@@ -177,6 +241,7 @@ class LLMEngine:
         hold = max((len(s) for s in params.stop), default=1) - 1
         return _Sequence(request, parent_id, index, text, detok, hold_back=hold)
 
+    @_holding_state_lock
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its completions); its blocks are free when this returns."""
         for child_id in list(self._parents.get(request_id, [])):
@@ -184,11 +249,13 @@ class LLMEngine:
             if request is not None:
                 self._pending.append(self._emit(self._sequences[child_id]))
 
+    @_holding_state_lock
     def abort_all(self) -> None:
         """Abort every request (their outputs come with the next step)."""
         for request_id in list(self._parents):
             self.abort_request(request_id)
 
+    @_holding_state_lock
     def fail_request(self, request_id: str, message: str) -> None:
         """End a request (all its completions) with an error result, which comes with the
         next step; its blocks are free when this returns."""
@@ -197,6 +264,7 @@ class LLMEngine:
             if seq is not None:
                 self._pending.append(self._fail_sequence(seq, message))
 
+    @_holding_state_lock
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error result now (an iteration failed beyond isolation).
 
@@ -224,17 +292,21 @@ class LLMEngine:
 
         NOTE: a fault in the forward or sampling fails only the requests that raise on their
         own (see `_execute_isolated`); a fault building one request's output fails that one.
+        NOTE: the forward runs outside the state lock (the module NOTE on threads).
         """
-        plan = self.scheduler.schedule()
-        outputs, self._pending = self._pending, []  # NOTE: after schedule(): if it raises,
-        if plan.is_empty:                            # fail_all still returns them
-            return outputs
+        with self._state_lock:
+            plan = self.scheduler.schedule()
+            outputs, self._pending = self._pending, []  # NOTE: after schedule(): if it raises,
+            if plan.is_empty:                            # fail_all still returns them
+                return outputs
         start = time.monotonic()
         result, culprits = self._execute_isolated(plan)
-        outputs += self._fail_culprits(culprits)
-        touched = self.scheduler.update(plan, result)
-        outputs += [self._emit(self._sequences[r.request_id]) for r in touched]
-        self._observe(plan, result, start, time.monotonic())
+        with self._state_lock:
+            outputs += self._fail_culprits(culprits)
+            touched = self.scheduler.update(plan, result)
+            outputs += [self._emit(self._sequences[r.request_id]) for r in touched]
+            event = self._observe(plan, result, start, time.monotonic())
+        self._publish(event)
         return outputs
 
     def _execute_isolated(self, plan: SchedulerOutput
@@ -290,14 +362,30 @@ class LLMEngine:
         return outputs
 
     def _observe(self, plan: SchedulerOutput, result: RunnerOutput, start: float,
-                 end: float) -> None:
-        """Trace and statistics (NOTE: a fault there, e.g. a trace listener's, harms no
-        request)."""
+                 end: float) -> IterationEvent | None:
+        """Trace and statistics; the iteration's event (NOTE: a fault there harms no
+        request; then there is no event)."""
         try:
-            self.trace.record(plan, start, end)
+            record = self.trace.record(plan, start, end)
             self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
         except Exception:
             logger.exception("recording iteration %d failed", plan.iteration)
+            return None
+        finished, self._finished = tuple(self._finished), []
+        return IterationEvent(record, finished)
+
+    def _publish(self, event: IterationEvent | None) -> None:
+        """Hand the event to every subscriber (NOTE: one's fault harms nothing else)."""
+        if event is None:
+            return
+        for callback in list(self._subscribers):
+            try:
+                callback(event)
+            except Exception:
+                faults = self._subscriber_faults.get(callback, 0) + 1
+                self._subscriber_faults[callback] = faults
+                log = logger.exception if faults == 1 else logger.debug
+                log("subscriber %r failed (%d times)", callback, faults)
 
     def _emit(self, seq: _Sequence) -> RequestOutput:
         """`_process`, or, if that raises, an error result for this completion only."""
@@ -399,6 +487,7 @@ class LLMEngine:
         self.trace.request_finished(request.request_id, self.scheduler.iteration - 1,
                                     request.finish_reason or "", len(request.output_token_ids))
         self.stats.on_finish(request)
+        self._finished.append(_finished_completion(request))
 
     def _drop(self, seq: _Sequence) -> None:
         """Remove a finished completion (and its request once all completions finished)."""
@@ -457,6 +546,17 @@ class EngineStats:
     def on_finish(self, request: Request) -> None:
         reason = request.finish_reason or "unknown"
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+
+
+def _finished_completion(request: Request) -> FinishedCompletion:
+    metrics = None
+    with suppress(Exception):
+        metrics = RequestMetrics.of(request)
+    return FinishedCompletion(
+        request_id=request.request_id, finish_reason=request.finish_reason or "unknown",
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(request.output_token_ids),
+        num_cached_tokens=request.num_cached_tokens, metrics=metrics)
 
 
 def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:

@@ -1,27 +1,25 @@
 """Prometheus metrics of one engine, named like vLLM's (`slotserve:` for `vllm:`).
 
-- Gauges and engine-wide counters are read from the live engine at scrape time (a custom
-  collector), so they are never stale and cost nothing per iteration.
-- Latency histograms are observed when a completion finishes, from its RequestMetrics,
-  in the engine thread (`AsyncEngine.add_step_listener`); prometheus_client metrics are thread-safe.
+- Gauges and engine-wide counters come from the engine's `snapshot()` at scrape time (a
+  custom collector), so they are never stale and cost nothing per iteration; among them
+  the prefix cache's `prefix_cache_queries_total` / `prefix_cache_hits_total` (tokens, as
+  vLLM counts them) and `prefix_cache_hit_rate`.
+- Latency histograms are observed from each `IterationEvent`'s finished completions, in
+  the engine thread (`subscribe`); prometheus_client metrics are thread-safe.
 - Slot utilisation (busy slot-iterations / (slots x iterations), as in the seed) covers the
-  iterations of the last `window_s` seconds, fed by the trace's per-iteration listener.
+  iterations of the last `window_s` seconds (a `SlotWindow` fed by the same events).
 
 Each ServerMetrics has its own CollectorRegistry, so a process can hold several apps.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import deque
-
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from slotserve.engine.outputs import CompletionOutput, RequestOutput
-from slotserve.obs.trace import is_busy
+from slotserve.engine.events import FinishedCompletion, IterationEvent
+from slotserve.obs.windows import SlotWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "slotserve:"
@@ -34,19 +32,21 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# Finish reasons whose latencies are observed (aborted / failed ones would skew them).
-OBSERVED_REASONS = ("stop", "length")
-
 
 class ServerMetrics:
-    """The metrics of one served engine. `attach(async_engine)` starts feeding them."""
+    """The metrics of one served engine. `attach()` starts feeding them.
+
+    engine: what publishes the engine's read side, `snapshot()` and `subscribe()` (an
+    AsyncEngine or an LLMEngine).
+    """
 
     def __init__(self, engine, window_s: float = 10.0) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
-        self.slots = SlotWindow(engine.scheduler.config.max_num_seqs, window_s)
+        self.slots = SlotWindow(engine.snapshot().num_slots, window_s)
         self._histograms(self.registry)
         self.registry.register(EngineCollector(engine, self.slots))
+        self._attached = False
 
     def _histograms(self, registry: CollectorRegistry) -> None:
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
@@ -61,21 +61,25 @@ class ServerMetrics:
         self.queue_time = hist("request_queue_time_seconds",
                                "Arrival to first scheduled iteration.", REQUEST_BUCKETS)
 
-    def attach(self, async_engine) -> None:
-        """Observe finished completions after every step and follow the trace for slot
-        utilisation."""
-        async_engine.add_step_listener(self.observe_outputs)
-        self.engine.trace.add_listener(self.slots.on_iteration)
+    def attach(self) -> None:
+        """Follow the engine's iterations (latencies and slot utilisation)."""
+        if not self._attached:
+            self.engine.subscribe(self.on_iteration)
+            self._attached = True
 
-    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Observe the latencies of the completions that finished (any thread)."""
-        for out in outputs:
-            for completion in out.outputs:
-                if completion.finish_reason in OBSERVED_REASONS:
-                    self.observe_finished(completion)
+    def close(self) -> None:
+        if self._attached:
+            self.engine.unsubscribe(self.on_iteration)
+            self._attached = False
 
-    def observe_finished(self, completion: CompletionOutput) -> None:
-        m = completion.metrics
+    def on_iteration(self, event: IterationEvent) -> None:
+        """Subscriber (engine thread): the slots' work and the finished latencies."""
+        self.slots.on_iteration(event.record)
+        for finished in event.observed():
+            self.observe_finished(finished)
+
+    def observe_finished(self, finished: FinishedCompletion) -> None:
+        m = finished.metrics
         if m is None:
             return
         for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e),
@@ -90,83 +94,52 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class SlotWindow:
-    """Busy slots of the iterations of the last `window_s` seconds.
-
-    NOTE: `on_iteration` runs in the engine thread and `utilisation` in the server's; the
-    lock guards the deque between them.
-    """
-
-    def __init__(self, num_slots: int, window_s: float, maxlen: int = 100_000) -> None:
-        self.num_slots = num_slots
-        self.window_s = window_s
-        self._busy: deque[tuple[float, int]] = deque(maxlen=maxlen)  # (time, busy slots)
-        self._lock = threading.Lock()
-
-    def on_iteration(self, record: dict) -> None:
-        """Trace listener: one iteration record (see slotserve.obs.trace).
-
-        NOTE: busy as in the seed and the simulator: the slot processed tokens (prefill or
-        decode); a stalled slot is held but idle.
-        """
-        self.add(sum(is_busy(slot) for slot in record["slots"]))
-
-    def add(self, busy: int, now: float | None = None) -> None:
-        with self._lock:
-            self._busy.append((time.monotonic() if now is None else now, busy))
-
-    def utilisation(self, now: float | None = None) -> float:
-        """Busy slot-iterations / (slots x iterations) in the window; 0 when idle."""
-        horizon = (time.monotonic() if now is None else now) - self.window_s
-        with self._lock:
-            while self._busy and self._busy[0][0] < horizon:
-                self._busy.popleft()
-            busy = [b for _, b in self._busy]
-        if not busy:
-            return 0.0
-        return sum(busy) / (self.num_slots * len(busy))
-
-
 class EngineCollector(Collector):
-    """Gauges and counters read from the live engine at each scrape.
-
-    NOTE: read from the server thread while the engine thread runs: each value is one
-    attribute or len() read, so a scrape may mix two iterations but never sees a torn value.
-    """
+    """Gauges and counters from one engine snapshot per scrape (so they agree)."""
 
     def __init__(self, engine, slots: SlotWindow) -> None:
         self.engine = engine
         self.slots = slots
 
     def collect(self):
-        yield from self._gauges()
-        yield from self._counters()
+        snap = self.engine.snapshot()
+        yield from self._gauges(snap)
+        yield from self._counters(snap)
 
-    def _gauges(self):
-        sched, kv = self.engine.scheduler, self.engine.kv
+    def _gauges(self, snap):
         values = (
-            ("num_requests_running", "Requests in the running batch.", sched.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", kv.usage),
-            ("kv_blocks_free", "Free KV blocks.", kv.num_free_blocks),
-            ("kv_blocks_total", "KV blocks in the pool.", kv.num_blocks),
+            ("num_requests_running", "Requests in the running batch.", snap.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", snap.kv_usage),
+            ("kv_blocks_free", "Free KV blocks.", snap.kv_blocks_free),
+            ("kv_blocks_total", "KV blocks in the pool.", snap.kv_blocks_total),
+            ("kv_blocks_cached_free", "Free KV blocks that still hold cached prefixes.",
+             snap.kv_blocks_cached_free),
+            ("kv_blocks_shared", "KV blocks held by more than one request.",
+             snap.kv_blocks_shared),
+            ("prefix_cache_hit_rate", "Prefix-cache hits / queries in tokens, since start.",
+             snap.prefix_cache_hit_rate),
             ("slot_utilisation", "Busy slots / max_num_seqs over the recent iterations.",
              self.slots.utilisation()),
         )
         for name, doc, value in values:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
 
-    def _counters(self):
-        stats = self.engine.stats
-        yield CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions so far.",
-                                  value=self.engine.scheduler.num_preemptions)
-        yield CounterMetricFamily(PREFIX + "prompt_tokens", "Prompt tokens admitted.",
-                                  value=stats.prompt_tokens)
-        yield CounterMetricFamily(PREFIX + "generation_tokens", "Tokens generated.",
-                                  value=stats.generation_tokens)
+    def _counters(self, snap):
+        counters = (
+            ("num_preemptions", "Preemptions so far.", snap.num_preemptions),
+            ("prompt_tokens", "Prompt tokens admitted.", snap.prompt_tokens),
+            ("generation_tokens", "Tokens generated.", snap.generation_tokens),
+            ("prefix_cache_queries", "Prefix-cache queries, in tokens (a request's length "
+             "at each admission).", snap.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix-cache hits, in tokens (found cached, not computed).",
+             snap.prefix_cache_hits),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
         success = CounterMetricFamily(PREFIX + "request_success",
                                       "Finished completions, by finish reason.",
                                       labels=["finished_reason"])
-        for reason, count in sorted(dict(stats.finished_by_reason).items()):
+        for reason, count in snap.finished_by_reason:
             success.add_metric([reason], count)
         yield success

@@ -1,99 +1,12 @@
-"""Per-iteration trace of the real engine, in the same format the simulator writes.
+"""Helpers over the trace format (version 1, described in `slotserve.lab.simulate`).
 
-A bounded ring buffer: cheap enough to leave on. `export()` returns the JSON-able dict
-described in slotserve.lab (version 1): requests, and per iteration which request held
-which slot, what it did (prefill / decode / stalled) and how many tokens it processed.
+The engine records its own trace (`slotserve.engine.trace`, for `--trace` export and
+/debug/trace); the layers above it receive each iteration's record in an `IterationEvent`.
 """
 
 from __future__ import annotations
-
-import json
-import threading
-from collections import OrderedDict, deque
-from pathlib import Path
-
-from slotserve.core.outputs import SchedulerOutput
 
 
 def is_busy(cell: dict | None) -> bool:
     """A slot-iteration doing work: occupied and not stalled (the seed's utilisation)."""
     return cell is not None and cell["kind"] != "stalled"
-
-
-class TraceRecorder:
-    def __init__(self, num_slots: int, policy: str, kv_blocks_total: int,
-                 capacity: int = 4096) -> None:
-        self.num_slots = num_slots
-        self.policy = policy
-        self.kv_blocks_total = kv_blocks_total
-        self.capacity = capacity
-        self.iterations: deque[dict] = deque(maxlen=capacity)
-        self.requests: OrderedDict[str, dict] = OrderedDict()
-        self._lock = threading.Lock()
-        self._listeners: list = []
-        self.t0: float | None = None
-
-    def add_listener(self, callback) -> None:
-        """callback(iteration_record) after each recorded iteration (live dashboards)."""
-        self._listeners.append(callback)
-
-    def remove_listener(self, callback) -> None:
-        if callback in self._listeners:
-            self._listeners.remove(callback)
-
-    def _rel(self, t: float) -> float:
-        if self.t0 is None:
-            self.t0 = t
-        return round(t - self.t0, 6)
-
-    def request_arrived(self, request_id: str, arrival: float, iteration: int,
-                        prompt_tokens: int) -> None:
-        with self._lock:
-            self.requests[request_id] = {
-                "id": request_id, "arrival": self._rel(arrival), "arrival_iteration": iteration,
-                "prompt_tokens": prompt_tokens, "output_tokens": 0, "first_iteration": None,
-                "finish_iteration": None, "finish_reason": None}
-            while len(self.requests) > self.capacity:
-                self.requests.popitem(last=False)
-
-    def request_finished(self, request_id: str, iteration: int, reason: str,
-                         output_tokens: int) -> None:
-        with self._lock:
-            record = self.requests.get(request_id)
-            if record is not None:
-                record.update(finish_iteration=iteration, finish_reason=reason,
-                              output_tokens=output_tokens)
-
-    def record(self, plan: SchedulerOutput, start: float, end: float) -> dict:
-        """Store one iteration; returns its record."""
-        slots = [None if s is None else
-                 {"request": s.request_id, "kind": s.kind, "tokens": s.tokens}
-                 for s in plan.slots]
-        record = {"index": plan.iteration, "start": self._rel(start), "end": self._rel(end),
-                  "slots": slots, "num_waiting": plan.num_waiting,
-                  "kv_blocks_used": plan.kv_blocks_used, "preempted": list(plan.preempted)}
-        with self._lock:
-            self.iterations.append(record)
-            for seq in plan.seqs:
-                req = self.requests.get(seq.request_id)
-                if req is not None and req["first_iteration"] is None:
-                    req["first_iteration"] = plan.iteration
-        for callback in list(self._listeners):
-            callback(record)
-        return record
-
-    def export(self) -> dict:
-        with self._lock:
-            return {"version": 1, "source": "engine", "policy": self.policy,
-                    "num_slots": self.num_slots, "kv_blocks_total": self.kv_blocks_total,
-                    "requests": [dict(r) for r in self.requests.values()],
-                    "iterations": list(self.iterations)}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.export()))
-
-    def clear(self) -> None:
-        with self._lock:
-            self.iterations.clear()
-            self.requests.clear()
-            self.t0 = None

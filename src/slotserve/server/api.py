@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams),
 GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/trace
-(the engine's iteration trace).
+(the engine's iteration trace), POST /reset_prefix_cache (admin: drop the cached free KV
+blocks). The server reads the engine only through its read side (`snapshot()`,
+`subscribe()`, `export_trace()`, see engine/events.py).
 
 Every error answers with OpenAI's body {"error": {message, type, param, code}}:
 400 bad input (FastAPI's 422 included; max_tokens above the cap, too many or too long stop
@@ -81,6 +83,8 @@ NORMALIZATION_SLACK = 4
 # The error statuses the spec (/openapi.json) documents, each with OpenAI's error body.
 ERROR_RESPONSE = {"model": p.ErrorResponse, "description": "OpenAI's error body"}
 GENERATION_ERRORS = {status: ERROR_RESPONSE for status in (400, 404, 413, 429, 500, 503)}
+# How long POST /reset_prefix_cache waits for the engine thread (one iteration at most).
+RESET_TIMEOUT_S = 60
 # Client-chosen request ids (X-Request-Id): what is safe in a log line and a header.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -132,8 +136,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
     access: default AccessPolicy() (no keys: everything open).
     """
     if metrics is None:
-        metrics = ServerMetrics(async_engine.engine)
-        metrics.attach(async_engine)
+        metrics = ServerMetrics(async_engine)
+        metrics.attach()
     limits = limits or ServerLimits()
 
     @asynccontextmanager
@@ -191,7 +195,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/debug/trace")
     async def trace() -> dict:
-        return server().engine.engine.trace.export()
+        return server().engine.export_trace()
+
+    @app.post("/reset_prefix_cache", responses={503: ERROR_RESPONSE})
+    async def reset_prefix_cache() -> dict:
+        return await server().reset_prefix_cache()
 
 
 # --------------------------------------------------------------------------- errors
@@ -429,12 +437,12 @@ class Server:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_prompt_tokens(self) -> int:
         """A prompt must leave room for one output token."""
-        return self.engine.engine.scheduler.max_total_tokens - 1
+        return self.engine.max_total_tokens - 1
 
     def _max_prompt_bytes(self) -> int | None:
         """The most UTF-8 bytes a prompt of max_prompt_tokens tokens can span (None: no
@@ -446,13 +454,25 @@ class Server:
         return self.max_prompt_tokens * self.tokenizer.max_token_bytes * NORMALIZATION_SLACK
 
     def models(self) -> p.ModelList:
-        limit = self.engine.engine.scheduler.max_total_tokens
+        limit = self.engine.max_total_tokens
         return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=limit)])
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
             raise APIError(f"The model `{name}` does not exist. This server serves "
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
+
+    async def reset_prefix_cache(self) -> dict:
+        """Ask the engine thread to drop the cached free blocks (at the next iteration
+        boundary); running requests keep theirs. 503 if the engine does not answer."""
+        try:
+            dropped = await asyncio.wait_for(self.engine.reset_prefix_cache(),
+                                             RESET_TIMEOUT_S)
+        except (EngineClosedError, asyncio.TimeoutError) as exc:
+            raise APIError(f"the prefix cache was not reset: {exc or 'no answer'}", 503,
+                           "service_unavailable") from exc
+        logger.info("prefix cache reset: %d cached free blocks dropped", dropped)
+        return {"status": "ok", "blocks_dropped": dropped}
 
     # ---------------------------------------------------------------- shutdown
     def begin_drain(self) -> None:
@@ -476,10 +496,12 @@ class Server:
 
     # ---------------------------------------------------------------- endpoints
     def _generation(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt_param: str, request: Request) -> _Generation:
+                    prompt_param: str, request: Request,
+                    cache_salt: str | None = None) -> _Generation:
         generation = _Generation(self, p.new_id(prefix), prompt_ids, params, prompt_param,
                                  tenant=tenant_of(request),
-                                 client_id=client_request_id(request.scope))
+                                 client_id=client_request_id(request.scope),
+                                 cache_salt=cache_salt)
         self._generations.add(generation)
         return generation
 
@@ -492,7 +514,7 @@ class Server:
     async def completions(self, body: p.CompletionRequest, request: Request):
         params = self._sampling_params(body)
         ids = await self._prompt_ids(body.engine_prompt())
-        stream = self._generation("cmpl", ids, params, "prompt", request)
+        stream = self._generation("cmpl", ids, params, "prompt", request, body.cache_salt)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._completion_chunks(stream, first, body), stream)
@@ -502,7 +524,8 @@ class Server:
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         params = self._sampling_params(body)
         ids = await self._chat_ids(body)
-        stream = self._generation("chatcmpl", ids, params, "messages", request)
+        stream = self._generation("chatcmpl", ids, params, "messages", request,
+                                  body.cache_salt)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._chat_chunks(stream, first, body), stream)
@@ -518,7 +541,7 @@ class Server:
             return prompt
         self._check_text_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
         try:
-            _, ids = await self._off_loop(self.engine.engine.tokenize, prompt)
+            _, ids = await self._off_loop(self.engine.tokenize, prompt)
         except ValueError as exc:
             raise p.invalid_request(str(exc)) from exc
         self._check_token_count(len(ids), "prompt")
@@ -680,18 +703,20 @@ class _Generation:
 
     request_id: the server's own (the engine's id). tenant: whose request it is (from the
     API key; "default" without keys). client_id: the client's X-Request-Id (logged only).
+    cache_salt: the request's, for the engine's prefix cache.
     """
 
     def __init__(self, server: Server, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, prompt_param: str, tenant: str = "default",
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, cache_salt: str | None = None) -> None:
         self.server = server
         self.request_id = request_id
         self.params = params
         self.prompt_param = prompt_param
         self.tenant = tenant
         self.client_id = client_id
-        self.outputs = server.engine.generate(request_id, prompt_ids, params)
+        self.outputs = server.engine.generate(request_id, prompt_ids, params,
+                                              cache_salt=cache_salt)
         self.prompt_tokens = 0
         self.started = False  # the first output came
         self.finals: list[CompletionOutput] = []

@@ -81,6 +81,8 @@ class _Request(BaseModel):
     presence_penalty: float | None = None  # only 0 / absent
     frequency_penalty: float | None = None  # only 0 / absent
     logit_bias: dict[str, float] | None = None  # only empty / absent
+    # extension (vLLM's): requests with different salts never share prefix-cache blocks
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:

@@ -193,5 +193,25 @@ def _svg_gantt(grid: Grid, colors: np.ndarray, gantt_rows: tuple, geo: _Geometry
         f'<text class="rowlabel" x="{_LEFT - 6}" y="{r * rh + rh / 2 + 1}">'
         f"{html.escape(grid.ids[n][:10])}</text>" for r, n in enumerate(number_of_row)
     ]
+    skipped = _svg_skipped_prefill(grid, number_of_row, geo)
     return (f'<svg class="gantt" width="{geo.width}" height="{height}">'
-            + "".join(labels) + "".join(spans) + "</svg>")
+            + "".join(labels) + "".join(spans) + "".join(skipped) + "</svg>")
+
+
+def _svg_skipped_prefill(grid: Grid, number_of_row: list[int], geo: _Geometry) -> list[str]:
+    """A dark bar at the start of each request whose prefill the prefix cache partly
+    skipped (its first iteration, when in the window), titled with the tokens skipped."""
+    records = grid.trace["requests"]
+    marks = []
+    for r, number in enumerate(number_of_row):
+        record = records[number] if number < len(records) else {}
+        cached, first = record.get("cached_tokens") or 0, record.get("first_iteration")
+        col = int(np.searchsorted(grid.index, first)) if first is not None else -1
+        if not cached or not 0 <= col < grid.num_columns or grid.index[col] != first:
+            continue
+        marks.append(
+            f'<rect class="cached" x="{_LEFT + col * geo.cell_width}" y="{r * geo.row_height + 1}"'
+            f' width="2" height="{geo.row_height - 1}" fill="#101828" data-cached-tokens='
+            f'"{cached}"><title>{cached} of {record.get("prompt_tokens")} prompt tokens from '
+            "the prefix cache: their prefill was skipped</title></rect>")
+    return marks

@@ -20,7 +20,20 @@ def describe(grid: Grid) -> str:
     if trace.get("source") == "engine" and trace["iterations"]:
         seconds = trace["iterations"][-1]["end"] - trace["iterations"][0]["start"]
         parts.append(f"{seconds:.2f} s")
+    requests, cached, prompt = cached_prefill(trace)
+    if cached:
+        parts.append(f"prefill skipped: {cached}/{prompt} prompt tokens from the prefix cache "
+                     f"({requests} requests)")
     return " · ".join(parts)
+
+
+def cached_prefill(trace: dict) -> tuple[int, int, int]:
+    """(requests whose prefill was partly skipped, tokens skipped, prompt tokens) over the
+    trace's requests (`cached_tokens`: engine traces with prefix caching; 0 otherwise)."""
+    records = trace.get("requests", [])
+    cached = [r.get("cached_tokens") or 0 for r in records]
+    prompt = sum(r.get("prompt_tokens") or 0 for r in records)
+    return sum(1 for c in cached if c), sum(cached), prompt
 
 
 def title(trace: dict) -> str:

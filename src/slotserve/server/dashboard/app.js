@@ -23,6 +23,8 @@ const STALLED = "#3d4350";
 const PREEMPT = "#d92d20";
 const UTIL = "#475467";
 const GHOST = "#f3f4f6";
+const CACHED_FREE = "#b7dfc5"; // a free block that still holds a cached prefix (hittable)
+const SHARED_MARK = "#101828"; // the dot on a block held by more than one request
 
 const $ = (selector, root = document) => root.querySelector(selector);
 
@@ -494,7 +496,13 @@ function showStats(s) {
   set("#stat-kv-used", s.kv_blocks_used);
   set("#stat-kv-free", s.kv_blocks_free);
   const total = s.kv_blocks_used + s.kv_blocks_free;
-  $("#stat-kv-pct").textContent = total ? `${pct(s.kv_blocks_free / total)} of the pool` : "";
+  $("#stat-kv-pct").textContent = total
+    ? `${pct(s.kv_blocks_free / total)} of the pool · ${s.kv_blocks_cached_free ?? 0} cached` : "";
+  const queries = s.prefix_cache_queries ?? 0;
+  set("#stat-prefix-hit", (s.prefix_cache_hit_rate ?? 0).toFixed(4),
+      queries ? pct(s.prefix_cache_hit_rate) : "—");
+  $("#stat-prefix-detail").textContent =
+    `${s.prefix_cache_hits ?? 0} of ${queries} tokens · ${s.kv_blocks_shared ?? 0} shared blocks`;
   for (const spark of SPARKS) {
     for (const node of document.querySelectorAll(`${spark.id} [data-key]`)) {
       node.textContent = spark.format(s[node.dataset.key]);
@@ -507,7 +515,8 @@ function showStats(s) {
 
 // ------------------------------------------------------------------------ block map
 /** One square per KV block (or per group of blocks when the pool is huge), colored by
- * the request holding it. */
+ * the request holding it; a dark dot marks a block shared by several requests, pale green a
+ * free block that still holds a cached prefix. */
 function drawBlockMap(s) {
   const canvas = $("#block-map");
   const total = live.config.kv_blocks_total;
@@ -518,16 +527,38 @@ function drawBlockMap(s) {
   const perRow = Math.max(1, Math.floor(width / size));
   const { ctx } = sizeCanvas(canvas, Math.ceil(squares / perRow) * size);
   const owners = blockOwners(s, total);
+  const shared = blockFlags(s.blocks && s.blocks.shared, total);
+  const cached = blockFlags(s.blocks && s.blocks.cached_free, total);
   const gap = size >= 6 ? 1 : 0;
+  const dot = Math.max(1, Math.floor((size - gap) / 3));
   for (let q = 0; q < squares; q++) {
-    ctx.fillStyle = squareColor(owners, q * group, Math.min(total, (q + 1) * group));
-    ctx.fillRect((q % perRow) * size, Math.floor(q / perRow) * size, size - gap, size - gap);
+    const from = q * group, to = Math.min(total, (q + 1) * group);
+    const x = (q % perRow) * size, y = Math.floor(q / perRow) * size;
+    ctx.fillStyle = squareColor(owners, cached, from, to);
+    ctx.fillRect(x, y, size - gap, size - gap);
+    if (anyFlag(shared, from, to)) {
+      ctx.fillStyle = SHARED_MARK;
+      ctx.fillRect(x + dot, y + dot, size - gap - 2 * dot, size - gap - 2 * dot);
+    }
   }
   canvas.dataset.used = String(s.kv_blocks_used);
   canvas.dataset.total = String(total);
+  canvas.dataset.shared = String(s.kv_blocks_shared ?? 0);
+  canvas.dataset.cachedFree = String(s.kv_blocks_cached_free ?? 0);
   $("#block-hint").textContent = (group > 1 ? `Each square is ${group} KV blocks` : "Each square is one KV block") +
-    ` of ${live.config.block_size} tokens, colored by the request holding it; grey is free.`;
+    ` of ${live.config.block_size} tokens, colored by the request holding it; a dark centre: ` +
+    "shared by several requests (a cached prefix); pale green: free but still cached (a later " +
+    "request with that prefix reuses it); grey is free.";
 }
+
+/** A flag per block from (first, count) runs (none when the map is truncated). */
+function blockFlags(runs, total) {
+  const flags = new Uint8Array(total);
+  for (const [first, count] of runs || []) flags.fill(1, Math.min(total, first), Math.min(total, first + count));
+  return flags;
+}
+
+const anyFlag = (flags, from, to) => flags.subarray(from, to).some((f) => f === 1);
 
 /** Owner request id of each block (null: free). Without a block map, the used count. */
 function blockOwners(s, total) {
@@ -543,12 +574,12 @@ function blockOwners(s, total) {
   return owners;
 }
 
-function squareColor(owners, from, to) {
+function squareColor(owners, cached, from, to) {
   for (let b = from; b < to; b++) {
     const owner = owners[b];
     if (owner !== null) return owner === "" ? UTIL : live.colors.get(owner);
   }
-  return IDLE;
+  return anyFlag(cached, from, to) ? CACHED_FREE : IDLE;
 }
 
 // ------------------------------------------------------------------------ sparklines

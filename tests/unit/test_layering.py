@@ -1,0 +1,180 @@
+"""The layers, checked on the import graph (ast over src/slotserve; no module is imported).
+
+- core/ imports no torch, directly or through the modules it imports, and nothing above it;
+- obs/ and server/ read the engine only through its read side: of engine/ they import the
+  boundary modules (events, outputs) and the AsyncEngine front, and they never touch the
+  engine's parts (`.scheduler`, `.kv`, `.runner`, `.trace`, `.stats`, `x.engine.engine`);
+- nothing imports cli.py.
+
+ALLOWED_* below list the known violations by file, each with the work that removes it; a
+new violation fails, and so does an allowlisted one that is gone (so the list shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "slotserve"
+
+ABOVE_CORE = ("engine", "server", "obs", "lab", "runner", "model", "loader", "attention",
+              "cli")
+# What obs/ and server/ may import from engine/.
+ENGINE_READ_SIDE = {"slotserve.engine.events", "slotserve.engine.outputs"}
+ENGINE_FRONT = {"slotserve.engine.async_engine"}  # server/ only: the AsyncEngine it serves
+ENGINE_PARTS = {"scheduler", "scheduler_config", "kv", "runner", "trace", "stats"}
+
+# NOTE: server/commands.py belongs to the CLI work of issue 15.2 (another change); it still
+# builds and inspects the engine itself. Remove these entries when it reads the snapshot.
+ALLOWED_ENGINE_IMPORTS = {
+    "slotserve/server/commands.py": {"slotserve.engine.llm", "slotserve.engine.llm_engine"},
+}
+ALLOWED_PART_ACCESS = {
+    "slotserve/server/commands.py": {"kv", "runner", "scheduler", "trace", "engine.engine"},
+}
+# NOTE: issue 15.2 (a commands/ package with plain imports) removes these two.
+ALLOWED_CLI_IMPORTERS = {"slotserve/server/commands.py", "slotserve/lab/bench/cli.py"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(tree: ast.AST, module: str) -> set[str]:
+    """Every module an import statement names (function-level ones too); `from a import b`
+    names both a and a.b (b may be a module)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".")[: -node.level]
+                base = ".".join([*package, base] if base else package)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def load_graph() -> dict[str, tuple[str, ast.AST, set[str]]]:
+    """module -> (file relative to src, its ast, the modules it imports)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        module = module_name(path)
+        graph[module] = (str(path.relative_to(SRC)), tree, imports_of(tree, module))
+    return graph
+
+
+GRAPH = load_graph()
+
+
+def modules_under(package: str) -> list[str]:
+    return [m for m in GRAPH if m == package or m.startswith(package + ".")]
+
+
+def internal(names: set[str]) -> set[str]:
+    return {n for n in names if n in GRAPH}
+
+
+def transitive(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        todo.extend(internal(GRAPH[current][2]))
+    return seen
+
+
+def test_the_graph_is_read():
+    assert len(GRAPH) > 40 and "slotserve.core.scheduler" in GRAPH
+    assert "slotserve.engine.events" in GRAPH["slotserve.obs.metrics"][2]
+
+
+@pytest.mark.parametrize("module", modules_under("slotserve.core"))
+def test_core_imports_no_torch_and_nothing_above_it(module):
+    reach = transitive(module)
+    torch_users = [m for m in reach
+                   if any(n == "torch" or n.startswith("torch.") for n in GRAPH[m][2])]
+    assert not torch_users, f"{module} reaches torch through {torch_users}"
+    above = {m for m in reach if m.split(".")[1] in ABOVE_CORE}
+    assert not above, f"{module} imports from above core/: {sorted(above)}"
+
+
+def engine_imports(module: str) -> set[str]:
+    return {n for n in internal(GRAPH[module][2]) if n.startswith("slotserve.engine")}
+
+
+@pytest.mark.parametrize("module", modules_under("slotserve.obs") + modules_under(
+    "slotserve.server"))
+def test_obs_and_server_import_only_the_engines_read_side(module):
+    path = GRAPH[module][0]
+    allowed = ENGINE_READ_SIDE | (ENGINE_FRONT if module.startswith("slotserve.server") else set())
+    extra = engine_imports(module) - allowed - {"slotserve.engine"}
+    known = ALLOWED_ENGINE_IMPORTS.get(path, set())
+    assert extra == known, f"{path} imports {sorted(extra)} from engine/ (allowed: {known})"
+
+
+def part_accesses(tree: ast.AST) -> set[str]:
+    """The engine parts a module touches: `<engine>.scheduler`, `<engine>.kv`, ... and
+    `<engine>.engine` (an AsyncEngine's LLMEngine), where <engine> is a name or attribute
+    ending in "engine" (`engine`, `async_engine`, `self.engine`, `server().engine`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        inner = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", "")
+        if not inner.endswith("engine"):
+            continue
+        if node.attr in ENGINE_PARTS:
+            found.add(node.attr)
+        elif node.attr == "engine":
+            found.add("engine.engine")
+    return found
+
+
+@pytest.mark.parametrize("module", modules_under("slotserve.obs") + modules_under(
+    "slotserve.server"))
+def test_obs_and_server_never_touch_the_engines_parts(module):
+    path, tree, _ = GRAPH[module]
+    touched = part_accesses(tree)
+    known = ALLOWED_PART_ACCESS.get(path, set())
+    assert touched == known, f"{path} reaches into the engine: {sorted(touched - known)}"
+
+
+def test_the_engine_does_not_import_the_layers_above_it():
+    for module in modules_under("slotserve.engine"):
+        above = {n for n in internal(GRAPH[module][2])
+                 if n.split(".")[1] in ("obs", "server", "lab", "cli")}
+        assert not above, f"{module} imports {sorted(above)}"
+
+
+def test_the_read_side_modules_import_no_engine_internals():
+    for module in ENGINE_READ_SIDE:
+        reach = transitive(module)
+        inside = {m for m in reach if m.split(".")[1] in ("core", "runner", "model", "loader")
+                  or (m.startswith("slotserve.engine") and m not in ENGINE_READ_SIDE)}
+        assert not inside, f"{module} reaches {sorted(inside)}"
+
+
+def test_nothing_imports_cli():
+    importers = {path for module, (path, _, names) in GRAPH.items()
+                 if "slotserve.cli" in names and module != "slotserve.cli"}
+    assert importers == ALLOWED_CLI_IMPORTERS
+
+
+def test_the_checks_catch_a_violation():
+    """The detectors themselves: a made-up module that breaks each rule."""
+    tree = ast.parse("import torch\nfrom slotserve.engine import llm_engine\n"
+                     "def f(server, engine, feed):\n    feed.stats()\n"
+                     "    return server.engine.engine.scheduler.kv, engine.trace\n")
+    assert {"torch", "slotserve.engine.llm_engine"} <= imports_of(tree, "slotserve.obs.x")
+    assert part_accesses(tree) == {"engine.engine", "scheduler", "trace"}
