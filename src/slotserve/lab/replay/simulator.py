@@ -24,7 +24,7 @@ from slotserve.core.kv_manager import KVCacheManager, cdiv
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
-from slotserve.obs.trace import TraceRecorder
+from slotserve.engine.trace import TraceRecorder
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 
