@@ -103,7 +103,10 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, V), only where sampling
-        tokens, logprobs = self.sampler(logits, sampling, allowed)
+        if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
+            tokens, logprobs = self.sampler(logits, sampling)
+        else:
+            tokens, logprobs = self.sampler(logits, sampling, allowed)
         ids = [s.request_id for s in sampling]
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
