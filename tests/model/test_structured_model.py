@@ -115,3 +115,24 @@ def test_preemption_gives_the_same_constrained_output(smollm2_llm):
     for out in outs:
         assert_person(out.outputs[0].text)
     small.engine.check_integrity()
+
+
+def test_a_matcher_in_error_fails_only_its_request(smollm2_llm):
+    engine = smollm2_llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0,
+                            structured_outputs=StructuredOutputs(choice=CHOICES))
+    engine.add_request("broken", "Pick a colour.", params)
+    engine.add_request("healthy", "Pick a colour.", params)
+
+    def broken_check():
+        raise ValueError("structured output failed: injected")
+
+    engine._sequences["broken"].grammar.check = broken_check
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finals[out.request_id] = out
+    assert finals["broken"].outputs[0].finish_reason == "error"
+    assert "injected" in finals["broken"].error
+    assert finals["healthy"].outputs[0].text in CHOICES
+    engine.check_integrity()

@@ -218,3 +218,17 @@ def test_masked_tokens_are_never_chosen_and_free_rows_are_untouched():
 def test_mask_shape_must_match():
     with pytest.raises(ValueError, match="mask of shape"):
         mask_disallowed(torch.zeros(2, 10), [0], torch.ones(1, 9, dtype=torch.bool))
+
+
+def test_engine_without_tokenizer_refuses_structured_requests(tiny_llama):
+    from tests.conftest import tiny_engine
+
+    engine = tiny_engine(tiny_llama, num_blocks=16)
+    params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(regex="a+"))
+    with pytest.raises(ValueError, match="structured_outputs: this model has no tokenizer"):
+        engine.add_request("r", [5, 6, 7], params)
+    assert not engine.has_request("r")
+    engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
