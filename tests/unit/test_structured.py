@@ -232,3 +232,20 @@ def test_engine_without_tokenizer_refuses_structured_requests(tiny_llama):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+def test_openai_response_format():
+    from slotserve.structured.params import from_response_format
+
+    assert from_response_format(None) is None
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}) == StructuredOutputs(json_object=True)
+    wrapped = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA,
+                                                      "strict": True}}
+    assert from_response_format(wrapped) == StructuredOutputs(json=SCHEMA)
+    with pytest.raises(ValueError, match="response_format.type"):
+        from_response_format({"type": "xml"})
+    with pytest.raises(ValueError, match="response_format.json_schema must"):
+        from_response_format({"type": "json_schema", "json_schema": {"name": "p"}})
+    with pytest.raises(ValueError, match="response_format.json_schema.schema must"):
+        from_response_format({"type": "json_schema", "json_schema": {"schema": [1]}})

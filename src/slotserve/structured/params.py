@@ -109,3 +109,32 @@ def _choices(value: object) -> tuple[str, ...]:
         raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
                          f"strings, got {value!r}")
     return choices
+
+
+def from_response_format(value: object) -> StructuredOutputs | None:
+    """OpenAI's `response_format` -> StructuredOutputs (None for {"type": "text"} or None).
+
+    {"type": "json_object"} -> any JSON object; {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}} -> that schema (always enforced, strict or
+    not: the grammar allows nothing else). ValueError naming the response_format field.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"response_format must be an object, got {type(value).__name__}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise ValueError("response_format.type must be one of 'text', 'json_object', "
+                         f"'json_schema', got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ValueError("response_format.json_schema must be an object with a 'schema'")
+    try:
+        return StructuredOutputs(json=spec["schema"])
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("structured_outputs.json",
+                                          "response_format.json_schema.schema")) from None
