@@ -117,6 +117,8 @@ class ModelRunner:
 
         NOTE: the grammar engine releases the GIL, so the masks are computed while the forward
         runs; the matchers are only read here (the engine advances them after the step).
+        Measured with SmolLM2 on a loaded 2-core CPU: a step's masks took 0.27 ms (1 row) to
+        0.6 ms (8 rows) at the median, the wait for them after the forward 0.02 ms.
         """
         rows = [(m, i) for i, m in enumerate(self.grammar_of(s.request_id) for s in sampling)
                 if m is not None]

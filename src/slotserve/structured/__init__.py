@@ -6,6 +6,6 @@ each sequence's matcher. The runner masks the logits of constrained rows in the 
 sampler (see `slotserve.runner.sampler`).
 """
 
-from slotserve.structured.params import StructuredOutputs
+from slotserve.structured.params import StructuredOutputs, from_response_format
 
-__all__ = ["StructuredOutputs"]
+__all__ = ["StructuredOutputs", "from_response_format"]
