@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from slotserve.structured.params import StructuredOutputs
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by them
 # would overflow, and the distribution they ask for is the argmax anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -31,6 +33,9 @@ class SamplingParams:
     stop_token_ids: token ids (non-negative int64s) that end generation (kept in token ids).
     logprobs: number of top log-probabilities returned at each sampled position (None: none).
     n: completions per prompt (the offline API and the server fan them out).
+    structured_outputs: a StructuredOutputs (or a dict of its fields): the output must match
+        a JSON schema, any JSON object, a regex, one of a list of strings or a grammar. Its
+        shape is checked here; the engine compiles it at add_request (ValueError if rejected).
     max_tokens: an integer in [1, 2**63 - 1] (the engine also caps by the model length).
     """
 
@@ -46,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +64,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(
             self.stop_token_ids or (), "stop_token_ids", "a list of integers"))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputs.from_dict(self.structured_outputs))
         self._validate()
 
     def _validate(self) -> None:
@@ -81,6 +90,9 @@ class SamplingParams:
                "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         _check(_is_int(self.n) and 1 <= self.n <= 128, "n",
                f"must be an integer in [1, 128], got {self.n!r}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
+               f"must be a StructuredOutputs or a dict, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:

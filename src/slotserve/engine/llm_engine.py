@@ -42,6 +42,7 @@ from slotserve.engine.trace import TraceRecorder
 from slotserve.request import Request, RequestStatus
 from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
 from slotserve.sampling import SamplingParams
+from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
 logger = logging.getLogger("slotserve.engine")
 
@@ -73,6 +74,7 @@ class _Sequence:
     stop_hit: bool = False
     hold_back: int = 0  # chars kept from streaming while they may start a stop string
     logprobs: list = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
 
 
 class LLMEngine:
@@ -95,6 +97,8 @@ class LLMEngine:
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity)
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self.runner.grammar_of = self._grammar_of
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
@@ -239,7 +243,31 @@ class LLMEngine:
 
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         hold = max((len(s) for s in params.stop), default=1) - 1
-        return _Sequence(request, parent_id, index, text, detok, hold_back=hold)
+        grammar = None
+        if params.structured_outputs is not None:  # ValueError naming the field if rejected
+            grammar = self.grammars.matcher(params.structured_outputs)
+        return _Sequence(request, parent_id, index, text, detok, hold_back=hold, grammar=grammar)
+
+    def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
+        """The grammar matcher of a running completion (None: unconstrained); the runner's."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else seq.grammar
+
+    def _advance_grammar(self, seq: _Sequence) -> None:
+        """Feed the new tokens to the completion's matcher; finish it ("stop") once its
+        grammar allows nothing more.
+
+        NOTE: the matcher counts what it consumed, so the tokens a preempted completion
+        recomputes (not re-samples) are not fed twice.
+        """
+        request = seq.request
+        seq.grammar.advance(request.output_token_ids)
+        if not seq.grammar.is_finished:
+            return
+        if not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status == RequestStatus.FINISHED_LENGTH:  # NOTE: complete on the last
+            request.status = RequestStatus.FINISHED_STOPPED     # allowed token: a "stop"
 
     @_holding_state_lock
     def abort_request(self, request_id: str) -> None:
@@ -427,7 +455,9 @@ class LLMEngine:
                              [completion], error=message)
 
     def _process(self, seq: _Sequence) -> RequestOutput:
-        """Detokenize the new tokens, check stop strings, build the output."""
+        """Advance the grammar, detokenize the new tokens, check stop strings, build the output."""
+        if seq.grammar is not None:
+            self._advance_grammar(seq)
         if seq.detokenizer is not None and not seq.stop_hit:
             self._detokenize(seq)
         return self._output(seq)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -11,7 +14,13 @@ from slotserve.core.outputs import RunnerOutput, SchedulerOutput
 from slotserve.model.cpu_ops import use_cpu_ops
 from slotserve.model.linear_kernels import swap_linear_kernels
 from slotserve.model.registry import build_model
-from slotserve.runner.sampler import Sampler
+from slotserve.runner.sampler import AllowedTokens, Sampler
+from slotserve.structured.grammar import (
+    GrammarMatcher,
+    allocate_bitmask,
+    fill_bitmasks,
+    unpack_bitmask,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +65,9 @@ class ModelRunner:
             self.linear_kernel += " (decodes: one C++ call for all layers)"
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
+        # Structured outputs: the engine points this at its sequences' grammar matchers.
+        self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
+        self._mask_worker: ThreadPoolExecutor | None = None
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """NOTE: preallocated once; blocks are only ever indexed, never reallocated.
@@ -82,16 +94,48 @@ class ModelRunner:
         # avoid, so all decodes go in one group (one call per layer).
         meta = build_metadata(seqs, self.block_size, self.device,
                               group_decodes=not self.fused_cpu_ops)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
         sampling = [s for s in seqs if s.sample]
+        masks = self._start_masks(sampling)  # NOTE: computed on a worker during the forward
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+        finally:
+            allowed = None if masks is None else masks.result()  # (raises what the worker did)
         if not sampling:
             return RunnerOutput(sampled={})
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, V), only where sampling
-        tokens, logprobs = self.sampler(logits, sampling)
+        if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
+            tokens, logprobs = self.sampler(logits, sampling)
+        else:
+            tokens, logprobs = self.sampler(logits, sampling, allowed)
         ids = [s.request_id for s in sampling]
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
             logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _start_masks(self, sampling) -> Future[AllowedTokens] | None:
+        """Start computing the allowed tokens of the constrained rows; None if there are none.
+
+        NOTE: the grammar engine releases the GIL, so the masks are computed while the forward
+        runs; the matchers are only read here (the engine advances them after the step).
+        Measured with SmolLM2 on a loaded 2-core CPU: a step's masks took 0.27 ms (1 row) to
+        0.6 ms (8 rows) at the median, the wait for them after the forward 0.02 ms.
+        """
+        rows = [(m, i) for i, m in enumerate(self.grammar_of(s.request_id) for s in sampling)
+                if m is not None]
+        if not rows:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="slotserve-masks")
+        return self._mask_worker.submit(self._compute_masks, rows)
+
+    def _compute_masks(self, rows: list[tuple[GrammarMatcher, int]]) -> AllowedTokens:
+        bitmask = allocate_bitmask(len(rows), self.config.vocab_size)
+        fill_bitmasks([(m, k) for k, (m, _) in enumerate(rows)], bitmask)
+        allowed = unpack_bitmask(bitmask, self.config.vocab_size)
+        empty = np.flatnonzero(~allowed.any(axis=1))
+        if empty.size:  # NOTE: fails the iteration; fault isolation narrows it to this row
+            raise ValueError(f"the grammar allows no next token (row {rows[empty[0]][1]})")
+        return [i for _, i in rows], torch.from_numpy(allowed)
 
     def _prepare_inputs(self, plan: SchedulerOutput):
         """Flat token ids (T,), positions (T,) and the rows whose logits are sampled."""

@@ -5,6 +5,10 @@ top-p / min-p masks, then an exponential race (argmax of p / q with q ~ Exp(1)),
 sampling from p. A seeded request draws q from its own generator, seeded by (seed, output
 index), so its tokens do not depend on the batch around it nor on preemption.
 
+Structured outputs: a constrained row comes with its grammar's allowed tokens; the others
+are set to -inf before the argmax or the race, in the same batch as unconstrained rows.
+Log-probabilities stay those of the model (unmasked), as vLLM's default.
+
 NOTE: every SamplingParams value reaches a tensor only after it is clamped to what the tensor
 holds (top_k to the vocabulary, temperature to float32's largest), and the most likely token
 of a row always survives the masks, so a row with one finite logit never samples a -inf one.
@@ -17,6 +21,7 @@ import torch
 from slotserve.core.outputs import ScheduledSeq
 from slotserve.sampling import SamplingParams
 
+AllowedTokens = tuple[list[int], torch.Tensor]  # (rows, (R, V) bool): see Sampler.__call__
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over 64 bits
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -26,15 +31,20 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
+                 allowed: AllowedTokens | None = None
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: (S, V) fp32, one row per sampling sequence, in `seqs` order."""
+        """logits: (S, V) fp32, one row per sampling sequence, in `seqs` order.
+
+        allowed: (rows, mask): mask[i] (V,) bool holds the tokens that row rows[i] may take.
+        """
         params = [s.sampling_params for s in seqs]
-        tokens = argmax_rows(logits)  # (S,)
+        masked = logits if allowed is None else mask_disallowed(logits, *allowed)
+        tokens = argmax_rows(masked)  # (S,)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
+            tokens[rows] = self._sample(masked[rows], [seqs[i] for i in random_rows])
         token_list = tokens.tolist()
         return token_list, self._logprobs(logits, params, token_list)
 
@@ -78,6 +88,22 @@ class Sampler:
             entry[tokens[row]] = float(logp[row, tokens[row]])
             result.append(entry)
         return result
+
+
+def mask_disallowed(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor
+                    ) -> torch.Tensor:
+    """A copy of logits with -inf at the tokens rows[i] may not take (allowed[i] False).
+
+    NOTE: every constrained row must allow a token (the runner checks): a row of -inf only
+    would make argmax take token 0.
+    """
+    if allowed.shape != (len(rows), logits.shape[-1]):
+        raise ValueError(f"allowed-token mask of shape {tuple(allowed.shape)} for "
+                         f"{len(rows)} rows of {logits.shape[-1]} logits")
+    out = logits.clone()
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    out[index] = out[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
