@@ -1,11 +1,69 @@
-"""Frozen configuration dataclasses: model shape, KV cache, scheduler, server."""
+"""Configuration: every engine default, the names of the engine's strings, and the flat view.
+
+- `CacheConfig`, `SchedulerConfig`, `EngineConfig`: frozen dataclasses, the one place each
+  engine default lives. Each class docstring documents its fields as `name: text` entries;
+  the CLI's engine flags take their help from them.
+- `Policy`, `SlotKind`, `FinishReason`: str-valued enums, so they compare equal to, format as
+  and JSON-encode as their plain string values ("continuous", "prefill", "stop").
+- The flat view: `engine_fields()` names every leaf setting of EngineConfig once
+  (`max_num_seqs`, `kv_cache_memory`, ...); `engine_config(**flat)` builds an EngineConfig
+  from those names, and `slotserve.engine_args` makes one CLI flag of each. A new field in
+  one of the dataclasses gets both without further code.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+import functools
+import inspect
+import re
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
-Policy = Literal["continuous", "static"]
+
+class _StrEnum(str, enum.Enum):
+    """A str-valued enum: equal to its value, and formatted / JSON-encoded as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Policy(_StrEnum):
+    """Admission rule: continuous admits every iteration, static only into an empty batch.
+
+    See core/policy.py.
+    """
+
+    CONTINUOUS = "continuous"  # admit every iteration (Orca's iteration-level scheduling)
+    STATIC = "static"  # admit only into an empty batch, which runs until all of it finishes
+
+
+class SlotKind(_StrEnum):
+    """What a slot did in one iteration (`ScheduledSeq.kind`, the trace's cell kinds)."""
+
+    PREFILL = "prefill"  # processed prompt tokens (a chunk, or all of them)
+    DECODE = "decode"  # processed its last sampled token
+    STALLED = "stalled"  # holds its slot but got no tokens this iteration
+
+
+class FinishReason(_StrEnum):
+    """Why a completion finished. NOTE: the values of request.RequestStatus's finished
+    members (a test checks); "stop" and "length" are OpenAI's finish_reason values."""
+
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model/pool length cap
+    ABORT = "abort"
+    ERROR = "error"
+
+
+def values(enum_type: type[enum.Enum]) -> tuple[str, ...]:
+    """The string values of a str-valued enum, in definition order."""
+    return tuple(member.value for member in enum_type)
 
 
 @dataclass(frozen=True)
@@ -77,15 +135,18 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` token positions (all layers).
 
-    When `num_blocks` is None the pool is sized from `memory_bytes`, or from free memory.
-    enable_prefix_caching: full blocks of computed K/V are kept under a hash of their tokens
-    (and everything before them) and shared by later requests with the same prefix (on by
-    default, as in vLLM).
+    block_size: token positions per KV block.
+    num_blocks: KV pool size in blocks; default: from memory_bytes, or from free memory.
+    memory_bytes: KV pool size in bytes (e.g. 1G); default: a share of free memory, capped
+        at what max_num_seqs full-length sequences can use.
+    enable_prefix_caching: keep full blocks of computed K/V under a hash of their tokens (and
+        everything before them) and share them with later requests with the same prefix.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_bytes: int | None = None
+    # NOTE: flat name kv_cache_memory (engine_config's keyword and --kv-cache-memory).
+    memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -93,6 +154,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
 
 @dataclass(frozen=True)
@@ -107,40 +170,46 @@ class SchedulerConfig:
         enforces it (it reads it from here); the scheduler never refuses a request for it.
     """
 
-    max_num_seqs: int = 16
+    max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    policy: Policy = "continuous"
-    max_waiting: int | None = None
+    max_model_len: int = 4096
+    policy: Policy = Policy.CONTINUOUS
+    # NOTE: no engine flag: `slotserve serve` has its own --max-waiting (only it enforces it).
+    max_waiting: int | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
-
-
-KERNELS = ("auto", "mkl", "reference")
+        object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the model weights."""
+    """Everything the engine needs besides the model weights.
 
-    model: str | None = None  # path to an HF directory or a .gguf; None: embedded SmolLM2
+    model: HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.
+    device: cpu or cuda.
+    dtype: of weights, activations and KV cache; default: float32 on CPU, bfloat16 on CUDA.
+    kernels: auto: the fastest kernels verified against the reference for this device (on
+        the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
+        MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
+        reference: plain torch ops everywhere.
+    quantization: int8: int8 weight-only linear layers on the CPU (opt-in; greedy
+        agreement with fp32 in benchmarks/PERF.md).
+    seed: seed of the sampler's random generator.
+    trace_capacity: iterations kept in the trace ring buffer.
+    """
+
+    model: str | None = None
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    # "auto": the fastest kernels verified against the reference for this device (on the
-    # CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else MKL's packed
-    # GEMM); "mkl": the same but fp32 linears through MKL's packed GEMM (for comparisons);
-    # "reference": plain torch ops everywhere.
-    kernels: str = "auto"
-    quantization: str | None = None  # "int8": int8 weight-only linears (CPU, opt-in)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    kernels: Literal["auto", "mkl", "reference"] = "auto"
+    quantization: Literal["int8"] | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    trace_capacity: int = 4096  # iterations kept in the trace ring buffer
+    trace_capacity: int = 4096
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -150,3 +219,162 @@ class EngineConfig:
         if self.quantization and not self.device.startswith("cpu"):
             raise ValueError("quantization='int8' runs on the CPU only; "
                              f"got device {self.device!r}")
+
+
+KERNELS: tuple[str, ...] = typing.get_args(typing.get_type_hints(EngineConfig)["kernels"])
+
+
+def _member(enum_type: type[enum.Enum], name: str, value: Any) -> Any:
+    """value as a member of enum_type; ValueError naming the field otherwise."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {values(enum_type)}, got {value!r}") from None
+
+
+# --------------------------------------------------------------------------- flat view
+@dataclass(frozen=True)
+class FlatField:
+    """One leaf setting of a nested config dataclass, under its flat name.
+
+    name: the flat name (engine_config's keyword, the CLI flag's dest); the field's own
+        name unless its metadata says `name`.
+    section: the field of the root holding the nested dataclass ("cache"), or None.
+    attr: the field's name in its own dataclass.
+    annotation: the resolved type annotation.
+    default: the dataclass default (MISSING for a required field).
+    help: the field's `name: text` entry of its class docstring ("" if none).
+    flag: whether the CLI gets a flag for it (metadata `flag`, default True).
+    """
+
+    name: str
+    section: str | None
+    attr: str
+    annotation: Any
+    default: Any
+    help: str
+    flag: bool
+
+    @property
+    def optional(self) -> bool:
+        """Whether None is allowed (`X | None`)."""
+        return type(None) in _union_args(self.annotation)
+
+    @property
+    def base_type(self) -> Any:
+        """The annotation without `| None`: int, str, a Literal[...], an enum class, ..."""
+        args = [a for a in _union_args(self.annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else self.annotation
+
+    @property
+    def choices(self) -> tuple | None:
+        """The allowed values of a Literal or enum field; None for any other type."""
+        base = self.base_type
+        if typing.get_origin(base) is Literal:
+            return typing.get_args(base)
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            return values(base)
+        return None
+
+
+def _union_args(annotation: Any) -> tuple:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def flat_fields(root: type) -> dict[str, FlatField]:
+    """Every leaf field of the dataclass `root`, by flat name, in definition order.
+
+    A field whose type is itself a dataclass is a section: its fields are listed in its
+    place (one level deep). ValueError if two leaves share a flat name.
+    """
+    result: dict[str, FlatField] = {}
+    hints = typing.get_type_hints(root)
+    for f in fields(root):
+        if is_dataclass(hints[f.name]):
+            leaves = _own_fields(hints[f.name], section=f.name)
+        else:
+            leaves = _own_fields(root, section=None, only=f.name)
+        for leaf in leaves:
+            if leaf.name in result:
+                raise ValueError(f"{root.__name__}: two settings named {leaf.name!r}")
+            result[leaf.name] = leaf
+    return result
+
+
+def _own_fields(cls: type, section: str | None, only: str | None = None) -> list[FlatField]:
+    hints, docs = typing.get_type_hints(cls), _docstring_entries(cls)
+    return [FlatField(name=f.metadata.get("name", f.name), section=section, attr=f.name,
+                      annotation=hints[f.name], default=_default(f),
+                      help=docs.get(f.name) or _enum_summary(hints[f.name]),
+                      flag=f.metadata.get("flag", True))
+            for f in fields(cls) if only is None or f.name == only]
+
+
+def _enum_summary(annotation: Any) -> str:
+    """The first line of an enum type's docstring (the help of an undocumented enum field)."""
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return (inspect.getdoc(annotation) or "").partition("\n")[0]
+    return ""
+
+
+def _default(f) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+# A docstring entry: "name: text" or "a / b: text" at the start of a line (after getdoc's
+# dedent); more indented lines continue it.
+_DOC_ENTRY = re.compile(r"^(\w+(?:\s*/\s*\w+)*):\s+(.*)$")
+
+
+@functools.cache
+def _docstring_entries(cls: type) -> dict[str, str]:
+    """`name: text` entries of a class docstring, by field name."""
+    entries: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in (inspect.getdoc(cls) or "").splitlines():
+        match = _DOC_ENTRY.match(line)
+        if match:
+            current = [match[2].strip()]
+            for name in match[1].split("/"):
+                entries[name.strip()] = current
+        elif current is not None and line.startswith(" ") and line.strip():
+            current.append(line.strip())
+        else:
+            current = None
+    return {name: " ".join(parts) for name, parts in entries.items()}
+
+
+def build_flat(root: type, **settings: Any) -> Any:
+    """An instance of the dataclass `root` from flat settings (names as flat_fields(root));
+    everything not given keeps its dataclass default. TypeError for an unknown name."""
+    leaves = flat_fields(root)
+    unknown = sorted(set(settings) - set(leaves))
+    if unknown:
+        raise TypeError(f"unknown {root.__name__} settings {unknown}; "
+                        f"known: {', '.join(leaves)}")
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in settings.items():
+        leaf = leaves[name]
+        target = top if leaf.section is None else sections.setdefault(leaf.section, {})
+        target[leaf.attr] = value
+    hints = typing.get_type_hints(root)
+    for section, section_settings in sections.items():
+        top[section] = hints[section](**section_settings)
+    return root(**top)
+
+
+def engine_fields() -> dict[str, FlatField]:
+    """The flat view of EngineConfig: every setting by its flat name."""
+    return _ENGINE_FIELDS
+
+
+def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
+    """An EngineConfig from flat settings, the names the CLI flags use (`max_num_seqs`,
+    `kv_cache_memory`, `policy`, ...: see engine_fields()). Defaults: the dataclasses'."""
+    return build_flat(EngineConfig, model=model, **settings)
+
+
+_ENGINE_FIELDS = flat_fields(EngineConfig)
