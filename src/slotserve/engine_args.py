@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from dataclasses import MISSING
 from typing import Any
 
-from slotserve.config import EngineConfig, FlatField, engine_config, engine_fields
+from slotserve.config import EngineConfig, engine_config, engine_fields
+from slotserve.flat_config import FlatField
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
               "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}

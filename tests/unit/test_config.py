@@ -21,13 +21,12 @@ from slotserve.config import (
     Policy,
     SchedulerConfig,
     SlotKind,
-    build_flat,
     engine_config,
     engine_fields,
-    flat_fields,
     values,
 )
 from slotserve.engine_args import add_config_flags, engine_config_from_args, settings_from_args
+from slotserve.flat_config import build_flat, flat_fields
 
 
 def captured_engine_config(monkeypatch, build) -> EngineConfig:
