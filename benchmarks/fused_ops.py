@@ -19,7 +19,7 @@ import argparse
 import statistics
 
 from benchmarks.profile_step import fill, time_steps
-from slotserve.engine.llm import engine_config
+from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.bench import write_report
 from slotserve.loader import load_model

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from slotserve.engine.llm import engine_config
+from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.bench import write_report
 from slotserve.lab.quality import greedy_agreement

@@ -18,8 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from slotserve import SamplingParams
-from slotserve.config import KERNELS
-from slotserve.engine.llm import engine_config
+from slotserve.config import KERNELS, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import load_model
 from slotserve.runner import model_runner

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from slotserve.config import ModelConfig
-from slotserve.engine.llm import LLM, engine_config
+from slotserve.config import ModelConfig, engine_config
+from slotserve.engine.llm import LLM
 from slotserve.engine.llm_engine import LLMEngine
 
 

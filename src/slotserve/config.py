@@ -1,13 +1,77 @@
-"""Frozen configuration dataclasses: model shape, KV cache, scheduler, server."""
+"""Configuration: every engine default, the names of the engine's strings, and the flat view.
+
+- `CacheConfig`, `SchedulerConfig`, `EngineConfig`: frozen dataclasses, the one place each
+  engine default lives. Each class docstring documents its fields as `name: text` entries;
+  the CLI's engine flags take their help from them.
+- `Policy`, `SlotKind`, `FinishReason`: str-valued enums, so they compare equal to, format as
+  and JSON-encode as their plain string values ("continuous", "prefill", "stop").
+- The flat view: `engine_fields()` names every leaf setting of EngineConfig once
+  (`max_num_seqs`, `kv_cache_memory`, ...); `engine_config(**flat)` builds an EngineConfig
+  from those names, and `slotserve.engine_args` makes one CLI flag of each. A new field in
+  one of the dataclasses gets both without further code (see slotserve.flat_config).
+"""
 
 from __future__ import annotations
 
+import enum
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Policy = Literal["continuous", "static"]
-SchedulingPolicy = Literal["fcfs", "priority", "deadline", "fair"]
-SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
+from slotserve.flat_config import FlatField, build_flat, flat_fields
+
+
+class _StrEnum(str, enum.Enum):
+    """A str-valued enum: equal to its value, and formatted / JSON-encoded as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Policy(_StrEnum):
+    """Admission rule: continuous admits every iteration, static only into an empty batch.
+
+    See core/policy.py.
+    """
+
+    CONTINUOUS = "continuous"  # admit every iteration (Orca's iteration-level scheduling)
+    STATIC = "static"  # admit only into an empty batch, which runs until all of it finishes
+
+
+class SchedulingPolicy(_StrEnum):
+    """Queue order (vLLM's --scheduling-policy); see core/queue_policy.py."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # Request.priority, lower first; preempts strictly lower ones
+    DEADLINE = "deadline"  # least TTFT slack first; prefill capped to keep TPOT SLOs
+    FAIR = "fair"  # per-tenant virtual token counters (VTC)
+
+
+class SlotKind(_StrEnum):
+    """What a slot did in one iteration (`ScheduledSeq.kind`, the trace's cell kinds)."""
+
+    PREFILL = "prefill"  # processed prompt tokens (a chunk, or all of them)
+    DECODE = "decode"  # processed its last sampled token
+    STALLED = "stalled"  # holds its slot but got no tokens this iteration
+
+
+class FinishReason(_StrEnum):
+    """Why a completion finished. NOTE: the values of request.RequestStatus's finished
+    members (a test checks); "stop" and "length" are OpenAI's finish_reason values."""
+
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model/pool length cap
+    ABORT = "abort"
+    ERROR = "error"
+    REJECTED = "rejected"  # the deadline policy gave up on it (slo_reject): HTTP 503
+
+
+def values(enum_type: type[enum.Enum]) -> tuple[str, ...]:
+    """The string values of a str-valued enum, in definition order."""
+    return tuple(member.value for member in enum_type)
 
 
 @dataclass(frozen=True)
@@ -79,15 +143,18 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` token positions (all layers).
 
-    When `num_blocks` is None the pool is sized from `memory_bytes`, or from free memory.
-    enable_prefix_caching: full blocks of computed K/V are kept under a hash of their tokens
-    (and everything before them) and shared by later requests with the same prefix (on by
-    default, as in vLLM).
+    block_size: token positions per KV block.
+    num_blocks: KV pool size in blocks; default: from memory_bytes, or from free memory.
+    memory_bytes: KV pool size in bytes (e.g. 1G); default: a share of free memory, capped
+        at what max_num_seqs full-length sequences can use.
+    enable_prefix_caching: keep full blocks of computed K/V under a hash of their tokens (and
+        everything before them) and share them with later requests with the same prefix.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_bytes: int | None = None
+    # NOTE: flat name kv_cache_memory (engine_config's keyword and --kv-cache-memory).
+    memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +162,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
 
 @dataclass(frozen=True)
@@ -123,16 +192,18 @@ class SchedulerConfig:
         a generated token (the paper's w_p = 1, w_q = 2).
     """
 
-    max_num_seqs: int = 16
+    max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    policy: Policy = "continuous"
-    max_waiting: int | None = None
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    max_model_len: int = 4096
+    policy: Policy = Policy.CONTINUOUS
+    # NOTE: no engine flag: `slotserve serve` has its own --max-waiting (only it enforces it).
+    max_waiting: int | None = field(default=None, metadata={"flag": False})
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_reject: bool = False
-    tenant_weights: tuple[tuple[str, float], ...] = ()
+    # NOTE: no engine flag (pairs); set from Python or a keys file's weights.
+    tenant_weights: tuple[tuple[str, float], ...] = field(default=(), metadata={"flag": False})
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
 
@@ -140,11 +211,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
+        object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
+        object.__setattr__(self, "scheduling_policy", _member(
+            SchedulingPolicy, "scheduling_policy", self.scheduling_policy))
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             check_slo_ms(name, getattr(self, name))
         if not isinstance(self.slo_reject, bool):
@@ -193,26 +262,33 @@ def _tenant_weight_pairs(weights: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((t, float(w)) for t, w in pairs))
 
 
-KERNELS = ("auto", "mkl", "reference")
-
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the model weights."""
+    """Everything the engine needs besides the model weights.
 
-    model: str | None = None  # path to an HF directory or a .gguf; None: embedded SmolLM2
+    model: HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.
+    device: cpu or cuda.
+    dtype: of weights, activations and KV cache; default: float32 on CPU, bfloat16 on CUDA.
+    kernels: auto: the fastest kernels verified against the reference for this device (on
+        the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
+        MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
+        reference: plain torch ops everywhere.
+    quantization: int8: int8 weight-only linear layers on the CPU (opt-in; greedy
+        agreement with fp32 in benchmarks/PERF.md).
+    seed: seed of the sampler's random generator.
+    trace_capacity: iterations kept in the trace ring buffer.
+    """
+
+    model: str | None = None
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    # "auto": the fastest kernels verified against the reference for this device (on the
-    # CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else MKL's packed
-    # GEMM); "mkl": the same but fp32 linears through MKL's packed GEMM (for comparisons);
-    # "reference": plain torch ops everywhere.
-    kernels: str = "auto"
-    quantization: str | None = None  # "int8": int8 weight-only linears (CPU, opt-in)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    kernels: Literal["auto", "mkl", "reference"] = "auto"
+    quantization: Literal["int8"] | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    trace_capacity: int = 4096  # iterations kept in the trace ring buffer
+    trace_capacity: int = 4096
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -222,3 +298,29 @@ class EngineConfig:
         if self.quantization and not self.device.startswith("cpu"):
             raise ValueError("quantization='int8' runs on the CPU only; "
                              f"got device {self.device!r}")
+
+
+KERNELS: tuple[str, ...] = typing.get_args(typing.get_type_hints(EngineConfig)["kernels"])
+
+
+def _member(enum_type: type[enum.Enum], name: str, value: Any) -> Any:
+    """value as a member of enum_type; ValueError naming the field otherwise."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {values(enum_type)}, got {value!r}") from None
+
+
+# --------------------------------------------------------------------------- flat view
+def engine_fields() -> dict[str, FlatField]:
+    """The flat view of EngineConfig: every setting by its flat name."""
+    return dict(_ENGINE_FIELDS)
+
+
+def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
+    """An EngineConfig from flat settings, the names the CLI flags use (`max_num_seqs`,
+    `kv_cache_memory`, `policy`, ...: see engine_fields()). Defaults: the dataclasses'."""
+    return build_flat(EngineConfig, model=model, **settings)
+
+
+_ENGINE_FIELDS = flat_fields(EngineConfig)

@@ -180,7 +180,7 @@ def test_bad_kernel_settings_name_the_field(field, value):
 
 def test_int8_greedy_agreement_on_smollm2():
     """The quality bar of the int8 opt-in, on a smaller sample than the benchmark's 32."""
-    from slotserve.engine.llm import engine_config
+    from slotserve.config import engine_config
     from slotserve.lab.quality import greedy_agreement
     from slotserve.lab.workload import generate_workload
     from slotserve.loader import load_model

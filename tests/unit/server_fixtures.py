@@ -6,8 +6,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from slotserve.config import ModelConfig
-from slotserve.engine.llm import engine_config
+from slotserve.config import ModelConfig, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import Tokenizer
 

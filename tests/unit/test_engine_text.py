@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from slotserve.config import ModelConfig
+from slotserve.config import ModelConfig, engine_config
 from slotserve.core.outputs import RunnerOutput
-from slotserve.engine.llm import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.sampling import SamplingParams
 

@@ -25,8 +25,8 @@ def test_serve_flags():
 
 
 def test_kernel_flags_reach_the_engine_config():
-    from slotserve.cli import engine_kwargs
-    from slotserve.engine.llm import engine_config
+    from slotserve.config import engine_config
+    from slotserve.engine_args import engine_kwargs
 
     args = build_parser().parse_args(["serve", "--quantization", "int8"])
     config = engine_config(None, **engine_kwargs(args))

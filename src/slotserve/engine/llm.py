@@ -5,36 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from slotserve.config import CacheConfig, EngineConfig, SchedulerConfig
+# NOTE: engine_config lives in slotserve.config; re-exported here for older imports.
+from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
 from slotserve.sampling import SamplingParams
 
-
-def engine_config(model: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-                  seed: int = 0, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                  max_model_len: int = 4096, policy: str = "continuous", block_size: int = 16,
-                  num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                  max_waiting: int | None = None, trace_capacity: int = 4096,
-                  kernels: str = "auto", quantization: str | None = None,
-                  enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
-                  slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                  slo_reject: bool = False,
-                  tenant_weights: dict | tuple = ()) -> EngineConfig:
-    """An EngineConfig from flat keyword arguments (the names the CLI flags use)."""
-    return EngineConfig(
-        model=model, device=device, dtype=dtype, seed=seed, trace_capacity=trace_capacity,
-        kernels=kernels, quantization=quantization,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          memory_bytes=kv_cache_memory,
-                          enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, policy=policy,
-                                  max_waiting=max_waiting,
-                                  scheduling_policy=scheduling_policy,
-                                  slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                                  slo_reject=slo_reject, tenant_weights=tenant_weights))
+__all__ = ["LLM", "engine_config"]
 
 
 class LLM:

@@ -13,7 +13,7 @@ import time
 
 import uvicorn
 
-from slotserve.cli import add_engine_args, engine_kwargs, parse_size
+from slotserve.engine_args import add_engine_args, engine_config_from_args, parse_size
 
 logger = logging.getLogger("slotserve.server")
 
@@ -239,14 +239,10 @@ def shutdown(async_engine, trace_path: str | None) -> None:
 
 
 def build_engine(args: argparse.Namespace, **overrides):
-    """The LLMEngine the engine flags describe."""
-    from slotserve.engine.llm import engine_config
+    """The LLMEngine the engine flags (and serve's --max-waiting) describe."""
     from slotserve.engine.llm_engine import LLMEngine
 
-    kwargs = {**engine_kwargs(args), **overrides}
-    if getattr(args, "max_waiting", None) is not None:
-        kwargs["max_waiting"] = args.max_waiting
-    return LLMEngine.from_config(engine_config(args.model, **kwargs))
+    return LLMEngine.from_config(engine_config_from_args(args, **overrides))
 
 
 def served_model_names(model_name: str, model_arg: str | None, override: str | None

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 from pathlib import Path
 
-from slotserve.cli import add_engine_args, engine_kwargs
-from slotserve.engine.llm import engine_config
+from slotserve.config import Policy, engine_fields, values
+from slotserve.engine_args import add_engine_args, engine_kwargs
 from slotserve.lab.bench.report import format_detail, format_ratios, format_table, plot_knee
 from slotserve.lab.bench.runner import run_bench
 from slotserve.lab.bench.stats import BenchResult, BenchSampling, compare_ratios
@@ -21,9 +20,8 @@ from slotserve.lab.workload import (
     with_poisson_arrivals,
 )
 
-# Engine settings --sweep may vary: engine_config's integer keywords.
-SWEEPABLE = tuple(name for name, p in inspect.signature(engine_config).parameters.items()
-                  if p.kind == p.KEYWORD_ONLY and "int" in str(p.annotation))
+# Engine settings --sweep may vary: engine_config's integer settings.
+SWEEPABLE = tuple(name for name, leaf in engine_fields().items() if leaf.base_type is int)
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -142,8 +140,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.plot and not args.sweep:
         raise ValueError("--plot draws a --sweep")
     for policy in args.compare or []:
-        if policy not in ("static", "continuous"):
-            raise ValueError(f"--compare: unknown policy {policy!r} (static, continuous)")
+        if policy not in values(Policy):
+            raise ValueError(f"--compare: unknown policy {policy!r} "
+                             f"({', '.join(values(Policy))})")
 
 
 def _target(args: argparse.Namespace):

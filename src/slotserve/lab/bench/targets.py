@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections import deque
 
-from slotserve.engine.llm import engine_config
+from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
 from slotserve.lab.bench.client import first_model, stream_request
 from slotserve.lab.bench.stats import BenchSampling, RequestRecord, RunStats

@@ -23,8 +23,8 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager, cdiv
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
-from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
 from slotserve.engine.trace import TraceRecorder
+from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 
