@@ -16,12 +16,13 @@ The engine runs in-process with a real-time arrival loop: a request is added (wi
 tenant, priority and SLOs) when its arrival time comes, between `engine.step()` calls, and its
 TTFT/TPOT come from the outputs' RequestMetrics. Every run drains (all requests finish).
 
-Sizing is relative to a calibration at the start, because this CPU's speed moves with other
-load: `capacity` (requests/s one engine serves when saturated, FCFS, requests all at t=0) of
-each request shape, and `step` (median iteration time with the slots full of decodes). Arrival
-rates are multiples of the capacity, SLOs multiples of the step (the settings are in --help
-and the JSON). Policies of one comparison run back to back on identically configured fresh
-engines over the same arrival schedule; the goodput sweep alternates which policy goes first.
+Sizing is relative to a calibration just before each comparison, because this CPU's speed
+moves with other load: `capacity` (requests/s one engine serves when saturated, FCFS, requests
+all at t=0) of each request shape, and `step` (median iteration time with the slots full of
+decodes). Arrival rates are multiples of the capacity, SLOs multiples of the step (the
+settings are the `Settings` fields, one flag each, recorded in the JSON). Policies of one
+comparison run back to back on identically configured fresh engines over the same arrival
+schedule; the goodput sweep alternates which policy goes first.
 """
 
 from __future__ import annotations
