@@ -153,7 +153,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     finally:
-        delete_replicas(handles)
+        # NOTE: a local Ray goes with ray.shutdown() (its raylet may have had the terminal's
+        # SIGINT already, and then Serve calls would hang); a cluster keeps running, so
+        # the replicas are deleted from it.
+        if args.ray_address:
+            delete_replicas(handles)
         ray.shutdown()
         logger.info("replicas stopped")
     return 0
