@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, num
               block_size=16, seed=0, device="cpu", dtype=None, policy="continuous",
               kv_cache_memory=None, quantization=None, kernels="auto")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,42 @@ async def _generate(front, request_id, prompt, max_tokens):
                                                                        **GREEDY)):
         final = out
     return final
+
+
+def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_path):
+    """`slotserve serve --replicas 2`: the same API (JSON, SSE, errors), /health, /metrics
+    with a replica label, and a clean exit on SIGTERM (greedy equality: the tests below).
+
+    NOTE: first in the module: its own local Ray, before the fixture's."""
+    import httpx
+
+    from tests.support.launch import ServerProcess, cli_flags, scrape_metrics
+
+    flags = cli_flags(**{k: v for k, v in ENGINE.items() if k in (
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size")})
+    server = ServerProcess.launch(tmp_path / "server.log", "--model", model_dir, "--replicas",
+                                  "2", "--threads-per-replica", "1", *flags, cwd=REPO)
+    try:
+        server.wait_ready()
+        prompt = random_prompts(1, min_len=40, max_len=40, seed=9)[0]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+        assert reply["usage"] == {"prompt_tokens": 40, "completion_tokens": 6,
+                                  "total_tokens": 46}
+        events = httpx.post(server.base_url + "/completions", json={**body, "stream": True},
+                            timeout=60).text.split("\n\n")
+        assert events[-2] == "data: [DONE]" and len(events) >= 3
+        bad = httpx.post(server.base_url + "/completions", json={**body, "prompt": [10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        trace = httpx.get(server.url + "/debug/trace").json()
+        assert sum(r["served"] for r in trace["replicas"].values()) == 2
+        time.sleep(1.5)  # NOTE: the ingress polls the replicas' metrics every 0.5 s
+        metrics = scrape_metrics(server.url)
+        assert sum(v for k, v in metrics.items()
+                   if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    assert "replicas stopped" in server.log()
 
 
 def test_greedy_outputs_equal_a_single_engine(handles, oracle):
