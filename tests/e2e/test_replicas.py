@@ -77,7 +77,8 @@ async def _generate(front, request_id, prompt, max_tokens):
     return final
 
 
-def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_path):
+def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_path,
+                                                              monkeypatch):
     """`slotserve serve --replicas 2`: the same API (JSON, SSE, errors), /health, /metrics
     with a replica label, and a clean exit on SIGTERM (greedy equality: the tests below).
 
@@ -88,6 +89,8 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
 
     flags = cli_flags(**{k: v for k, v in ENGINE.items() if k in (
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size")})
+    ray_dir = tempfile.mkdtemp(prefix="/tmp/ray-cli-")  # NOTE: short: Ray's socket paths
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
     server = ServerProcess.launch(tmp_path / "server.log", "--model", model_dir, "--replicas",
                                   "2", "--threads-per-replica", "1", *flags, cwd=REPO)
     try:
@@ -109,7 +112,9 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
         assert sum(v for k, v in metrics.items()
                    if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
     finally:
-        assert server.stop() == 0, server.log()[-3000:]
+        status = server.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert status == 0, server.log()[-3000:]
     assert "replicas stopped" in server.log()
 
 
