@@ -176,6 +176,27 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(handles, model_dir):
     assert hits == single.engine.stats.prefix_cache_hits
 
 
+def test_a_replicas_own_errors_reach_the_ingress_unwrapped(handles):
+    """The engine's ValueError comes out of Ray's RayTaskError (the server maps it to 400)."""
+    from ray.exceptions import RayTaskError
+
+    front = _front(handles, "prefix")  # NOTE: the same prompt goes to the same replica
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=4)[0]
+
+    async def main():
+        await front.wait_all_up(120)
+        first = front.generate("same-id", prompt, SamplingParams(max_tokens=200, **GREEDY))
+        await anext(first)
+        with pytest.raises(ValueError, match="already in use") as caught:
+            await _generate(front, "same-id", prompt, 4)
+        await first.aclose()
+        return caught.value
+
+    error = run(main())
+    assert not isinstance(error, RayTaskError)
+    assert front.num_active == 0 and all(r.in_flight == 0 for r in front.replicas.values())
+
+
 def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle):
     """12 requests over 2 replicas of 2 slots: most wait in a replica's queue. Killing one
     replica fails only the requests it had streamed; the rest finish elsewhere, correct."""
