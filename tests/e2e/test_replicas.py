@@ -239,3 +239,21 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle
         if f"k{i}" not in failed:
             assert result.token_ids == expected[i].token_ids
     assert any(r["retry"] for r in front.routing), "no request was retried on the other replica"
+
+
+def test_a_replica_that_refuses_new_requests_sends_them_elsewhere(handles, oracle):
+    """A replica whose engine stopped accepting (it drains) answers EngineClosedError: the
+    ingress retries on the other replica. NOTE: last: that replica stays closed."""
+    prompts = random_prompts(4, seed=6)
+    expected = oracle.generate(prompts, SamplingParams(max_tokens=5, **GREEDY))
+    front = _front(handles, "round_robin")
+
+    async def main():
+        await front.wait_all_up(300)  # NOTE: Serve may still restart the killed replica
+        await handles["slotserve-replica-1"].stop_accepting.remote()
+        return [await _generate(front, f"d{i}", p, 5) for i, p in enumerate(prompts)]
+
+    outs = run(main())
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    retried = [r for r in front.routing if r["retry"]]
+    assert retried and all(r["replica"] == "slotserve-replica-0" for r in retried)

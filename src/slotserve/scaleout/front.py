@@ -7,10 +7,10 @@ errors, auth and limits serve the replicas unchanged. Each request goes to the r
 the Router picks among those up.
 
 Faults: a replica whose call fails with Ray's actor errors (its process died, or it is
-restarting) is marked down until a snapshot answers again. A request that got no output yet
-is retried on another replica (each replica at most once); one that streamed already fails
-with RuntimeError (the client gets a 500 error event). /health stays 200 while one replica
-is up.
+restarting), or whose engine refuses as closed (its loop died, or it drains), is marked down
+until a snapshot answers again. A request that got no output yet is retried on another
+replica (each replica at most once); one that streamed already fails with RuntimeError (the
+client gets a 500 error event). /health stays 200 while one replica is up.
 
 Load: the sequences this ingress has in flight on each replica (admitted, not finished):
 the replica's waiting + running as this ingress knows them, exact and without a poll's lag.
@@ -146,7 +146,14 @@ class ReplicaFront:
                 logger.warning("%s: replica %s failed before the first output; retrying "
                                "elsewhere", request_id, replica.name)
             except Exception as exc:  # the engine's own error (ValueError, 429, ...)
-                raise _unwrap(exc) from None
+                error = _unwrap(exc)
+                if streamed or not isinstance(error, EngineClosedError):
+                    raise error from None
+                # NOTE: that replica's engine died or drains: another one may serve it
+                self._mark_down(replica, error)
+                tried.add(replica.name)
+                logger.warning("%s: replica %s refused it (%s); retrying elsewhere",
+                               request_id, replica.name, error)
             finally:
                 replica.in_flight -= params.n
                 self._active.pop(request_id, None)
