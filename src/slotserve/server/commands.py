@@ -64,6 +64,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+    from slotserve.scaleout.launch import add_replica_flags  # NOTE: imports no Ray
+
+    add_replica_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -147,6 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.engine.async_engine import AsyncEngine
     from slotserve.server.api import build_app
 
+    if getattr(args, "replicas", None):  # Ray Serve replicas (slotserve.scaleout)
+        from slotserve.scaleout.launch import serve_replicas
+
+        return serve_replicas(args)
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)

@@ -1,0 +1,191 @@
+"""`slotserve serve --replicas N`: N engine replicas on Ray Serve behind one ingress.
+
+The ingress is this process: the same FastAPI app as the single-process server
+(`build_app`), over a ReplicaFront instead of an AsyncEngine, under the same uvicorn server
+with the same drain on SIGTERM. Ray is imported only here (the `ray` extra).
+
+    ray.init (local, or --ray-address)  ->  serve.start (no Serve HTTP proxy)
+    -> one Serve application per replica (EngineReplica, --threads-per-replica CPUs each)
+    -> ReplicaFront + Router  ->  build_app  ->  uvicorn
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from slotserve.scaleout.router import POLICIES
+
+logger = logging.getLogger("slotserve.scaleout")
+
+APP_PREFIX = "slotserve-replica-"
+STARTUP_TIMEOUT_S = 600.0
+LOCAL_OBJECT_STORE_BYTES = 256 << 20  # outputs are small; a local Ray needs little
+
+
+def add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    """The scale-out flags of `slotserve serve`."""
+    g = parser.add_argument_group("replicas (Ray Serve; needs `pip install slotserve[ray]`)")
+    g.add_argument("--replicas", type=_at_least_one, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one ingress "
+                        "(default: one engine in this process, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379) "
+                        "instead of starting a local one")
+    g.add_argument("--threads-per-replica", type=_at_least_one, default=None, metavar="N",
+                   help="with --replicas: torch threads (and Ray CPUs) of each replica "
+                        "(default: the cluster's CPUs / N)")
+    g.add_argument("--router", default="prefix", choices=POLICIES,
+                   help="with --replicas: prefix (cache-aware with a load margin, default), "
+                        "least_loaded or round_robin")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def start_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None,
+              object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES) -> None:
+    """Join `address`, or start a local Ray (no dashboard); then Serve without its proxy."""
+    import ray
+    from ray import serve
+
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=object_store_bytes, _temp_dir=temp_dir)
+    serve.start(proxy_location="Disabled")
+
+
+def default_threads(num_replicas: int) -> int:
+    """The cluster's CPUs shared among the replicas (at least one each)."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
+
+
+def deploy_replicas(spec, num_replicas: int) -> dict[str, object]:
+    """Deploy the replicas (each its own Serve application) and wait until they run;
+    name -> DeploymentHandle."""
+    from ray import serve
+
+    from slotserve.scaleout.replica import EngineReplica
+
+    names = [f"{APP_PREFIX}{i}" for i in range(num_replicas)]
+    targets = [serve.RunTarget(EngineReplica.options(
+        ray_actor_options={"num_cpus": spec.threads}).bind(spec, name), name=name,
+        route_prefix=None) for name in names]
+    handles = serve.run_many(targets)
+    return dict(zip(names, handles))
+
+
+def delete_replicas(names) -> None:
+    from ray import serve
+
+    for name in names:
+        try:
+            serve.delete(name)
+        except Exception:  # shutting down anyway: say so, go on
+            logger.warning("could not delete %s", name, exc_info=True)
+
+
+def build_front(handles: dict[str, object], policy: str, **router_kwargs):
+    """A ReplicaFront over the handles, its router keyed on the replicas' block size."""
+    from slotserve.scaleout.front import ReplicaFront
+    from slotserve.scaleout.router import Router
+
+    describe = next(iter(handles.values())).describe.remote().result()
+    router = Router(list(handles), describe["block_size"], policy, **router_kwargs)
+    return ReplicaFront(handles, describe, router)
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    """`slotserve serve --replicas N ...`: deploy, serve until SIGTERM / SIGINT, clean up."""
+    import ray
+    import uvicorn
+
+    from slotserve.cli import engine_kwargs
+    from slotserve.scaleout.metrics import ReplicaSetMetrics
+    from slotserve.scaleout.replica import ReplicaSpec
+    from slotserve.server.api import build_app
+    from slotserve.server.commands import (
+        CLOSE_GRACE_S,
+        access_policy,
+        listen_host,
+        served_model_names,
+        server_limits,
+        setup_logging,
+    )
+
+    setup_logging(args.log_level)
+    policy = access_policy(args)
+    limits = server_limits(args)
+    start_ray(args.ray_address)
+    threads = args.threads_per_replica or default_threads(args.replicas)
+    spec = ReplicaSpec(model=args.model, engine_kwargs=engine_kwargs(args), threads=threads,
+                       max_waiting=args.max_waiting)
+    logger.info("deploying %d replicas, %d threads each, router %s", args.replicas, threads,
+                args.router)
+    handles = {}
+    try:
+        handles = deploy_replicas(spec, args.replicas)
+        front = build_front(handles, args.router)
+        name, aliases = served_model_names(front.engine.model_config.name, args.model,
+                                           args.served_model_name)
+        app = build_app(front, name, aliases=aliases, limits=limits, access=policy,
+                        metrics=ReplicaSetMetrics(front))
+        host = listen_host(args, policy)
+        logger.info("access: %s", policy.describe())
+        logger.info("serving %s from %d replicas at http://%s:%d/v1", name, args.replicas,
+                    host, args.port)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=CLOSE_GRACE_S)
+        server = ReplicaServer(config, app.state.server, args.drain_timeout, front)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        # NOTE: a local Ray goes with ray.shutdown() (its raylet may have had the terminal's
+        # SIGINT already, and then Serve calls would hang); a cluster keeps running, so
+        # the replicas are deleted from it.
+        if args.ray_address:
+            delete_replicas(handles)
+        ray.shutdown()
+        logger.info("replicas stopped")
+    return 0
+
+
+def _draining_server_class():
+    from slotserve.server.commands import DrainingServer
+
+    return DrainingServer
+
+
+class ReplicaServer(_draining_server_class()):
+    """The single-process server's uvicorn server (drain included), polling the replicas
+    while it runs; the drain also tells each replica to stop accepting."""
+
+    def __init__(self, config, api_server, drain_timeout_s: float, front) -> None:
+        super().__init__(config, api_server, drain_timeout_s)
+        self.front = front
+
+    async def serve(self, sockets=None) -> None:
+        self.front.start()
+        try:
+            await super().serve(sockets)
+        finally:
+            await self.front.stop()
+
+    async def drain(self) -> None:
+        for replica in self.front.replicas.values():
+            replica.handle.stop_accepting.remote()
+        await super().drain()
+

@@ -1,0 +1,110 @@
+"""One engine replica: an AsyncEngine in a Ray Serve deployment (imports Ray).
+
+Each replica is its own Serve application (`replica-0`, `replica-1`, ...) with one Serve
+replica, so the ingress's router, not Serve's, decides which engine serves a request; Serve
+restarts a replica whose actor dies (`EngineReplica.__init__` runs again: a cold cache).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ray import serve
+
+from slotserve.sampling import SamplingParams
+
+# NOTE: the engine bounds its own queue (--max-waiting: 429); Serve must not refuse first.
+MAX_ONGOING_REQUESTS = 100_000
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How to build one replica's engine (picklable: it travels to the replica's process)."""
+
+    model: str | None
+    engine_kwargs: dict
+    threads: int
+    max_waiting: int | None = None
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2,
+                  health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+class EngineReplica:
+    """An LLMEngine on `spec.threads` torch threads, streaming RequestOutputs."""
+
+    def __init__(self, spec: ReplicaSpec, name: str) -> None:
+        import torch
+
+        from slotserve.engine.async_engine import AsyncEngine
+        from slotserve.engine.llm import engine_config
+        from slotserve.engine.llm_engine import LLMEngine
+        from slotserve.obs.metrics import ServerMetrics
+
+        kwargs = dict(spec.engine_kwargs)
+        if spec.max_waiting is not None:
+            kwargs["max_waiting"] = spec.max_waiting
+        engine = LLMEngine.from_config(engine_config(spec.model, **kwargs))
+        # NOTE: after from_config, which sets one thread per core the process may use.
+        torch.set_num_threads(spec.threads)
+        self.name = name
+        self.async_engine = AsyncEngine(engine)
+        self.metrics = ServerMetrics(engine)
+        self.metrics.attach(self.async_engine)
+        self.async_engine.start()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """The request's outputs as the engine streams them (cancelling the call aborts it)."""
+        async for out in self.async_engine.generate(request_id, prompt_ids, params):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self.async_engine.abort(request_id)
+
+    def stop_accepting(self) -> None:
+        self.async_engine.stop_accepting()
+
+    def describe(self) -> dict:
+        """What the ingress needs to front this engine: configs and the tokenizer."""
+        engine = self.async_engine.engine
+        return {"model_config": engine.model_config, "scheduler_config": engine.scheduler.config,
+                "max_total_tokens": engine.scheduler.max_total_tokens,
+                "block_size": engine.kv.block_size, "num_blocks": engine.kv.num_blocks,
+                "tokenizer": engine.tokenizer, "threads": self._threads(), "pid": os.getpid()}
+
+    def snapshot(self) -> dict:
+        """Load and counters now, and the replica's Prometheus text."""
+        engine = self.async_engine.engine
+        sched, kv, stats = engine.scheduler, engine.kv, engine.stats
+        return {"healthy": self.async_engine.healthy, "running": sched.num_running,
+                "waiting": sched.num_waiting, "iteration": sched.iteration,
+                "preemptions": sched.num_preemptions, "kv_free": kv.num_free_blocks,
+                "generation_tokens": stats.generation_tokens,
+                "prompt_tokens": stats.prompt_tokens,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
+                "metrics": self.metrics.render().decode()}
+
+    def actor_name(self) -> str:
+        """The Ray actor's name (tests kill it with ray.kill)."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_name()
+
+    def check_health(self) -> None:
+        """Serve's health check: a dead engine loop gets the replica restarted."""
+        if not self.async_engine.healthy:
+            raise RuntimeError(f"{self.name}: the engine loop died")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "async_engine", None)
+        if engine is not None:
+            engine.stop_accepting()
+            engine.stop(timeout=2.0)
+
+    @staticmethod
+    def _threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+

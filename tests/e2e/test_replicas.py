@@ -1,0 +1,259 @@
+"""Replicas on Ray Serve (slotserve.scaleout): a local Ray on loopback, 2 replicas of a tiny
+random model saved as an HF directory; the offline engine on the same directory is the
+oracle. Slow: Ray and the replicas take ~20-60 s to start."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from slotserve import LLM, SamplingParams
+from tests.conftest import random_prompts, tiny_hf_model
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, num_blocks=256,
+              block_size=16, seed=0, device="cpu", dtype=None, policy="continuous",
+              kv_cache_memory=None, quantization=None, kernels="auto")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-hf")
+    tiny_hf_model().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    return LLM(model_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def handles(model_dir):
+    from ray import serve
+
+    from slotserve.scaleout.launch import delete_replicas, deploy_replicas, start_ray
+    from slotserve.scaleout.replica import ReplicaSpec
+
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/ray-test-")  # NOTE: short: Ray's socket paths
+    start_ray(None, num_cpus=2, temp_dir=temp_dir, object_store_bytes=200 << 20)
+    try:
+        spec = ReplicaSpec(model=model_dir, engine_kwargs=ENGINE, threads=1)
+        found = deploy_replicas(spec, 2)
+        yield found
+        delete_replicas(found)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+def _front(handles, policy="prefix"):
+    """A ReplicaFront (built outside an event loop: it reads a replica synchronously)."""
+    from slotserve.scaleout.launch import build_front
+
+    return build_front(handles, policy)
+
+
+async def _generate(front, request_id, prompt, max_tokens):
+    final = None
+    async for out in front.generate(request_id, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                       **GREEDY)):
+        final = out
+    return final
+
+
+def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_path,
+                                                              monkeypatch):
+    """`slotserve serve --replicas 2`: the same API (JSON, SSE, errors), /health, /metrics
+    with a replica label, and a clean exit on SIGTERM (greedy equality: the tests below).
+
+    NOTE: first in the module: its own local Ray, before the fixture's."""
+    import httpx
+
+    from tests.support.launch import ServerProcess, cli_flags, scrape_metrics
+
+    flags = cli_flags(**{k: v for k, v in ENGINE.items() if k in (
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size")})
+    ray_dir = tempfile.mkdtemp(prefix="/tmp/ray-cli-")  # NOTE: short: Ray's socket paths
+    monkeypatch.setenv("RAY_TMPDIR", ray_dir)
+    server = ServerProcess.launch(tmp_path / "server.log", "--model", model_dir, "--replicas",
+                                  "2", "--threads-per-replica", "1", *flags, cwd=REPO)
+    try:
+        server.wait_ready()
+        prompt = random_prompts(1, min_len=40, max_len=40, seed=9)[0]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+        assert reply["usage"] == {"prompt_tokens": 40, "completion_tokens": 6,
+                                  "total_tokens": 46}
+        events = httpx.post(server.base_url + "/completions", json={**body, "stream": True},
+                            timeout=60).text.split("\n\n")
+        assert events[-2] == "data: [DONE]" and len(events) >= 3
+        bad = httpx.post(server.base_url + "/completions", json={**body, "prompt": [10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+        trace = httpx.get(server.url + "/debug/trace").json()
+        assert sum(r["served"] for r in trace["replicas"].values()) == 2
+        time.sleep(1.5)  # NOTE: the ingress polls the replicas' metrics every 0.5 s
+        metrics = scrape_metrics(server.url)
+        assert sum(v for k, v in metrics.items()
+                   if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
+    finally:
+        status = server.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert status == 0, server.log()[-3000:]
+    assert "replicas stopped" in server.log()
+
+
+def test_greedy_outputs_equal_a_single_engine(handles, oracle):
+    prompts = random_prompts(8, seed=3)
+    expected = oracle.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+
+    front = _front(handles, "round_robin")  # NOTE: both replicas serve
+
+    async def main():
+        await front.wait_all_up(120)
+        outs = await asyncio.gather(*(_generate(front, f"g{i}", p, 12)
+                                      for i, p in enumerate(prompts)))
+        return outs
+
+    outs = run(main())
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert {r["replica"] for r in front.routing} == set(handles)
+
+
+def _hits(snapshots):
+    return sum(s["prefix_cache_hits"] for s in snapshots)
+
+
+def test_prefix_routing_keeps_a_conversation_on_one_replica(handles, model_dir):
+    """Each conversation's turns (prompt = the last prompt + its answer + a new message) go to
+    one replica, and the prefix cache hits as much as one engine serving them all."""
+    conversations = [random_prompts(3, min_len=20, max_len=40, seed=10 + c)
+                     for c in range(4)]
+
+    front = _front(handles, "prefix")
+
+    async def main():
+        await front.wait_all_up(120)
+        before = [await h.snapshot.remote() for h in handles.values()]
+        transcripts = []
+        for c, messages in enumerate(conversations):
+            prompt = []
+            for t, message in enumerate(messages):
+                prompt = prompt + message
+                out = await _generate(front, f"c{c}t{t}", prompt, 8)
+                transcripts.append(list(prompt))
+                prompt = prompt + out.token_ids
+        after = [await h.snapshot.remote() for h in handles.values()]
+        return transcripts, _hits(after) - _hits(before)
+
+    transcripts, hits = run(main())
+    by_conversation = {}
+    for record in front.routing:
+        by_conversation.setdefault(record["request_id"].split("t")[0], set()).add(
+            record["replica"])
+    assert all(len(replicas) == 1 for replicas in by_conversation.values()), by_conversation
+    assert {r["reason"] for r in front.routing if not r["request_id"].endswith("t0")} == {
+        "affinity"}
+    single = LLM(model_dir, **ENGINE)
+    for prompt in transcripts:
+        single.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+    assert hits > 0
+    assert hits == single.engine.stats.prefix_cache_hits
+
+
+def test_a_replicas_own_errors_reach_the_ingress_unwrapped(handles):
+    """The engine's ValueError comes out of Ray's RayTaskError (the server maps it to 400)."""
+    from ray.exceptions import RayTaskError
+
+    front = _front(handles, "prefix")  # NOTE: the same prompt goes to the same replica
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=4)[0]
+
+    async def main():
+        await front.wait_all_up(120)
+        first = front.generate("same-id", prompt, SamplingParams(max_tokens=200, **GREEDY))
+        await anext(first)
+        with pytest.raises(ValueError, match="already in use") as caught:
+            await _generate(front, "same-id", prompt, 4)
+        await first.aclose()
+        return caught.value
+
+    error = run(main())
+    assert not isinstance(error, RayTaskError)
+    assert front.num_active == 0 and all(r.in_flight == 0 for r in front.replicas.values())
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle):
+    """12 requests over 2 replicas of 2 slots: most wait in a replica's queue. Killing one
+    replica fails only the requests it had streamed; the rest finish elsewhere, correct."""
+    prompts = random_prompts(12, seed=5)
+    expected = oracle.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+
+    front = _front(handles, "round_robin")
+
+    async def main():
+        await front.wait_all_up(120)
+        victim = "slotserve-replica-0"
+        actor = ray.get_actor(await handles[victim].actor_name.remote(), namespace="serve")
+        streamed_on_victim: set[str] = set()
+
+        async def one(i, prompt):
+            final = None
+            async for out in front.generate(f"k{i}", prompt,
+                                            SamplingParams(max_tokens=24, **GREEDY)):
+                # NOTE: outputs the victim sent before it died may arrive after ray.kill
+                if front._active.get(f"k{i}") is front.replicas[victim]:
+                    streamed_on_victim.add(f"k{i}")
+                final = out
+            return final
+
+        async def killer():
+            while not streamed_on_victim:
+                await asyncio.sleep(0.01)
+            ray.kill(actor)
+
+        results = await asyncio.gather(killer(), *(one(i, p) for i, p in enumerate(prompts)),
+                                       return_exceptions=True)
+        return results[1:], set(streamed_on_victim)
+
+    results, streamed = run(main())
+    assert front.healthy  # the other replica serves
+    failed = {f"k{i}" for i, r in enumerate(results) if isinstance(r, BaseException)}
+    assert failed <= streamed, (failed, streamed)
+    assert all(isinstance(results[int(k[1:])], RuntimeError) for k in failed)
+    for i, result in enumerate(results):
+        if f"k{i}" not in failed:
+            assert result.token_ids == expected[i].token_ids
+    assert any(r["retry"] for r in front.routing), "no request was retried on the other replica"
+
+
+def test_a_replica_that_refuses_new_requests_sends_them_elsewhere(handles, oracle):
+    """A replica whose engine stopped accepting (it drains) answers EngineClosedError: the
+    ingress retries on the other replica. NOTE: last: that replica stays closed."""
+    prompts = random_prompts(4, seed=6)
+    expected = oracle.generate(prompts, SamplingParams(max_tokens=5, **GREEDY))
+    front = _front(handles, "round_robin")
+
+    async def main():
+        await front.wait_all_up(300)  # NOTE: Serve may still restart the killed replica
+        await handles["slotserve-replica-1"].stop_accepting.remote()
+        return [await _generate(front, f"d{i}", p, 5) for i, p in enumerate(prompts)]
+
+    outs = run(main())
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    retried = [r for r in front.routing if r["retry"]]
+    assert retried and all(r["replica"] == "slotserve-replica-0" for r in retried)
