@@ -19,9 +19,10 @@ import torch
 from slotserve.config import ModelConfig
 from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
+from slotserve.loader.detokenize import IncrementalDetokenizer
 from slotserve.loader.gguf import load_gguf
 from slotserve.loader.safetensors import load_hf_dir
-from slotserve.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError
 
 __all__ = [

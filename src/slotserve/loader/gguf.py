@@ -23,7 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from slotserve.config import ModelConfig
-from slotserve.loader.tokenizer import Tokenizer, gguf_eos_token_ids
+from slotserve.loader.gguf_vocab import gguf_eos_token_ids
+from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError, check_config, check_weight_shapes
 
 Q = GGMLQuantizationType

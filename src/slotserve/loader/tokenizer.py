@@ -1,4 +1,4 @@
-"""Tokenizer (a `tokenizers.Tokenizer`, BOS/EOS rules, a chat template) and stream detokenizer.
+"""Tokenizer: a `tokenizers.Tokenizer`, BOS/EOS rules and a chat template.
 
 A tokenizer comes from one of two places:
 
@@ -9,6 +9,9 @@ A tokenizer comes from one of two places:
   `tokenizer_config.json`.
 
 `save` / `load` write and read the same thing as `tokenizer.json` + `tokenizer_meta.json`.
+The pieces live beside it: `gguf_vocab` (a GGUF vocabulary -> a byte-level BPE),
+`chat_template` (the sandboxed Jinja environment HF templates expect) and `detokenize`
+(the streaming detokenizer).
 """
 
 from __future__ import annotations
@@ -16,42 +19,25 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
+
+from slotserve.loader.chat_template import compile_chat_template, hf_chat_template
+from slotserve.loader.detokenize import IncrementalDetokenizer
+from slotserve.loader.gguf_vocab import (
+    SUPPORTED_PRE,
+    add_gguf_special_tokens,
+    byte_level_bpe,
+    gguf_eos_token_ids,
+)
+
+__all__ = ["IncrementalDetokenizer", "SUPPORTED_PRE", "Tokenizer"]  # re-exported for callers
 
 META_FILE = "tokenizer_meta.json"
 BACKEND_FILE = "tokenizer.json"
-
-# GGUF token types (llama.cpp's llama_token_type).
-TOKEN_CONTROL = 3
-TOKEN_USER_DEFINED = 4
-
-# llama.cpp also ends generation on these control tokens, whatever `eos_token_id` says.
-EOG_TEXTS = frozenset(
-    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-     "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>"}
-)
-
-# Split regexes for byte-level BPE vocabularies, by `tokenizer.ggml.pre` (as in llama.cpp).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2_PRE = ("default", "gpt2", "gpt-2")
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")
-_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
-SUPPORTED_PRE = ("smollm", *_GPT2_PRE, *_LLAMA3_PRE, *_QWEN2_PRE)
 
 
 class Tokenizer:
@@ -93,8 +79,8 @@ class Tokenizer:
             )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         merges, pre = meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre")
-        backend = _byte_level_bpe(tokens, merges, pre)
-        _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or ())
+        backend = byte_level_bpe(tokens, merges, pre)
+        add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or ())
         return cls(
             backend,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -124,7 +110,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=eos,
             add_bos_token=bool(add_bos) and bos_id is not None,
-            chat_template=_hf_chat_template(path, cfg),
+            chat_template=hf_chat_template(path, cfg),
         )
 
     def save(self, folder: str) -> None:
@@ -260,82 +246,6 @@ def _replace_lone_surrogates(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox with the helpers HF templates expect."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # NOTE: like transformers: no HTML escaping (jinja's own tojson escapes <, >, &).
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-# -- GGUF tokenizer pieces -------------------------------------------------------------------
-
-
-def gguf_eos_token_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
-    """End-of-generation ids: eos, eot, eom, then control tokens llama.cpp also stops on."""
-    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    types = meta.get("tokenizer.ggml.token_type") or []
-    ids += [i for i, (tok, kind) in enumerate(zip(tokens, types))
-            if kind == TOKEN_CONTROL and tok in EOG_TEXTS]
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
-    """Byte-level BPE over the GGUF token list (already in GPT-2's byte-to-unicode spelling)."""
-    vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                 ignore_merges=(pre in _LLAMA3_PRE)))
-    backend.pre_tokenizer = _pre_tokenizer(pre)
-    if pre in _QWEN2_PRE:
-        backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """llama.cpp's split rules for `tokenizer.ggml.pre`, as HF pre-tokenizers."""
-    if pre == "smollm":
-        # NOTE: SmolLM2's tokenizer.json: every digit on its own, then GPT-2's regex.
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    if pre is None or pre in _GPT2_PRE:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT if pre in _QWEN2_PRE else None
-    if split is None:
-        raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(SUPPORTED_PRE)}); "
-            "load the model's Hugging Face directory instead"
-        )
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-
-
-def _add_gguf_special_tokens(backend: Backend, tokens: list[str], types: Sequence[int]) -> None:
-    """Control tokens become special tokens, user-defined ones plain added tokens (kept whole)."""
-    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
-    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-
 
 # -- HF directory pieces ---------------------------------------------------------------------
 
@@ -359,90 +269,3 @@ def _post_processor_adds_bos(backend: Backend, bos_id: int | None) -> bool:
         return False
     ids = backend.encode("a", add_special_tokens=True).ids
     return bool(ids) and ids[0] == bos_id
-
-
-def _hf_chat_template(path: str, cfg: Mapping[str, Any]) -> str | None:
-    """The default chat template: tokenizer_config.json, chat_template.jinja or .json."""
-    template = cfg.get("chat_template")
-    if template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
-        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-            template = f.read()
-    if template is None:
-        template = (_read_json(os.path.join(path, "chat_template.json")) or {}).get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default", next(iter(named.values()), None))
-    return template
-
-
-# -- streaming detokenization ------------------------------------------------------------------
-
-# Tokens of context decoded before the new ones (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
-_CONTEXT_TOKENS = 5
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of output token ids into text deltas, one request at a time.
-
-    Each `add` decodes only a small window: the tokens from `prefix_offset` (already emitted,
-    kept as context so spacing and merges come out right) to the end, and subtracts the text of
-    the window's already-emitted part (vLLM's prefix_offset / read_offset scheme).
-
-    NOTE: a delta never ends in a partial UTF-8 character: while the window's text ends in
-    U+FFFD the new tokens are held back. So `"".join(deltas) + flush()` equals
-    `tokenizer.decode(output_ids)`; `flush()` only returns text when the output ends inside a
-    character (or in a real U+FFFD).
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int] | None = None,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_token_ids or [])
-        self._num_prompt = len(self._ids)
-        self.read_offset = len(self._ids)  # ids before this are emitted
-        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)  # window start
-        self._pieces: list[str] = []
-
-    def add(self, new_token_ids: Sequence[int]) -> str:
-        """Append output tokens; return the text they complete ("" while held back)."""
-        self._ids.extend(new_token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        return self._emit(new_text[len(prefix_text):])
-
-    def flush(self) -> str:
-        """Emit whatever is held back (the output ended inside a character); "" otherwise."""
-        if self.read_offset == len(self._ids):
-            return ""
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset, len(self._ids))
-        return self._emit(new_text[len(prefix_text):])
-
-    @property
-    def text(self) -> str:
-        """All output text emitted so far (the concatenation of the deltas)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._ids[self._num_prompt:]
-
-    def _emit(self, delta: str) -> str:
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self._ids)
-        self._pieces.append(delta)
-        return delta
-
-    def _decode(self, start: int, stop: int) -> str:
-        if start >= stop:
-            return ""
-        return self.tokenizer.decode(self._ids[start:stop], self.skip_special_tokens)
