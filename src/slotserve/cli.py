@@ -38,8 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV pool size in bytes (e.g. 1G); default: a share of free memory")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: int8 weight-only linear layers on the CPU (opt-in; "
+    g.add_argument("--quantization", default=None, choices=["int8", "bf16"],
+                   help="int8: int8 weight-only linear layers on the CPU; bf16: the linear "
+                        "layers' weights in bfloat16, fp32 compute (CPU; both opt-in, "
                         "greedy agreement with fp32 in benchmarks/PERF.md)")
     g.add_argument("--kernels", default="auto", choices=list(KERNELS),
                    help="auto: fastest verified kernels; mkl: the same but fp32 linears "

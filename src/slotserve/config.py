@@ -136,7 +136,10 @@ class EngineConfig:
     # GEMM); "mkl": the same but fp32 linears through MKL's packed GEMM (for comparisons);
     # "reference": plain torch ops everywhere.
     kernels: str = "auto"
-    quantization: str | None = None  # "int8": int8 weight-only linears (CPU, opt-in)
+    # "int8": int8 weight-only linears (CPU, opt-in); "bf16": the linears' weights rounded to
+    # and stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU, opt-in).
+    # NOTE: not dtype="bfloat16", which runs the whole model (activations too) in bf16.
+    quantization: str | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -145,8 +148,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "bf16"):
+            raise ValueError("quantization must be None, 'int8' or 'bf16', "
+                             f"got {self.quantization!r}")
         if self.quantization and not self.device.startswith("cpu"):
-            raise ValueError("quantization='int8' runs on the CPU only; "
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
                              f"got device {self.device!r}")
