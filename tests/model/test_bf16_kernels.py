@@ -7,8 +7,9 @@ relative error of at most 2^-8 per value, the unit roundoff):
   bf16(W) to the last bit, and a float64 product over bf16(W) within fp32 summation error
   (1e-5 here). Against the unrounded W: |error| <= 2^-8 * sum_k |x_k| |W_kj| per output (the
   bound of each weight's rounding), plus the same fp32 slack.
-- bf16 activations: x is rounded too (another 2^-8 per product), and vdpbf16ps sums pairs of
-  exact products; against float64 over bf16(x) and bf16(W): 1e-5 absolute and relative.
+- bf16 activations (vdpbf16ps at any size, AMX from BF16_AMX_MIN_ROWS rows): x is rounded
+  too (another 2^-8 per product); the products of two bf16 are exact in fp32, so against
+  float64 over bf16(x) and bf16(W) only fp32 summation error is left: 1e-5 here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from slotserve import SamplingParams
 from slotserve.config import EngineConfig
+from slotserve.model import linear_kernels
 from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     Bf16PanelLinear,
@@ -117,13 +119,56 @@ def test_plain_loop_fallbacks_agree_with_the_vectorised_kernels(cpu_ops, bf16_ac
         assert torch.equal(plain, vectorised)
 
 
+@pytest.fixture
+def amx_ops(cpu_ops):
+    """The kernels, where AMX-BF16 is usable (built with it, and allowed by the OS)."""
+    if not cpu_ops.amx_bf16_usable():
+        pytest.skip("AMX-BF16 not usable here")
+    return cpu_ops
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 130])
+@pytest.mark.parametrize("in_features,out_features", [(95, 200), (576, 40), (1536, 32)])
+def test_amx_equals_the_rounded_product(amx_ops, rows, in_features, out_features):
+    weight, _ = random_linear(in_features, out_features, False, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    panels = amx_ops.pack_panels_bf16(weight.t().contiguous())
+    out = amx_ops.panel_linear_bf16_amx(x, panels, out_features)
+    expected = product64(x.bfloat16().float(), bf16_round(weight))
+    torch.testing.assert_close(out, expected, atol=FP32_SLACK, rtol=FP32_SLACK)
+
+
+def test_amx_rows_do_not_depend_on_the_batch_among_amx_calls(amx_ops):
+    weight, _ = random_linear(576, 96, False)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(1))
+    kernel = Bf16PanelLinear(weight, None, amx_ops, amx_min_rows=16)
+    full = kernel(x)
+    for rows in (16, 17, 33, 40):
+        assert torch.equal(kernel(x[:rows]), full[:rows]), rows
+        assert torch.equal(kernel(x[-rows:]), full[-rows:]), rows
+    # below the threshold: the fp32-activation mode, within bf16's rounding of x
+    bound = BF16_RELATIVE * (x[:15].double().abs() @ bf16_round(weight).double().abs())
+    assert ((kernel(x[:15]).double() - full[:15].double()).abs() <= bound + FP32_SLACK).all()
+
+
+def test_amx_forced_off_falls_back_to_widening(plain_loops):
+    assert not plain_loops.amx_bf16_usable()
+    weight, b = random_linear(95, 40, True)
+    x = torch.randn(20, 95, generator=torch.Generator().manual_seed(3))
+    with_amx = Bf16PanelLinear(weight, b, plain_loops, amx_min_rows=16)
+    assert torch.equal(with_amx(x), Bf16PanelLinear(weight, b, plain_loops)(x))
+    with pytest.raises(RuntimeError, match="AMX"):
+        plain_loops.panel_linear_bf16_amx(x, with_amx.panels, 40)
+
+
 def test_bf16_panels_check_their_inputs(cpu_ops):
     panels = cpu_ops.pack_panels_bf16(torch.randn(40, 8))  # 2 panels: 33-64 outputs fit
-    assert panels.dtype == torch.bfloat16 and panels.shape == (2, 4, 64)
+    # 4 input pairs, padded to 16 (the AMX tile's); so in_features is checked up to 32
+    assert panels.dtype == torch.bfloat16 and panels.shape == (2, 16, 64)
     with pytest.raises(RuntimeError, match="out_features"):
         cpu_ops.panel_linear_bf16(torch.randn(1, 8), panels, 70)
     with pytest.raises(RuntimeError, match="in_features"):
-        cpu_ops.panel_linear_bf16(torch.randn(1, 10), panels, 40)
+        cpu_ops.panel_linear_bf16(torch.randn(1, 40), panels, 40)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu_ops.panel_linear_bf16(torch.randn(1, 8), panels.float(), 40)
     with pytest.raises(RuntimeError, match="float32"):
@@ -150,8 +195,11 @@ def test_bf16_quantization_falls_back_to_the_torch_reference(tiny_llama, plain_l
                for m in fallback.runner.model.modules() if isinstance(m, Linear))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: qkv bias added after the kernel
-def test_decode_stack_with_bf16_panels_equals_python_layers(cpu_ops, kind):
+# qwen2: qkv bias added after the kernel; amx_min_rows 2: decode batches of 2-5 on AMX
+@pytest.mark.parametrize("kind,amx_min_rows", [("llama", 16), ("qwen2", 16), ("qwen2", 2)])
+def test_decode_stack_with_bf16_panels_equals_python_layers(cpu_ops, monkeypatch, kind,
+                                                            amx_min_rows):
+    monkeypatch.setattr(linear_kernels, "BF16_AMX_MIN_ROWS", amx_min_rows)
     engine = tiny_engine(tiny_hf_model(kind), quantization="bf16", block_size=16)
     assert engine.runner.model.decode_stack is not None
     decode_only = run_comparing_stack_and_python(engine, random_prompts(5), max_tokens=24)
@@ -171,7 +219,9 @@ def rounded_hf_model(kind: str):
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied: the embedding stays fp32
-def test_bf16_greedy_matches_hf_over_rounded_weights(kind, kernels):
+def test_bf16_greedy_matches_hf_over_rounded_weights(monkeypatch, kind, kernels):
+    """The fp32-activation path (AMX off: it rounds x too) equals HF over bf16(W)."""
+    monkeypatch.setattr(linear_kernels, "BF16_AMX_MIN_ROWS", 0)
     prompts = random_prompts(6, min_len=3, max_len=40, seed=3)
     llm = tiny_llm(tiny_hf_model(kind), block_size=8, num_blocks=128, kernels=kernels,
                    quantization="bf16")
@@ -191,27 +241,10 @@ def test_bf16_quantization_settings_are_checked(tiny_llama):
         swap_linear_kernels(model, quantization="bf16")
 
 
-def accept_string_request_ids(engine):
-    """NOTE: lab.quality.teacher_forced_argmax hands KVCacheManager.allocate_slots a request
-    id, where since prefix caching it takes a Request (its int8 test fails on main the same
-    way). Without prefix caching only `.request_id` is read: wrap the id until lab is fixed."""
-    from types import SimpleNamespace
-
-    allocate = engine.kv.allocate_slots
-    assert not engine.kv.enable_prefix_caching
-
-    def allocate_slots(request, num_total_tokens, computed_blocks=None):
-        if isinstance(request, str):
-            request = SimpleNamespace(request_id=request)
-        return allocate(request, num_total_tokens, computed_blocks)
-
-    engine.kv.allocate_slots = allocate_slots
-    return engine
-
-
 def test_bf16_greedy_agreement_on_smollm2():
     """The quality bar of quantization="bf16" (97% teacher-forced, benchmarks/int8_quality.py
     over 32 prompts), on a smaller sample."""
+    from benchmarks.int8_quality import accept_string_request_ids
     from slotserve.engine.llm import engine_config
     from slotserve.engine.llm_engine import LLMEngine
     from slotserve.lab.quality import greedy_agreement
