@@ -6,9 +6,10 @@
 Interleaved in one process (the order alternates from pass to pass, so that the host's
 minute hits every kernel alike; report medians of per-pass ratios):
 (1) the model's matmuls (all decoder linears + the LM head; the LM head not at the 512-row
-    prefill chunk) at 1, 4, 16, 64 and 512 rows, for: fp32 panels, bf16 panels with fp32
-    activations (what quantization="bf16" runs), bf16 panels with bf16 activations
-    (vdpbf16ps), and torch's own bf16 linear (oneDNN; output rounded to bf16, for scale);
+    prefill chunk) at 1, 4, 16, 64 and 512 rows, for (--variants): "fp32" panels, "bf16"
+    (what quantization="bf16" runs: bf16 panels widened below 16 rows, AMX from 16 where
+    usable), "bf16 widen" (fp32 activations at every size), "bf16 dot" (bf16 activations,
+    vdpbf16ps), "onednn bf16" (torch's bf16 linear; output rounded to bf16, for scale);
 (2) batch-1 decode, one request of 128 tokens (TPOT), fp32 against bf16 engines;
 (3) workload W at 64 slots (output tok/s), if --w-rounds > 0.
 Quality (greedy agreement with fp32) is benchmarks/int8_quality.py's.
@@ -58,8 +59,10 @@ def model_linears(target: EngineTarget, variant: str) -> tuple[list, object]:
     elif variant == "bf16":
         swap_linear_kernels(model, quantization="bf16")
     else:
-        factory = (functools.partial(Bf16PanelLinear, ops=load_cpu_ops(), bf16_activations=True)
-                   if variant == "bf16 dot" else OneDnnBf16Linear)
+        factory = {"bf16 dot": functools.partial(Bf16PanelLinear, ops=load_cpu_ops(),
+                                                 bf16_activations=True),
+                   "bf16 widen": functools.partial(Bf16PanelLinear, ops=load_cpu_ops()),
+                   "onednn bf16": OneDnnBf16Linear}[variant]
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_kernel(factory(module.weight, module.bias))
@@ -128,10 +131,12 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=21, help="matmul passes per row count")
     p.add_argument("--rounds", type=int, default=5, help="batch-1 rounds per engine")
     p.add_argument("--w-rounds", type=int, default=0, help="W (64 slots) rounds per engine")
+    p.add_argument("--variants", default="fp32,bf16,bf16 widen,bf16 dot,onednn bf16",
+                   help="matmul variants, comma-separated, fp32 first")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024)
-    variants = ("fp32", "bf16", "bf16 dot", "onednn bf16")
+    variants = tuple(args.variants.split(","))
     matmuls = matmul_passes(target, variants, args.passes)
     for rows, per in matmuls.items():
         for other in variants[1:]:
