@@ -274,8 +274,10 @@ class EngineConfig:
         the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
         MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
         reference: plain torch ops everywhere.
-    quantization: int8: int8 weight-only linear layers on the CPU (opt-in; greedy
-        agreement with fp32 in benchmarks/PERF.md).
+    quantization: int8: int8 weight-only linear layers on the CPU; bf16: the linear layers'
+        weights stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU;
+        NOTE: not dtype=bfloat16, which runs the whole model in bf16). Both opt-in; greedy
+        agreement with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
     """
@@ -284,7 +286,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     kernels: Literal["auto", "mkl", "reference"] = "auto"
-    quantization: Literal["int8"] | None = None
+    quantization: Literal["int8", "bf16"] | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -293,10 +295,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "bf16"):
+            raise ValueError("quantization must be None, 'int8' or 'bf16', "
+                             f"got {self.quantization!r}")
         if self.quantization and not self.device.startswith("cpu"):
-            raise ValueError("quantization='int8' runs on the CPU only; "
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
                              f"got device {self.device!r}")
 
 

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -618,6 +619,340 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
   return y;
 }
 
+// ---- bf16 weight panels, fp32 accumulation ------------------------------------------
+// The same panels of 32 outputs, with the weights rounded to bfloat16: half the bytes of
+// the fp32 panels, which is what a decode step with few rows waits for. Input pairs are
+// interleaved (the layout AVX512_BF16's vdpbf16ps multiplies): panel row kp holds, for each
+// of the 32 outputs j, the weights of inputs 2kp and 2kp + 1 side by side, one 32-bit lane
+// per output; 64 bf16 = two cache lines per input pair.
+//
+// Two ways to multiply (the caller picks one per layer; both keep outputs fp32):
+// - fp32 activations (`bf16_activations` false): each lane is widened in registers (shift
+//   or mask: a bf16 is the top half of an fp32) and multiplied by fp32 FMAs in the fp32
+//   panels' order. NOTE: the result equals, to the last bit, panel_linear's on the
+//   bf16-rounded weights; batch invariant like it.
+// - bf16 activations (true): each row of x rounded to bf16 (round to nearest even), and
+//   vdpbf16ps adds two products per lane and instruction (half the instructions). A row's
+//   sums still do not depend on its batch or tile (batch invariant), but each activation
+//   carries bf16's rounding (relative 2^-8) too.
+
+// Input pairs of a panel: ceil(in / 2), rounded up to 16 (the AMX kernel's tile of pairs;
+// the other kernels stop at the last real pair).
+inline int64_t padded_pairs(int64_t in) { return ((in + 1) / 2 + 15) / 16 * 16; }
+
+// weight (out, in) fp32 -> panels (ceil(out / 32), padded_pairs(in), 64) bf16, zero padded.
+torch::Tensor pack_panels_bf16(torch::Tensor weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  const int64_t outs = weight.size(0), in = weight.size(1);
+  const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH, pairs = padded_pairs(in);
+  auto padded = torch::zeros({panels * PANEL_WIDTH, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, outs).narrow(1, 0, in).copy_(weight);
+  return padded.to(torch::kBFloat16)  // round to nearest even
+      .view({panels, PANEL_WIDTH, pairs, 2})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .view({panels, pairs, 2 * PANEL_WIDTH});
+}
+
+// NOTE: set by a test (set_force_plain_loops) to run the plain-loop fallbacks of the bf16
+// kernels on a CPU that has the instructions: the path a CPU without them takes.
+bool g_force_plain_loops = false;
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  return std::bit_cast<float>(uint32_t(bits) << 16);
+}
+
+// The plain loops of both modes: input by input, fma in order. x: fp32 rows (row stride in)
+// or, in bf16 mode, rows of bf16 bits (row stride 2 * pairs).
+void panel_tile_bf16_plain(int rows, const float* x, const uint16_t* xb, const uint16_t* panel,
+                           int64_t in, float* y, int64_t outs, int64_t cols) {
+  const int64_t pairs = (in + 1) / 2;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < in; ++k) {
+        const float a = xb ? bf16_bits_to_float(xb[r * 2 * pairs + k]) : x[r * in + k];
+        const float w = bf16_bits_to_float(panel[(k / 2) * 2 * PANEL_WIDTH + 2 * j + k % 2]);
+        sum = std::fma(a, w, sum);
+      }
+      y[r * outs + j] = sum;
+    }
+}
+
+#if defined(__AVX512F__)
+// y[r, :cols] = x[r, :] . panel for ROWS rows of fp32 x, widening the bf16 weights.
+template <int ROWS>
+void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, float* y,
+                           int64_t outs, int64_t cols) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const int64_t pairs = (in + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;  // two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
+    const int64_t k = 2 * kp;
+    {  // input k: the low halves, shifted into place
+      const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+      const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * in + k]);
+        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      }
+    }
+    if (k + 1 < in) {  // input k + 1: the high halves, masked
+      const __m512 w0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+      const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * in + k + 1]);
+        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      }
+    }
+  }
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high_mask =
+      cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * outs + 16, high_mask, acc[r][1]);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// y[r, :cols] = xb[r, :] . panel for ROWS rows of bf16 x (pairs of inputs as one int32).
+template <int ROWS>
+void panel_tile_bf16_dot(const uint32_t* xb, const uint16_t* panel, int64_t pairs, float* y,
+                         int64_t outs, int64_t cols) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(xb[r * pairs + kp]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high_mask =
+      cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * outs + 16, high_mask, acc[r][1]);
+  }
+}
+#endif
+
+// Which bf16 modes run vectorised here: (fp32 activations: AVX-512F; bf16 activations:
+// AVX512_BF16). Without, the plain loops: right, but slower than the fp32 panels.
+std::tuple<bool, bool> panel_bf16_vectorised() {
+#if defined(__AVX512F__)
+  constexpr bool widen = true;
+#else
+  constexpr bool widen = false;
+#endif
+#if defined(__AVX512BF16__)
+  constexpr bool dot = true;
+#else
+  constexpr bool dot = false;
+#endif
+  return {widen && !g_force_plain_loops, dot && !g_force_plain_loops};
+}
+
+void set_force_plain_loops(bool force) { g_force_plain_loops = force; }
+
+template <int... R>
+void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const uint16_t* xb,
+                        const uint16_t* panel, int64_t in, float* y, int64_t outs,
+                        int64_t cols, std::integer_sequence<int, R...>) {
+  const int64_t pairs = (in + 1) / 2;
+  if (g_force_plain_loops) {
+    panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+    return;
+  }
+  if (bf16_activations) {
+#if defined(__AVX512BF16__)
+    const auto* xp = reinterpret_cast<const uint32_t*>(xb);
+    ((rows == R + 1 ? (panel_tile_bf16_dot<R + 1>(xp, panel, pairs, y, outs, cols), 0) : 0),
+     ...);
+#else
+    panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+#endif
+    return;
+  }
+#if defined(__AVX512F__)
+  ((rows == R + 1 ? (panel_tile_bf16_widen<R + 1>(x, panel, in, y, outs, cols), 0) : 0), ...);
+#else
+  panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+#endif
+}
+
+// y (T, out) = x (T, in) @ W^T, W given as pack_panels_bf16(W (out, in)); x fp32, rounded
+// to bf16 first when bf16_activations.
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                                bool bf16_activations) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
+              "panels must be bfloat16 on the CPU");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
+  TORCH_CHECK(panels.size(1) == pairs16, "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+  torch::Tensor xb;  // (T, 2 * pairs) bf16, the odd input's partner zero
+  if (bf16_activations) {
+    xb = torch::zeros({tokens, 2 * pairs}, x.options().dtype(torch::kBFloat16));
+    xb.narrow(1, 0, in).copy_(x);  // round to nearest even
+  }
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* xbp =
+      bf16_activations ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+  const int64_t base = tokens / tiles, extra = tokens % tiles;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
+      for (int64_t t = 0, row = 0; t < tiles; ++t) {
+        const int rows = int(base + (t < extra ? 1 : 0));
+        panel_tile_bf16_of(rows, bf16_activations, xp + row * in,
+                           xbp ? xbp + row * 2 * pairs : nullptr,
+                           pp + p * pairs16 * 2 * PANEL_WIDTH, in,
+                           yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
+                           std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+        row += rows;
+      }
+    }
+  });
+  return y;
+}
+
+// ---- bf16 panels on AMX (many rows) ---------------------------------------------------
+// At 64+ rows a step is compute-bound: AMX's tile multiply (TDPBF16PS: a 16 x 32 bf16 tile
+// of x times a 32 x 16 tile of weights into 16 x 16 fp32 sums) does in one instruction
+// what takes 32 FMAs. The weight tiles are read straight from the bf16 panels (16 input
+// pairs x 16 outputs, row stride one panel row), x is rounded to bf16 (round to nearest
+// even), and the sums stay fp32 to the output. NOTE: like the vdpbf16ps mode each row's
+// sums do not depend on the other rows (batch invariant among AMX calls), but they differ
+// from the fp32-activation mode's: a caller that switches mode by row count gives up bit-
+// for-bit batch invariance across that switch.
+constexpr int64_t AMX_ROWS = 16, AMX_PAIRS = 16;  // one tile: 16 rows x 16 input pairs
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: sums (row block 0/1 x output half 0/1); 4, 5: x of row block 0/1; 6, 7: weights
+// of output half 0/1. Sixteen input pairs per step (the panels are padded to that).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y[rows0 .. rows0 + 32) x [p * 32, +cols) for two blocks of 16 rows of xb (bf16 rows of
+// stride ldx elements, padded with zero rows), the weights of one panel.
+void amx_panel_block(const uint16_t* xb, int64_t ldx, const uint16_t* panel, int64_t pairs16,
+                     float* tmp /* 32 x 32 */) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kp = 0; kp < pairs16; kp += AMX_PAIRS) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
+    _tile_loadd(6, w, 2 * PANEL_WIDTH * 2);
+    _tile_loadd(7, w + PANEL_WIDTH, 2 * PANEL_WIDTH * 2);
+    _tile_loadd(4, xb + 2 * kp, ldx * 2);
+    _tile_loadd(5, xb + AMX_ROWS * ldx + 2 * kp, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, tmp, 32 * 4);
+  _tile_stored(1, tmp + 16, 32 * 4);
+  _tile_stored(2, tmp + 16 * 32, 32 * 4);
+  _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
+}
+#endif
+
+// Whether AMX-BF16 runs here: built with it, and the OS lets this process use the tiles.
+bool amx_bf16_usable() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  static const bool usable = at::cpu::init_amx();
+  return usable && !g_force_plain_loops;
+#else
+  return false;
+#endif
+}
+
+// y (T, out) = bf16(x) @ W^T on AMX, W as pack_panels_bf16(W); needs amx_bf16_usable().
+torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
+                                    int64_t out_features) {
+  TORCH_CHECK(amx_bf16_usable(), "AMX-BF16 is not usable here");
+  check_cpu_float(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
+              "panels must be bfloat16 on the CPU");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  const int64_t pairs16 = panels.size(1);
+  TORCH_CHECK(pairs16 == padded_pairs(in), "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  // x in bf16, zero-padded to a multiple of 2 x 16 rows and of 32 inputs
+  const int64_t blocks = (tokens + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), ldx = 2 * pairs16;
+  auto xb = torch::zeros({blocks * 2 * AMX_ROWS, ldx}, x.options().dtype(torch::kBFloat16));
+  xb.narrow(0, 0, tokens).narrow(1, 0, in).copy_(x);
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float tmp[2 * AMX_ROWS * PANEL_WIDTH];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
+      for (int64_t b = 0; b < blocks; ++b) {
+        amx_panel_block(xbp + b * 2 * AMX_ROWS * ldx, ldx, pp + p * pairs16 * 2 * PANEL_WIDTH,
+                        pairs16, tmp);
+        const int64_t rows = std::min(2 * AMX_ROWS, tokens - b * 2 * AMX_ROWS);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(tmp + r * PANEL_WIDTH, cols,
+                      yp + (b * 2 * AMX_ROWS + r) * out_features + p * PANEL_WIDTH);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
+
 // ---- the decode stack: every decoder layer of an all-decode iteration in one call -----
 // At batch 1 a step's kernels are short (a few us each) and the Python around them (module
 // calls, views, ~15 calls per layer) cost 2-3 ms of a 10-25 ms step. For an iteration of
@@ -627,12 +962,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
 
 // One linear layer's weights, in whichever form its kernel (model/linear_kernels.py) keeps.
 struct LinearWeights {
-  enum class Kind { kPlain, kMkl, kInt8, kPanel };
+  enum class Kind { kPlain, kMkl, kInt8, kPanel, kPanelBf16, kPanelBf16Dot };
   Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
-              // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W)
+              // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W);
+              // panel_bf16 (fp32 activations), panel_bf16_dot (bf16 activations):
+              // a = pack_panels_bf16(W)
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
-  int64_t out_features;  // panel only (its last panel may be padded)
+  int64_t out_features;  // panels only (the last panel may be padded)
+  int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never)
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // (T, in) -> (T, out)
     if (kind == Kind::kMkl) {
@@ -645,25 +983,33 @@ struct LinearWeights {
       return mkl_linear.call(x, a, b, bias, x.size(0));
     }
     if (kind == Kind::kPlain) return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
-    torch::Tensor y = kind == Kind::kPanel ? panel_linear(x, a, out_features)
-                                           : int8_linear(x, a, b);
+    torch::Tensor y = kind == Kind::kPanel      ? panel_linear(x, a, out_features)
+                      : kind == Kind::kInt8     ? int8_linear(x, a, b)
+                      : kind == Kind::kPanelBf16 && amx_min_rows > 0 &&
+                              x.size(0) >= amx_min_rows && amx_bf16_usable()
+                          ? panel_linear_bf16_amx(x, a, out_features)
+                          : panel_linear_bf16(x, a, out_features, kind == Kind::kPanelBf16Dot);
     return bias ? y.add_(*bias) : y;
   }
 };
 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
-                          int64_t out_features) {
+                          int64_t out_features, int64_t amx_min_rows) {
   using Kind = LinearWeights::Kind;
-  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8" || kind == "panel",
-              "linear kind must be plain, mkl, int8 or panel, got ", kind);
-  TORCH_CHECK(kind == "plain" || kind == "panel" || b, kind, " linear needs its second tensor");
-  TORCH_CHECK(kind != "panel" || out_features > 0, "panel linear needs out_features");
-  const Kind parsed = kind == "plain" ? Kind::kPlain
-                      : kind == "mkl" ? Kind::kMkl
-                      : kind == "int8" ? Kind::kInt8
-                                       : Kind::kPanel;
-  return {parsed, a, b ? *b : torch::Tensor(), bias, out_features};
+  const bool panel = kind == "panel" || kind == "panel_bf16" || kind == "panel_bf16_dot";
+  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8" || panel,
+              "linear kind must be plain, mkl, int8 or panel (or panel_bf16, panel_bf16_dot), got ",
+              kind);
+  TORCH_CHECK(kind == "plain" || panel || b, kind, " linear needs its second tensor");
+  TORCH_CHECK(!panel || out_features > 0, "panel linear needs out_features");
+  const Kind parsed = kind == "plain"        ? Kind::kPlain
+                      : kind == "mkl"        ? Kind::kMkl
+                      : kind == "int8"       ? Kind::kInt8
+                      : kind == "panel"      ? Kind::kPanel
+                      : kind == "panel_bf16" ? Kind::kPanelBf16
+                                             : Kind::kPanelBf16Dot;
+  return {parsed, a, b ? *b : torch::Tensor(), bias, out_features, amx_min_rows};
 }
 
 struct DecoderLayerWeights {
@@ -735,12 +1081,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,
         "whether panel_linear runs vectorised (AVX-512)");
+  m.def("pack_panels_bf16", &pack_panels_bf16,
+        "fp32 weights (out, in) rounded to bf16, as panels for panel_linear_bf16");
+  m.def("panel_linear_bf16", &panel_linear_bf16,
+        "x @ W^T, W as pack_panels_bf16(W), fp32 accumulation; activations fp32 or rounded "
+        "to bf16", py::arg("x"), py::arg("panels"), py::arg("out_features"),
+        py::arg("bf16_activations") = false);
+  m.def("panel_linear_bf16_amx", &panel_linear_bf16_amx,
+        "x @ W^T on AMX-BF16, W as pack_panels_bf16(W), x rounded to bf16, fp32 sums");
+  m.def("amx_bf16_usable", &amx_bf16_usable, "whether panel_linear_bf16_amx runs here");
+  m.def("panel_bf16_vectorised", &panel_bf16_vectorised,
+        "(fp32-activation mode, bf16-activation mode) run vectorised (AVX-512F, AVX512_BF16)");
+  m.def("set_force_plain_loops", &set_force_plain_loops,
+        "tests: run the bf16 panel kernels' plain-loop fallbacks even where vectorised");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V context");
   py::class_<LinearWeights>(m, "LinearWeights");
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
-        py::arg("out_features") = -1);
+        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)

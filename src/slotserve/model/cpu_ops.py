@@ -17,6 +17,11 @@ The module's functions, all fp32 on the CPU:
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
 - pack_panels(weight (out, in)) -> panels; panel_linear(x (T, in), panels, out) -> (T, out):
   the fp32 matmul of linear_kernels.PanelLinear (the default on CPUs with AVX-512)
+- pack_panels_bf16(weight (out, in)) -> bf16 panels; panel_linear_bf16(x, panels, out,
+  bf16_activations=False) -> (T, out) fp32: the matmul of linear_kernels.Bf16PanelLinear
+  (quantization="bf16"); panel_bf16_vectorised() -> (fp32-activation mode, bf16-activation
+  mode) vectorised here; panel_linear_bf16_amx(x, panels, out) on AMX tiles (x rounded to
+  bf16) where amx_bf16_usable(); set_force_plain_loops(bool): tests run the fallbacks
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack
 """

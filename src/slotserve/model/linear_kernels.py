@@ -13,6 +13,12 @@ then calls it instead (the original weight is released: one copy in memory, not 
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
+- Bf16PanelLinear: opt-in `quantization="bf16"`. The weights rounded to bfloat16 once and
+  kept in bf16 panels (csrc/cpu_ops.cpp, `panel_linear_bf16`): half the fp32 panels' bytes,
+  widened to fp32 in registers, fp32 activations and accumulation; equal to the last bit to
+  the fp32 panels over the rounded weights. From 16 rows on, where AMX is usable, x is
+  rounded to bf16 too and multiplied on AMX tiles (fp32 sums). Without the fused kernels
+  (or with kernels="reference") Bf16RoundedLinear: the fp32 math over the rounded weights.
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
   (symmetric), activations int16 through the fused CPU kernel (bfloat16 through torch's
   kernel with kernels="reference"). 4x fewer weight bytes per decode step; held to a
@@ -60,6 +66,76 @@ class PanelLinear:
     def cpp_weights(self, ops):
         """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
         return ops.linear_weights("panel", self.panels, None, self.bias, self.out_features)
+
+
+def bf16_round(weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of `weight` rounded to bfloat16 (round to nearest even)."""
+    return weight.detach().float().bfloat16().float()
+
+
+# NOTE: from 16 rows on, AMX's tile multiply (x rounded to bf16) ran the model's matmuls
+# 1.7-3.5x faster than widening the weights (which is compute-bound there); below, AMX's
+# 16-row tiles are mostly padding (benchmarks/PERF.md, "bf16 weights").
+BF16_AMX_MIN_ROWS = 16
+
+
+class Bf16PanelLinear:
+    """y = x @ bf16(W) (+ b) through the fused kernels over bf16 panels; W given (in, out).
+
+    The weights are stored in bfloat16 (half the bytes a decode step reads); y, the bias and
+    the sums stay fp32. Modes:
+    - default: x stays fp32, the weights are widened in registers (`panel_linear_bf16`):
+      equal to the fp32 panels over bf16(W), batch invariant to the last bit;
+    - amx_min_rows=N (> 0): calls of N rows or more (prefill chunks, large decode batches)
+      round x to bf16 and run on AMX (`panel_linear_bf16_amx`) where the OS allows it.
+      NOTE: a row's result then depends on whether its batch reached N rows;
+    - bf16_activations=True: x rounded to bf16 and AVX512_BF16's vdpbf16ps at every size
+      (measured slower than widening here: benchmarks/bf16_vs_fp32.py; for comparisons).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
+                 bf16_activations: bool = False, amx_min_rows: int = 0) -> None:
+        self.out_features = weight.shape[1]
+        self.panels = ops.pack_panels_bf16(weight.detach().float().t().contiguous())
+        self.bias = None if bias is None else bias.detach()
+        self.bf16_activations = bf16_activations
+        self.amx_min_rows = amx_min_rows
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        if 0 < self.amx_min_rows <= x.shape[0] and self.ops.amx_bf16_usable():
+            y = self.ops.panel_linear_bf16_amx(x, self.panels, self.out_features)
+        else:
+            y = self.ops.panel_linear_bf16(x, self.panels, self.out_features,
+                                           self.bf16_activations)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def cpp_weights(self, ops):
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        kind = "panel_bf16_dot" if self.bf16_activations else "panel_bf16"
+        return ops.linear_weights(kind, self.panels, None, self.bias, self.out_features,
+                                  self.amx_min_rows)
+
+
+class Bf16RoundedLinear:
+    """The reference of quantization="bf16": plain torch over the bf16-rounded weights,
+    held in fp32 (no bytes saved: the math of Bf16PanelLinear, not its speed)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = bf16_round(weight)  # (in, out)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def cpp_weights(self, ops):
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.linear_weights("plain", self.weight, None, self.bias)
+
+
+def bf16_panel_kernel_available(ops) -> bool:
+    """Whether `ops` runs panel_linear_bf16 (fp32 activations) vectorised (AVX-512)."""
+    return ops is not None and ops.panel_bf16_vectorised()[0]
 
 
 def mkl_packed_available() -> bool:
@@ -153,6 +229,20 @@ def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",
 
 def _choose(model: nn.Module, kernels: str, quantization: str | None):
     cpu_fp32 = on_cpu_fp32(model)
+    if quantization == "bf16":
+        if not cpu_fp32:
+            raise ValueError("quantization='bf16' needs the model on the CPU in float32 "
+                             "(the weights are rounded to bf16, activations stay float32)")
+        ops = load_cpu_ops() if kernels != "reference" else None
+        if bf16_panel_kernel_available(ops):
+            if ops.amx_bf16_usable():
+                return (functools.partial(Bf16PanelLinear, ops=ops,
+                                          amx_min_rows=BF16_AMX_MIN_ROWS),
+                        f"bf16 weight panels, fp32 activations below {BF16_AMX_MIN_ROWS} "
+                        "rows, AMX from there (fused CPU kernels)")
+            return (functools.partial(Bf16PanelLinear, ops=ops),
+                    "bf16 weight panels, fp32 activations (fused CPU kernel)")
+        return Bf16RoundedLinear, "bf16-rounded weights (torch reference)"
     if quantization == "int8":
         if not cpu_fp32:
             raise ValueError("quantization='int8' needs the model on the CPU in float32")
