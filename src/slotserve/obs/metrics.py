@@ -98,9 +98,12 @@ class ServerMetrics:
         self.slo_met_total = 0
         self.slo_judged_total = 0
         for tenant in self.known_tenants:
-            for metric in (self.tenant_ttft, self.tenant_queue_time, self.slo_met,
-                           self.slo_missed):
-                metric.labels(tenant)
+            self._label_tenant(tenant)
+
+    def _label_tenant(self, tenant: str) -> None:
+        """Give a tenant its series (at zero until observed); idempotent."""
+        for metric in (self.tenant_ttft, self.tenant_queue_time, self.slo_met, self.slo_missed):
+            metric.labels(tenant)
 
     @property
     def slo_attainment(self) -> float:
@@ -125,6 +128,7 @@ class ServerMetrics:
         for finished in event.observed():
             self.observe_finished(finished)
         for finished in event.finished:
+            self._label_tenant(finished.tenant)
             if finished.finish_reason in SLO_JUDGED_REASONS:
                 self.observe_goodput(finished)
 
