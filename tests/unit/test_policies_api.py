@@ -214,8 +214,11 @@ def test_slo_reject_answers_503(tiny_llama):
 
 # --------------------------------------------------------------------------- metrics
 def test_tenant_metrics_present_from_start_and_counting(tiny_llama):
-    engine = served(tiny_llama, scheduling_policy="fair", tenant_weights={"carol": 4})
-    app = build_app(engine, "tiny", access=AccessPolicy(api_keys=KEYS, admin_key=ADMIN))
+    access = AccessPolicy(api_keys=KEYS, admin_key=ADMIN)
+    # As `slotserve serve` does: the keys' weights, here with one tenant that has no key.
+    engine = served(tiny_llama, scheduling_policy="fair",
+                    tenant_weights=(*tenant_weights(access), ("carol", 4.0)))
+    app = build_app(engine, "tiny", access=access)
     try:
         with TestClient(app, raise_server_exceptions=False) as client:
             before = metrics(client, bearer(ADMIN))
@@ -224,6 +227,7 @@ def test_tenant_metrics_present_from_start_and_counting(tiny_llama):
                                   "slo_tpot_ms": 60_000})
             assert r.status_code == 200, r.text
             after = metrics(client, bearer(ADMIN))
+            state = client.get("/debug/state", headers=bearer(ADMIN)).json()
     finally:
         engine.stop()
     assert before['slotserve:scheduling_policy_info{scheduling_policy="fair"}'] == 1
@@ -246,6 +250,10 @@ def test_tenant_metrics_present_from_start_and_counting(tiny_llama):
     assert after[f"slotserve:request_slo_met_total{alice}"] == 1
     assert after['slotserve:tenant_generation_tokens_total{tenant="bob"}'] == 0
     assert after["slotserve:slo_attainment"] == 1
+    # The live view's tenant legend: the policy, and tenants by tokens served.
+    assert state["scheduling_policy"] == "fair"
+    assert state["tenants"] == [{"name": "alice", "weight": 2.0, "active": 0,
+                                 "tokens_served": len(PROMPT) + 3}]
 
 
 # --------------------------------------------------------------------------- bad values
