@@ -117,3 +117,44 @@ def test_prefix_cache_counters_and_hit_rate(tiny_llama):
     assert m["slotserve:kv_blocks_cached_free"] >= 3
     assert m["slotserve:kv_blocks_shared"] == 0
     assert m["slotserve:kv_blocks_free"] == 32
+
+
+def test_scheduling_series_exist_from_start_at_zero(engine):
+    metrics = ServerMetrics(engine, tenants=["alice"])
+    m = samples(metrics)
+    assert m['slotserve:scheduling_policy_info{scheduling_policy="fcfs"}'] == 1
+    assert m["slotserve:slo_attainment"] == 0
+    for tenant in ("alice", "default"):
+        label = f'{{tenant="{tenant}"}}'
+        assert m[f"slotserve:tenant_generation_tokens_total{label}"] == 0
+        assert m[f"slotserve:tenant_time_to_first_token_seconds_count{label}"] == 0
+        assert m[f"slotserve:request_slo_met_total{label}"] == 0
+        assert m[f"slotserve:request_slo_missed_total{label}"] == 0
+
+
+def test_per_tenant_service_and_goodput(engine):
+    metrics = ServerMetrics(engine)
+    metrics.attach()
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("met", [5, 6, 7], params, tenant="alice", slo_ttft_ms=60_000)
+    # 1 ns: no first token comes that fast, so this one misses its SLO.
+    engine.add_request("missed", [8, 9], params, tenant="bob", slo_ttft_ms=1e-6)
+    engine.add_request("gone", [10, 11], params, tenant="bob")
+    engine.step()
+    engine.abort_request("gone")  # aborted: neither met nor missed
+    while engine.has_unfinished_requests():
+        engine.step()
+    m = samples(metrics)
+    alice, bob = '{tenant="alice"}', '{tenant="bob"}'
+    assert m[f"slotserve:request_slo_met_total{alice}"] == 1
+    assert m[f"slotserve:request_slo_missed_total{alice}"] == 0
+    assert m[f"slotserve:request_slo_met_total{bob}"] == 0
+    assert m[f"slotserve:request_slo_missed_total{bob}"] == 1
+    assert m["slotserve:slo_attainment"] == pytest.approx(1 / 2)
+    assert m[f"slotserve:tenant_prompt_tokens_total{alice}"] == 3
+    assert m[f"slotserve:tenant_generation_tokens_total{alice}"] == 3
+    assert m[f"slotserve:tenant_time_to_first_token_seconds_count{alice}"] == 1
+    assert m[f"slotserve:tenant_time_to_first_token_seconds_count{bob}"] == 1  # not "gone"
+    assert m[f"slotserve:tenant_request_queue_time_seconds_count{bob}"] == 1
+    assert m[f"slotserve:tenant_requests_active{bob}"] == 0
+    assert m['slotserve:tenant_generation_tokens_total{tenant="default"}'] == 0

@@ -25,9 +25,10 @@ class SaltRecorder(AsyncEngine):
         super().__init__(*args, **kwargs)
         self.salts: list = []
 
-    def generate(self, request_id, prompt, params, *, cache_salt=None):
+    def generate(self, request_id, prompt, params, *, cache_salt=None, **scheduling):
         self.salts.append(cache_salt)
-        return super().generate(request_id, prompt, params, cache_salt=cache_salt)
+        return super().generate(request_id, prompt, params, cache_salt=cache_salt,
+                                **scheduling)
 
 
 @pytest.fixture

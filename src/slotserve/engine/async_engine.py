@@ -29,6 +29,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from slotserve.config import check_slo_ms
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
@@ -59,6 +60,26 @@ class _Stream:
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True)
+class _PolicyFields:
+    """A request's fields for the scheduling policy (LLMEngine.add_request's)."""
+
+    priority: int = 0
+    tenant: str = "default"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+
+    def check(self) -> None:
+        """ValueError naming the field (before the request is queued, so the caller gets
+        it at once rather than from the engine thread)."""
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
+        check_slo_ms("slo_ttft_ms", self.slo_ttft_ms)
+        check_slo_ms("slo_tpot_ms", self.slo_tpot_ms)
 
 
 class AsyncEngine:
@@ -175,13 +196,19 @@ class AsyncEngine:
         return ids
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0,
+                       tenant: str = "default", slo_ttft_ms: float | None = None,
+                       slo_tpot_ms: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (each carries deltas); aborts it if the consumer leaves.
 
         cache_salt: requests with different salts never share prefix-cache blocks (a
         non-empty string, or None).
+        priority, tenant, slo_ttft_ms, slo_tpot_ms: for the scheduling policy (see
+        `LLMEngine.add_request`); ValueError naming the field if malformed. A request the
+        `deadline` policy rejects (slo_reject) finishes with finish_reason "rejected".
         """
-        stream = self._open(request_id, prompt, params, cache_salt)
+        policy = _PolicyFields(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        stream = self._open(request_id, prompt, params, cache_salt, policy)
         finished = False
         try:
             while True:
@@ -201,13 +228,15 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     def _open(self, request_id: str, prompt: Prompt, params: SamplingParams,
-              cache_salt: str | None = None) -> _Stream:
+              cache_salt: str | None = None, policy: _PolicyFields | None = None) -> _Stream:
         self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         ids = self.validate(prompt, params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string if given")
+        policy = policy or _PolicyFields()
+        policy.check()
         text = prompt if isinstance(prompt, str) else None
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), params.n)
         with self._lock:
@@ -222,7 +251,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
             self._queued_seqs += params.n
-        self._commands.put(("add", request_id, (text, ids, cache_salt), params))
+        self._commands.put(("add", request_id, (text, ids, cache_salt, policy), params))
         self._wakeup.set()
         return stream
 
@@ -316,7 +345,7 @@ class AsyncEngine:
         loop.call_soon_threadsafe(settle, done.set_result, result)
 
     def _add(self, request_id: str, prompt: tuple, params: SamplingParams) -> None:
-        text, ids, cache_salt = prompt
+        text, ids, cache_salt, policy = prompt
         with self._lock:
             self._queued_seqs -= params.n
             left = self._queued_adds.pop(request_id) - 1
@@ -327,7 +356,9 @@ class AsyncEngine:
             return  # the client left before the engine saw the request
         try:
             self.engine.add_request(request_id, ids, params, prompt_text=text,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, priority=policy.priority,
+                                    tenant=policy.tenant, slo_ttft_ms=policy.slo_ttft_ms,
+                                    slo_tpot_ms=policy.slo_tpot_ms)
         except ValueError as exc:
             stream.put(exc)
 

@@ -32,6 +32,18 @@ class SlotView:
 
 
 @dataclass(frozen=True)
+class TenantView:
+    """One tenant's service so far (the scheduling policy's counters, core/queue_policy.py)."""
+
+    name: str
+    weight: float
+    virtual_counter: float  # VTC's weighted cost of the service it got (`fair` orders by it)
+    prompt_tokens: int  # prompt tokens processed (prefix-cache hits are not)
+    output_tokens: int  # tokens generated
+    active: int  # its requests in the scheduler (waiting or running)
+
+
+@dataclass(frozen=True)
 class BlockMap:
     """Where the KV blocks are, as runs of consecutive block ids.
 
@@ -92,6 +104,10 @@ class EngineSnapshot:
     busy_seconds: float
     finished_by_reason: tuple[tuple[str, int], ...]
     block_map: BlockMap | None = None  # only when asked for (it costs a pass over the tables)
+    # scheduling policy (--scheduling-policy) and the tenants it has seen, by name
+    scheduling_policy: str = "fcfs"
+    tenants: tuple[TenantView, ...] = ()
+    configured_tenants: tuple[str, ...] = ()  # named in SchedulerConfig.tenant_weights
 
     @property
     def kv_blocks_used(self) -> int:
@@ -119,6 +135,9 @@ class FinishedCompletion:
     num_output_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None
+    tenant: str = "default"
+    # Goodput: finished normally (stop / length) within both SLOs (`Request.met_slo`).
+    met_slo: bool = False
 
 
 @dataclass(frozen=True)

@@ -586,7 +586,8 @@ def _finished_completion(request: Request) -> FinishedCompletion:
         request_id=request.request_id, finish_reason=request.finish_reason or "unknown",
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=len(request.output_token_ids),
-        num_cached_tokens=request.num_cached_tokens, metrics=metrics)
+        num_cached_tokens=request.num_cached_tokens, metrics=metrics, tenant=request.tenant,
+        met_slo=request.met_slo)
 
 
 def _eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from slotserve.engine.events import EngineSnapshot, SlotView, build_block_map
+from slotserve.engine.events import EngineSnapshot, SlotView, TenantView, build_block_map
 
 
 def build_snapshot(engine, include_blocks: bool = False) -> EngineSnapshot:
@@ -41,4 +41,14 @@ def build_snapshot(engine, include_blocks: bool = False) -> EngineSnapshot:
         iterations=stats.iterations, prompt_tokens=stats.prompt_tokens,
         generation_tokens=stats.generation_tokens, busy_seconds=stats.busy_seconds,
         finished_by_reason=tuple(sorted(stats.finished_by_reason.items())),
-        block_map=block_map)
+        block_map=block_map, scheduling_policy=str(sched.scheduling_policy),
+        tenants=_tenants(sched.policy_state()),
+        configured_tenants=tuple(name for name, _ in config.tenant_weights))
+
+
+def _tenants(state: dict) -> tuple[TenantView, ...]:
+    """The policy state's tenants (by name) as frozen views."""
+    return tuple(TenantView(
+        name=name, weight=t["weight"], virtual_counter=t["virtual_counter"],
+        prompt_tokens=t["prompt_tokens"], output_tokens=t["output_tokens"], active=t["active"])
+        for name, t in sorted(state.get("tenants", {}).items()))

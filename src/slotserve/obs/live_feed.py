@@ -119,6 +119,7 @@ class LiveFeed:
     def config(self, snap: EngineSnapshot | None = None) -> dict:
         snap = snap or self.engine.snapshot()
         return {"model": snap.model, "policy": snap.policy, "num_slots": snap.num_slots,
+                "scheduling_policy": snap.scheduling_policy,
                 "kv_blocks_total": snap.kv_blocks_total, "block_size": snap.block_size,
                 "max_num_batched_tokens": snap.max_num_batched_tokens,
                 "max_model_len": snap.max_model_len,
@@ -152,6 +153,7 @@ class LiveFeed:
             "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
             "blocks": snap.block_map.to_json() if snap.block_map is not None else None,
             "dropped": dropped, "clients": self.num_clients,
+            "tenants": live_tenants(snap),
         }
 
     def _tokens_per_s(self, now: float, total: int, span_s: float = 5.0) -> float:
@@ -164,3 +166,15 @@ class LiveFeed:
                 samples.popleft()
             t0, n0 = samples[0]
         return (total - n0) / (now - t0) if now - t0 >= 0.5 else 0.0
+
+
+MAX_LIVE_TENANTS = 16  # the live view lists the tenants served most (the rest: "more")
+
+
+def live_tenants(snap: EngineSnapshot) -> list[dict]:
+    """The tenants served most (tokens), at most MAX_LIVE_TENANTS, for the live view's
+    tenant legend: name, weight, tokens served, active requests."""
+    ranked = sorted(snap.tenants, key=lambda t: (-(t.prompt_tokens + t.output_tokens), t.name))
+    return [{"name": t.name, "weight": t.weight, "active": t.active,
+             "tokens_served": t.prompt_tokens + t.output_tokens}
+            for t in ranked[:MAX_LIVE_TENANTS]]

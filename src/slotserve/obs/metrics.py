@@ -8,21 +8,35 @@
   the engine thread (`subscribe`); prometheus_client metrics are thread-safe.
 - Slot utilisation (busy slot-iterations / (slots x iterations), as in the seed) covers the
   iterations of the last `window_s` seconds (a `SlotWindow` fed by the same events).
+- Scheduling (--scheduling-policy): `scheduling_policy_info{scheduling_policy}`; per tenant
+  (label `tenant`) the tokens served and the virtual counter (from the snapshot), queue time
+  and TTFT sums and counts (from the events), and goodput: `request_slo_met_total` /
+  `request_slo_missed_total` (finished stop / length within both SLOs, or not; "rejected"
+  ones missed) and the gauge `slo_attainment` (met / judged since start, 0 before any).
+  Every tenant known at start ("default", the keys file's, SchedulerConfig.tenant_weights')
+  has its series from the start, at zero. NOTE: tenant labels are bounded by the server
+  (keys-file tenants, or --max-user-tenants names of the `user` field).
 
 Each ServerMetrics has its own CollectorRegistry, so a process can hold several apps.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from slotserve.engine.events import FinishedCompletion, IterationEvent
+from slotserve.engine.events import OBSERVED_REASONS, FinishedCompletion, IterationEvent
 from slotserve.obs.windows import SlotWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "slotserve:"
+DEFAULT_TENANT = "default"
+# Finish reasons judged against the SLOs (goodput): normal ends, and the deadline policy's
+# rejections (missed by definition). Aborted and failed requests are not judged.
+SLO_JUDGED_REASONS = (*OBSERVED_REASONS, "rejected")
 
 # Buckets as vLLM's (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -40,12 +54,18 @@ class ServerMetrics:
     AsyncEngine or an LLMEngine).
     """
 
-    def __init__(self, engine, window_s: float = 10.0) -> None:
+    def __init__(self, engine, window_s: float = 10.0, tenants=()) -> None:
+        """tenants: tenant names whose series exist from the start (with "default" and the
+        engine's configured tenants)."""
         self.engine = engine
         self.registry = CollectorRegistry()
-        self.slots = SlotWindow(engine.snapshot().num_slots, window_s)
+        snap = engine.snapshot()
+        self.slots = SlotWindow(snap.num_slots, window_s)
         self._histograms(self.registry)
-        self.registry.register(EngineCollector(engine, self.slots))
+        self.known_tenants = tuple(sorted({DEFAULT_TENANT, *tenants,
+                                           *getattr(snap, "configured_tenants", ())}))
+        self._tenant_metrics(self.registry)
+        self.registry.register(EngineCollector(engine, self.slots, self))
         self._attached = False
 
     def _histograms(self, registry: CollectorRegistry) -> None:
@@ -60,6 +80,36 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
                                "Arrival to first scheduled iteration.", REQUEST_BUCKETS)
+
+    def _tenant_metrics(self, registry: CollectorRegistry) -> None:
+        self.tenant_ttft = Summary(PREFIX + "tenant_time_to_first_token_seconds",
+                                   "Time to first token, by tenant (sum and count).",
+                                   ["tenant"], registry=registry)
+        self.tenant_queue_time = Summary(PREFIX + "tenant_request_queue_time_seconds",
+                                         "Arrival to first scheduled iteration, by tenant "
+                                         "(sum and count).", ["tenant"], registry=registry)
+        self.slo_met = Counter(PREFIX + "request_slo_met",
+                               "Finished requests within both SLOs (goodput), by tenant.",
+                               ["tenant"], registry=registry)
+        self.slo_missed = Counter(PREFIX + "request_slo_missed",
+                                  "Finished (or rejected) requests that missed an SLO, by "
+                                  "tenant.", ["tenant"], registry=registry)
+        self._slo_lock = threading.Lock()  # guards the two totals below (read at scrapes)
+        self.slo_met_total = 0
+        self.slo_judged_total = 0
+        for tenant in self.known_tenants:
+            self._label_tenant(tenant)
+
+    def _label_tenant(self, tenant: str) -> None:
+        """Give a tenant its series (at zero until observed); idempotent."""
+        for metric in (self.tenant_ttft, self.tenant_queue_time, self.slo_met, self.slo_missed):
+            metric.labels(tenant)
+
+    @property
+    def slo_attainment(self) -> float:
+        """Requests within both SLOs / requests judged, since start (0.0 before any)."""
+        with self._slo_lock:
+            return self.slo_met_total / self.slo_judged_total if self.slo_judged_total else 0.0
 
     def attach(self) -> None:
         """Follow the engine's iterations (latencies and slot utilisation)."""
@@ -77,6 +127,17 @@ class ServerMetrics:
         self.slots.on_iteration(event.record)
         for finished in event.observed():
             self.observe_finished(finished)
+        for finished in event.finished:
+            self._label_tenant(finished.tenant)
+            if finished.finish_reason in SLO_JUDGED_REASONS:
+                self.observe_goodput(finished)
+
+    def observe_goodput(self, finished: FinishedCompletion) -> None:
+        """Count a judged completion (SLO_JUDGED_REASONS) as within its SLOs or not."""
+        (self.slo_met if finished.met_slo else self.slo_missed).labels(finished.tenant).inc()
+        with self._slo_lock:
+            self.slo_judged_total += 1
+            self.slo_met_total += int(finished.met_slo)
 
     def observe_finished(self, finished: FinishedCompletion) -> None:
         m = finished.metrics
@@ -88,6 +149,10 @@ class ServerMetrics:
                 histogram.observe(value)
         for gap in m.itls:
             self.itl.observe(gap)
+        for summary, value in ((self.tenant_ttft, m.ttft), (self.tenant_queue_time,
+                                                            m.queue_time)):
+            if value is not None:
+                summary.labels(finished.tenant).observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -97,14 +162,46 @@ class ServerMetrics:
 class EngineCollector(Collector):
     """Gauges and counters from one engine snapshot per scrape (so they agree)."""
 
-    def __init__(self, engine, slots: SlotWindow) -> None:
+    def __init__(self, engine, slots: SlotWindow, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.slots = slots
+        self.metrics = metrics
 
     def collect(self):
         snap = self.engine.snapshot()
         yield from self._gauges(snap)
         yield from self._counters(snap)
+        yield from self._scheduling(snap)
+
+    def _scheduling(self, snap):
+        """The policy (an info gauge), per-tenant service and SLO attainment."""
+        info = GaugeMetricFamily(PREFIX + "scheduling_policy_info",
+                                 "The scheduling policy (--scheduling-policy), as a label.",
+                                 labels=["scheduling_policy"])
+        info.add_metric([snap.scheduling_policy], 1)
+        yield info
+        known = self.metrics.known_tenants if self.metrics is not None else ()
+        tenants = {name: None for name in known}
+        tenants.update({t.name: t for t in snap.tenants})
+        families = (
+            (CounterMetricFamily, "tenant_prompt_tokens", "Prompt tokens processed, by "
+             "tenant (prefix-cache hits are not).", "prompt_tokens"),
+            (CounterMetricFamily, "tenant_generation_tokens", "Tokens generated, by tenant.",
+             "output_tokens"),
+            (GaugeMetricFamily, "tenant_virtual_counter", "The fair-share virtual token "
+             "counter (weighted service), by tenant.", "virtual_counter"),
+            (GaugeMetricFamily, "tenant_requests_active", "Requests waiting or running, by "
+             "tenant.", "active"),
+        )
+        for kind, name, doc, attr in families:
+            family = kind(PREFIX + name, doc, labels=["tenant"])
+            for tenant, view in sorted(tenants.items()):
+                family.add_metric([tenant], getattr(view, attr) if view is not None else 0)
+            yield family
+        if self.metrics is not None:
+            yield GaugeMetricFamily(PREFIX + "slo_attainment", "Finished requests within "
+                                    "both SLOs / finished or rejected ones, since start.",
+                                    value=self.metrics.slo_attainment)
 
     def _gauges(self, snap):
         values = (

@@ -75,6 +75,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_CHARS = 512
 DEFAULT_BODY_TIMEOUT_S = 30.0  # seconds for a whole request body (slow uploads get 408)
+# Distinct tenants taken from OpenAI's `user` field (no API keys); later names share one.
+DEFAULT_MAX_USER_TENANTS = 1024
+OVERFLOW_TENANT = "other"
 # Threads that tokenize prompts and render chat templates (off the event loop).
 TOKENIZER_THREADS = 2
 # How much a tokenizer's normalizer may shrink text (NFC composes 3-byte Hangul jamo, 9
@@ -105,6 +108,10 @@ class ServerLimits:
     max_stop_strings / max_stop_chars: more stop strings, or a longer one, get 400 (every
     token is matched against them; a stream holds back as much text as the longest).
     body_timeout_s: a request body not complete this long after the request began gets 408.
+    max_user_tenants: without API keys, a request's `user` field names its tenant (fair
+    share, per-tenant metrics); the first this many distinct names get their own tenant,
+    later ones share OVERFLOW_TENANT ("other"). 0: the `user` field is ignored. NOTE: a
+    bound, as the scheduler and the metrics keep every tenant's state for good.
     """
 
     max_tokens: int | None = None
@@ -113,10 +120,14 @@ class ServerLimits:
     max_stop_strings: int | None = DEFAULT_MAX_STOP_STRINGS
     max_stop_chars: int | None = DEFAULT_MAX_STOP_CHARS
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_user_tenants: int = DEFAULT_MAX_USER_TENANTS
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        if not isinstance(self.max_user_tenants, int) or self.max_user_tenants < 0:
+            raise ValueError(f"max_user_tenants must be an integer >= 0, got "
+                             f"{self.max_user_tenants!r}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
                      "max_stop_chars"):
             value = getattr(self, name)
@@ -135,10 +146,11 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
     limits: default ServerLimits() (a 1 MiB body bound, the stop bounds, nothing else).
     access: default AccessPolicy() (no keys: everything open).
     """
-    if metrics is None:
-        metrics = ServerMetrics(async_engine)
-        metrics.attach()
     limits = limits or ServerLimits()
+    access = access or AccessPolicy()
+    if metrics is None:
+        metrics = ServerMetrics(async_engine, tenants=sorted({t.name for _, t in access.api_keys}))
+        metrics.attach()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -147,14 +159,14 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
 
     app = FastAPI(title="slotserve", lifespan=lifespan)
     app.state.server = Server(async_engine, model_name, aliases, metrics, retry_after_s,
-                              limits)
+                              limits, user_tenants=not access.keys_required)
     _add_error_handlers(app)
     _add_routes(app)
     app.include_router(build_live_router(async_engine))
     _add_limit_middleware(app, limits)
     # NOTE: outermost (added last): a request without a valid key is refused before its
     # body is read or it takes one of --max-connections.
-    app.add_middleware(AccessControl, policy=access or AccessPolicy())
+    app.add_middleware(AccessControl, policy=access)
     app.add_middleware(EchoRequestId)
     return app
 
@@ -420,7 +432,8 @@ class Server:
 
     def __init__(self, engine: AsyncEngine, model_name: str, aliases: tuple[str, ...],
                  metrics: ServerMetrics, retry_after_s: int,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, user_tenants: bool = True) -> None:
+        """user_tenants: a request's `user` field names its tenant (no API keys are set)."""
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
@@ -428,6 +441,7 @@ class Server:
         self.retry_after_s = retry_after_s
         self.limits = limits or ServerLimits()
         self.draining = False
+        self.user_tenants = UserTenants(self.limits.max_user_tenants if user_tenants else 0)
         # NOTE: weak, so a generation that ends by any path (error, disconnect, ...) leaves.
         self._generations: weakref.WeakSet[_Generation] = weakref.WeakSet()
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
@@ -497,11 +511,11 @@ class Server:
     # ---------------------------------------------------------------- endpoints
     def _generation(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
                     prompt_param: str, request: Request,
-                    cache_salt: str | None = None) -> _Generation:
+                    body: p.CompletionRequest | p.ChatCompletionRequest) -> _Generation:
         generation = _Generation(self, p.new_id(prefix), prompt_ids, params, prompt_param,
-                                 tenant=tenant_of(request),
+                                 tenant=self.user_tenants.tenant(tenant_of(request), body.user),
                                  client_id=client_request_id(request.scope),
-                                 cache_salt=cache_salt)
+                                 cache_salt=body.cache_salt, scheduling=_scheduling(body))
         self._generations.add(generation)
         return generation
 
@@ -514,7 +528,7 @@ class Server:
     async def completions(self, body: p.CompletionRequest, request: Request):
         params = self._sampling_params(body)
         ids = await self._prompt_ids(body.engine_prompt())
-        stream = self._generation("cmpl", ids, params, "prompt", request, body.cache_salt)
+        stream = self._generation("cmpl", ids, params, "prompt", request, body)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._completion_chunks(stream, first, body), stream)
@@ -524,8 +538,7 @@ class Server:
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         params = self._sampling_params(body)
         ids = await self._chat_ids(body)
-        stream = self._generation("chatcmpl", ids, params, "messages", request,
-                                  body.cache_salt)
+        stream = self._generation("chatcmpl", ids, params, "messages", request, body)
         first = await stream.start(request)
         if body.stream:
             return _sse(self._chat_chunks(stream, first, body), stream)
@@ -708,7 +721,8 @@ class _Generation:
 
     def __init__(self, server: Server, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, prompt_param: str, tenant: str = "default",
-                 client_id: str | None = None, cache_salt: str | None = None) -> None:
+                 client_id: str | None = None, cache_salt: str | None = None,
+                 scheduling: dict | None = None) -> None:
         self.server = server
         self.request_id = request_id
         self.params = params
@@ -716,7 +730,8 @@ class _Generation:
         self.tenant = tenant
         self.client_id = client_id
         self.outputs = server.engine.generate(request_id, prompt_ids, params,
-                                              cache_salt=cache_salt)
+                                              cache_salt=cache_salt, tenant=tenant,
+                                              **(scheduling or {}))
         self.prompt_tokens = 0
         self.started = False  # the first output came
         self.finals: list[CompletionOutput] = []
@@ -728,6 +743,7 @@ class _Generation:
         except ClientGone:
             logger.info("aborted %s: the client left before the first token", self.log_name)
             raise
+        self._check_rejected(first)  # NOTE: before any response starts: a real 503
         self.prompt_tokens = len(first.prompt_token_ids)
         self.started = True
         return first
@@ -752,6 +768,7 @@ class _Generation:
                 out = await self._guarded(self._next())
             except StopAsyncIteration:
                 return
+            self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
             yield self._check(out.outputs[0])
 
     async def _next(self) -> RequestOutput:
@@ -772,6 +789,17 @@ class _Generation:
     def is_open(self) -> bool:
         """The engine stream has not ended (not refused, finished, failed nor closed)."""
         return self.outputs.ag_frame is not None
+
+    def _check_rejected(self, out: RequestOutput) -> None:
+        """APIError 503 if the scheduler rejected the request (deadline policy, slo_reject:
+        its first token could no longer come within its TTFT SLO)."""
+        if out.outputs[0].finish_reason != "rejected":
+            return
+        logger.info("rejected %s: %s", self.log_name, out.error or "SLO unattainable")
+        raise APIError(f"the server cannot meet this request's latency objective now "
+                       f"({out.error or 'slo_ttft_ms'}); retry later", 503,
+                       "service_unavailable", code="slo_unattainable",
+                       headers={"Retry-After": str(self.server.retry_after_s)})
 
     def _check(self, c: CompletionOutput) -> CompletionOutput:
         if c.finish_reason == "error":
@@ -810,6 +838,46 @@ class _Generation:
             raise error from exc
         except RuntimeError as exc:  # the engine failed (its loop goes on)
             raise APIError(str(exc), 500, "server_error") from exc
+
+
+def _scheduling(body: p.CompletionRequest | p.ChatCompletionRequest) -> dict:
+    """The request's scheduling fields, as AsyncEngine.generate's keywords."""
+    return {"priority": body.priority, "slo_ttft_ms": body.slo_ttft_ms,
+            "slo_tpot_ms": body.slo_tpot_ms}
+
+
+class UserTenants:
+    """Tenants named by OpenAI's `user` field (without API keys), bounded: the first
+    `max_tenants` distinct names get their own tenant, later ones share OVERFLOW_TENANT.
+
+    NOTE: used from the event loop only (no lock); the bound protects the scheduler's and
+    the metrics' per-tenant state, which is kept for the server's life.
+    """
+
+    def __init__(self, max_tenants: int) -> None:
+        self.max_tenants = max_tenants
+        self.names: set[str] = set()
+        self._warned = False
+
+    def tenant(self, key_tenant: str, user: str | None) -> str:
+        """The request's tenant: the API key's when keys are set (max_tenants 0), else the
+        `user` field's (bounded), else `key_tenant` ("default"). APIError (400, param
+        "user") for a name with control characters."""
+        if self.max_tenants == 0 or not user:
+            return key_tenant
+        if not user.isprintable():
+            raise APIError("user must be printable text (no control characters)",
+                           param="user")
+        if user in self.names:
+            return user
+        if len(self.names) < self.max_tenants:
+            self.names.add(user)
+            return user
+        if not self._warned:
+            logger.warning("more than %d distinct `user` values: later ones share tenant %r "
+                           "(--max-user-tenants)", self.max_tenants, OVERFLOW_TENANT)
+            self._warned = True
+        return OVERFLOW_TENANT
 
 
 async def _unless_disconnected(request: Request, awaitable):

@@ -83,6 +83,11 @@ def add_access_args(p) -> None:
                         "key they are off")
     g.add_argument("--disable-admin-routes", action="store_true",
                    help="the live view, /debug/* and /metrics answer 404")
+    g.add_argument("--max-user-tenants", type=_non_negative_int, default=1024, metavar="N",
+                   help="without API keys, a request's OpenAI `user` field names its tenant "
+                        "(--scheduling-policy fair, per-tenant metrics): the first N distinct "
+                        "names get their own, later ones share tenant 'other'; 0 ignores the "
+                        "field (default: 1024). With API keys the key's tenant counts")
 
 
 def access_policy(args: argparse.Namespace):
@@ -95,6 +100,21 @@ def access_policy(args: argparse.Namespace):
         keys += load_api_keys_file(args.api_keys_file)
     return AccessPolicy(api_keys=tuple(keys), admin_key=args.admin_key,
                         admin_routes=not args.disable_admin_routes)
+
+
+def tenant_weights(policy) -> tuple[tuple[str, float], ...]:
+    """(tenant, weight) of every tenant of the API keys (SchedulerConfig.tenant_weights, for
+    --scheduling-policy fair; listing all of them also gives each its metrics from the
+    start). ValueError if one tenant's keys give it different weights."""
+    weights: dict[str, set[float]] = {}
+    for _, tenant in policy.api_keys:
+        weights.setdefault(tenant.name, set()).add(tenant.weight)
+    for name, found in weights.items():
+        if len(found) > 1:
+            raise ValueError(f"--api-keys-file: tenant {name!r} has keys with different "
+                             f"weights ({', '.join(f'{w:g}' for w in sorted(found))}); give "
+                             "all of its keys one weight")
+    return tuple((name, found.pop()) for name, found in sorted(weights.items()))
 
 
 def listen_host(args: argparse.Namespace, policy) -> str:
@@ -129,6 +149,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_size(text: str) -> int:
     value = parse_size(text)
     if value < 1:
@@ -143,7 +170,8 @@ def server_limits(args: argparse.Namespace):
     return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                         max_connections=args.max_connections,
                         max_stop_strings=args.max_stop_strings,
-                        max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout)
+                        max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout,
+                        max_user_tenants=args.max_user_tenants)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -157,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)
-    engine = build_engine(args)
+    engine = build_engine(args, tenant_weights=tenant_weights(policy))
     name, aliases = served_model_names(engine.model_config.name, args.model,
                                        args.served_model_name)
     async_engine = AsyncEngine(engine)  # the waiting bound is in the engine config
@@ -288,6 +316,10 @@ def log_startup(engine, name: str, url: str) -> None:
                 "%d slots, token budget %d, max_model_len %d", kv.num_blocks, kv.block_size,
                 kv.num_blocks * kv.block_size, pool_bytes / 2**20, sched.policy,
                 sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
+    logger.info("scheduling policy %s; SLOs: TTFT %s ms, TPOT %s ms%s; %d tenants weighted",
+                sched.scheduling_policy, sched.slo_ttft_ms, sched.slo_tpot_ms,
+                ", rejecting unattainable" if sched.slo_reject else "",
+                len(sched.tenant_weights))
     logger.info("serving %s at %s", name, url)
 
 

@@ -62,6 +62,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+PRIORITY_BOUND = 2**31 - 1  # |priority| at most this (vLLM's is an int32 in practice)
+MAX_USER_CHARS = 256  # OpenAI's `user` (a tenant name: a metrics label, a log field)
+
+
 class _Request(BaseModel):
     """Fields both endpoints share (vLLM's names for the extensions)."""
 
@@ -83,6 +87,14 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None  # only empty / absent
     # extension (vLLM's): requests with different salts never share prefix-cache blocks
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Scheduling (--scheduling-policy). priority: vLLM's, lower first (only `priority` and
+    # `fair`'s order within a tenant read it). slo_ttft_ms / slo_tpot_ms: extensions, this
+    # request's SLOs in milliseconds over the server's --slo-ttft-ms / --slo-tpot-ms.
+    # user: OpenAI's end-user id, the request's tenant when the server has no API keys.
+    priority: int = Field(default=0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
+    slo_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    slo_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:

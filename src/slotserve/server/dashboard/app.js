@@ -336,6 +336,7 @@ const live = {
   samples: [],
   stats: null,
   colors: new ColorMap(),
+  tenantColors: new ColorMap(1024), // one color per tenant (the server bounds the tenants)
   paused: false,
   dirtyStrip: false,
   dirtyStats: false,
@@ -374,6 +375,7 @@ function showConfig(c) {
   const parts = [
     `model <b>${escapeHTML(c.model)}</b>`,
     `policy <b>${escapeHTML(c.policy)}</b>`,
+    `scheduling <b>${escapeHTML(c.scheduling_policy ?? "fcfs")}</b>`,
     `<b>${c.num_slots}</b> slots`,
     `<b>${c.kv_blocks_total}</b> KV blocks × ${c.block_size} tokens`,
     `token budget <b>${c.max_num_batched_tokens}</b>`,
@@ -428,6 +430,7 @@ function render() {
   if (live.dirtyStats) {
     live.dirtyStats = false;
     showStats(live.stats);
+    showTenants(live.stats.tenants || []);
     drawBlockMap(live.stats);
     drawSparks();
   }
@@ -474,6 +477,23 @@ function showLegend(columns) {
   legend.dataset.count = String(ids.length);
   legend.replaceChildren(...ids.slice(0, 40).map((id) => legendItem(id, lastSeen.get(id) === newest)));
   if (ids.length > 40) legend.append(el("li", { class: "more" }, `+${ids.length - 40} more`));
+}
+
+/** Each tenant (the most served first) with its color and share of the tokens served. */
+function showTenants(tenants) {
+  const list = $("#tenants");
+  const total = tenants.reduce((n, t) => n + t.tokens_served, 0);
+  list.dataset.count = String(tenants.length);
+  list.replaceChildren(...tenants.map((t) => {
+    const share = total ? t.tokens_served / total : 0;
+    const item = el("li", { "data-tenant": t.name, "data-share": share.toFixed(4),
+                            class: t.active > 0 ? "active" : "" });
+    const swatch = el("i", { class: "sw" });
+    swatch.style.background = live.tenantColors.get(t.name);
+    const weight = t.weight !== 1 ? ` (weight ${t.weight})` : "";
+    item.append(swatch, document.createTextNode(`${t.name}${weight} ${pct(share)}`));
+    return item;
+  }));
 }
 
 function legendItem(id, active) {
