@@ -115,10 +115,14 @@ class ReplicaFront:
             self._step_listeners.remove(callback)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **request_fields) -> AsyncIterator[RequestOutput]:
         """The request's outputs from the replica the router picks; retried elsewhere if
-        that replica fails before its first output."""
+        that replica fails before its first output.
+
+        request_fields: AsyncEngine.generate's keywords (cache_salt, priority, tenant,
+        slo_ttft_ms, slo_tpot_ms), passed through to the replica's engine.
+        """
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
         self.engine.tokenize(prompt_ids)  # NOTE: bad ids are a 400 here, not in a replica
@@ -129,7 +133,7 @@ class ReplicaFront:
             self._active[request_id] = replica
             replica.in_flight += params.n
             call = replica.handle.options(stream=True).generate.remote(
-                request_id, prompt_ids, params)
+                request_id, prompt_ids, params, **request_fields)
             try:
                 async for out in call:
                     streamed = True

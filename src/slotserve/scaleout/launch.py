@@ -110,7 +110,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     import ray
     import uvicorn
 
-    from slotserve.cli import engine_kwargs
+    from slotserve.engine_args import engine_kwargs
     from slotserve.scaleout.metrics import ReplicaSetMetrics
     from slotserve.scaleout.replica import ReplicaSpec
     from slotserve.server.api import build_app

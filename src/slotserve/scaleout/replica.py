@@ -53,9 +53,12 @@ class EngineReplica:
         self.metrics.attach(self.async_engine)
         self.async_engine.start()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        """The request's outputs as the engine streams them (cancelling the call aborts it)."""
-        async for out in self.async_engine.generate(request_id, prompt_ids, params):
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **request_fields):
+        """The request's outputs as the engine streams them (cancelling the call aborts it);
+        request_fields: AsyncEngine.generate's keywords (cache_salt, tenant, priority, ...)."""
+        async for out in self.async_engine.generate(request_id, prompt_ids, params,
+                                                    **request_fields):
             yield out
 
     def abort(self, request_id: str) -> None:
