@@ -34,30 +34,10 @@ KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
 RATED_ENGINES = ("int8", "int8 reference", "bf16")
 
 
-def accept_string_request_ids(engine: LLMEngine) -> LLMEngine:
-    """NOTE: lab.quality.teacher_forced_argmax hands KVCacheManager.allocate_slots a request
-    id, where since prefix caching it takes a Request. Without prefix caching only
-    `.request_id` is read: wrap the id until lab/quality.py is fixed."""
-    from types import SimpleNamespace
-
-    allocate = engine.kv.allocate_slots
-    assert not engine.kv.enable_prefix_caching
-
-    def allocate_slots(request, num_total_tokens, computed_blocks=None):
-        if isinstance(request, str):
-            request = SimpleNamespace(request_id=request)
-        return allocate(request, num_total_tokens, computed_blocks)
-
-    engine.kv.allocate_slots = allocate_slots
-    return engine
-
-
 def quality_engine(loaded, **kwargs) -> LLMEngine:
-    """An engine for greedy agreement (no prefix caching: see accept_string_request_ids)."""
-    config = engine_config(max_num_seqs=32, num_blocks=1024, enable_prefix_caching=False,
-                           **kwargs)
-    return accept_string_request_ids(LLMEngine(config, loaded.config, loaded.weights,
-                                                loaded.tokenizer))
+    """An engine for greedy agreement."""
+    config = engine_config(max_num_seqs=32, num_blocks=1024, **kwargs)
+    return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer)
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:

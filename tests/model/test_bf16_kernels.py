@@ -244,7 +244,6 @@ def test_bf16_quantization_settings_are_checked(tiny_llama):
 def test_bf16_greedy_agreement_on_smollm2():
     """The quality bar of quantization="bf16" (97% teacher-forced, benchmarks/int8_quality.py
     over 32 prompts), on a smaller sample."""
-    from benchmarks.int8_quality import accept_string_request_ids
     from slotserve.engine.llm import engine_config
     from slotserve.engine.llm_engine import LLMEngine
     from slotserve.lab.quality import greedy_agreement
@@ -255,10 +254,8 @@ def test_bf16_greedy_agreement_on_smollm2():
     prompts = generate_workload(6, prompts="chat", seed=1).chat_prompt_ids(loaded.tokenizer)
 
     def engine(**kwargs):
-        config = engine_config(max_num_seqs=8, num_blocks=128, enable_prefix_caching=False,
-                               **kwargs)
-        return accept_string_request_ids(LLMEngine(config, loaded.config, loaded.weights,
-                                                   loaded.tokenizer))
+        config = engine_config(max_num_seqs=8, num_blocks=128, **kwargs)
+        return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer)
 
     agreement = greedy_agreement(engine(), engine(quantization="bf16"), prompts, 32)
     assert agreement.tokens == 6 * 32

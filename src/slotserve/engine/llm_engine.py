@@ -30,6 +30,7 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import InitVar, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from slotserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager
@@ -43,6 +44,9 @@ from slotserve.request import Request, RequestStatus
 from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("slotserve.engine")
 
@@ -156,6 +160,22 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Drop the cached free blocks (running requests keep theirs); returns how many."""
         return self.kv.reset_prefix_cache()
+
+    @_holding_state_lock
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits (L, V) for every position of token_ids (one prefill).
+
+        NOTE: borrows free KV blocks for the pass and returns them (never hashed, so the
+        prefix cache never sees them); ValueError if the pool has no room now.
+        """
+        borrower = Request("__score__", list(token_ids), SamplingParams())
+        table = self.kv.allocate_slots(borrower, len(token_ids))
+        if table is None:
+            raise ValueError(f"the KV pool has no room for {len(token_ids)} tokens now")
+        try:
+            return self.runner.score(token_ids, table)
+        finally:
+            self.kv.free(borrower.request_id)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); ValueError on an empty or unusable prompt."""

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
-from slotserve.attention.metadata import build_metadata
-from slotserve.core.outputs import ScheduledSeq
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.sampling import SamplingParams
 
@@ -59,28 +55,9 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> lis
                                                                  use_tqdm=False)]
 
 
-@torch.inference_mode()
 def teacher_forced_argmax(engine: LLMEngine, prompt: list[int], continuation: list[int]
                           ) -> list[int]:
-    """The engine's greedy choice after prompt + continuation[:i], for every i, in one pass.
-
-    NOTE: borrows free KV blocks from the engine's pool for the pass and gives them back;
-    call it while the engine is idle.
-    """
-    tokens = prompt + continuation[:-1]
-    request_id = "__teacher_forced__"
-    table = engine.kv.allocate_slots(request_id, len(tokens))
-    if table is None:
-        raise ValueError(f"the KV pool has no room for {len(tokens)} tokens")
-    try:
-        runner = engine.runner
-        seq = ScheduledSeq(request_id, tokens, 0, list(table), True, SamplingParams(), 0,
-                           "prefill")
-        meta = build_metadata([seq], runner.block_size, runner.device)
-        ids = torch.tensor(tokens, device=runner.device)
-        hidden = runner.model(ids, torch.arange(len(tokens), device=runner.device),
-                              runner.kv_caches, meta)  # (L, H)
-        logits = runner.model.compute_logits(hidden[len(prompt) - 1:])  # (len(cont), V)
-        return logits.argmax(dim=-1).tolist()
-    finally:
-        engine.kv.free(request_id)
+    """The engine's greedy choice after prompt + continuation[:i], for every i, in one pass
+    (`LLMEngine.score`; call it while the engine is idle: it borrows free KV blocks)."""
+    logits = engine.score(prompt + continuation[:-1])  # (len(prompt) + len(cont) - 1, V)
+    return logits[len(prompt) - 1:].argmax(dim=-1).tolist()

@@ -10,11 +10,12 @@ import torch
 
 from slotserve.attention.metadata import build_metadata
 from slotserve.config import CacheConfig, ModelConfig
-from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.cpu_ops import use_cpu_ops
 from slotserve.model.linear_kernels import swap_linear_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.sampler import AllowedTokens, Sampler
+from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import (
     GrammarMatcher,
     allocate_bitmask,
@@ -111,6 +112,21 @@ class ModelRunner:
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
             logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Teacher-forced logits (L, V) of every position of `token_ids` in one prefill.
+
+        block_table: KV blocks that cover the L positions, borrowed from the pool by the
+        caller (LLMEngine.score); the pass writes their K/V and nothing else.
+        """
+        seq = ScheduledSeq("__score__", list(token_ids), 0, list(block_table), True,
+                           SamplingParams(), 0, "prefill")
+        meta = build_metadata([seq], self.block_size, self.device)
+        ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)  # (L, H)
+        return self.model.compute_logits(hidden)  # (L, V)
 
     def _start_masks(self, sampling) -> Future[AllowedTokens] | None:
         """Start computing the allowed tokens of the constrained rows; None if there are none.
