@@ -111,6 +111,10 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
         metrics = scrape_metrics(server.url)
         assert sum(v for k, v in metrics.items()
                    if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
+        state = httpx.get(server.url + "/debug/state").json()  # the live view's, summed
+        assert state["num_slots"] == 4 and state["blocks"] is None
+        reset = httpx.post(server.url + "/reset_prefix_cache")
+        assert reset.status_code == 200 and reset.json()["blocks_dropped"] >= 0
     finally:
         status = server.stop()
         shutil.rmtree(ray_dir, ignore_errors=True)
@@ -136,7 +140,7 @@ def test_greedy_outputs_equal_a_single_engine(handles, oracle):
 
 
 def _hits(snapshots):
-    return sum(s["prefix_cache_hits"] for s in snapshots)
+    return sum(s["engine"].prefix_cache_hits for s in snapshots)
 
 
 def test_prefix_routing_keeps_a_conversation_on_one_replica(handles, model_dir):
@@ -174,6 +178,31 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(handles, model_dir):
         single.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
     assert hits > 0
     assert hits == single.engine.stats.prefix_cache_hits
+
+
+def test_the_front_reads_the_replicas_as_one_engine(handles):
+    """snapshot() sums the replicas' last polled snapshots; reset_prefix_cache() resets
+    every replica's cache (after the conversations above, some blocks are cached)."""
+    front = _front(handles, "prefix")
+
+    async def main():
+        await front.wait_all_up(120)
+        each = [r.snapshot["engine"] for r in front.replicas.values()]
+        whole = front.snapshot(include_blocks=True)
+        dropped = await front.reset_prefix_cache()
+        await front.wait_all_up(120)
+        return each, whole, dropped, front.snapshot()
+
+    each, whole, dropped, after = run(main())
+    assert whole.num_slots == sum(s.num_slots for s in each) == 2 * ENGINE["max_num_seqs"]
+    assert whole.kv_blocks_total == 2 * ENGINE["num_blocks"]
+    assert whole.prefix_cache_hits == sum(s.prefix_cache_hits for s in each) > 0
+    assert whole.generation_tokens == sum(s.generation_tokens for s in each)
+    assert dict(whole.finished_by_reason)["length"] == sum(
+        dict(s.finished_by_reason).get("length", 0) for s in each)
+    assert whole.block_map is None and whole.model == each[0].model
+    assert dropped == whole.kv_blocks_cached_free > 0
+    assert after.kv_blocks_cached_free == 0
 
 
 def test_a_replicas_own_errors_reach_the_ingress_unwrapped(handles):

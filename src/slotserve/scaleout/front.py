@@ -1,10 +1,11 @@
 """The ingress side of a replica set: an engine-like object that `build_app` serves.
 
-`ReplicaFront` has what slotserve.server.api asks of an AsyncEngine (`generate`, `abort`,
-`healthy`, `num_active`, `stop_accepting`, step listeners, and `.engine` with the
-tokenizer, the limits and the counters), so the single-process server's routes, streaming,
-errors, auth and limits serve the replicas unchanged. Each request goes to the replica that
-the Router picks among those up.
+`ReplicaFront` has what slotserve.server.api, the live view and the metrics ask of an
+AsyncEngine: `generate`, `abort`, `healthy`, `num_active`, `stop_accepting`, `tokenize`,
+`tokenizer`, `model_name`, `max_total_tokens`, `reset_prefix_cache`, and the read side
+(`snapshot`, `subscribe` / `unsubscribe`, `export_trace`), so the single-process server's
+routes, streaming, errors, auth and limits serve the replicas unchanged. Each request goes
+to the replica that the Router picks among those up.
 
 Faults: a replica whose call fails with Ray's actor errors (its process died, or it is
 restarting), or whose engine refuses as closed (its loop died, or it drains), is marked down
@@ -14,26 +15,32 @@ client gets a 500 error event). /health stays 200 while one replica is up.
 
 Load: the sequences this ingress has in flight on each replica (admitted, not finished):
 the replica's waiting + running as this ingress knows them, exact and without a poll's lag.
-A poller (`poll_interval_s`) reads each replica's snapshot: up or down, its counters and its
-Prometheus text, which /metrics serves with a `replica` label.
+A poller (`poll_interval_s`) reads each replica's snapshot: up or down, its EngineSnapshot
+and its Prometheus text, which /metrics serves with a `replica` label (each replica's own
+metrics: its latency histograms and finished requests by reason).
 
-NOTE: the live view shows the sum of the replicas' counters and the ingress's latencies;
-it has no per-replica slot strip (the replicas' iteration records stay in the replicas).
+Read side (see `snapshot`): one EngineSnapshot summed over the replicas that are up, as of
+their last poll. NOTE: iterations run inside the replicas and their records stay there:
+the ingress has no iteration of its own, so `subscribe` callbacks are never called (an
+IterationEvent needs an iteration record, which the live view draws as a slot-strip
+column), `export_trace()` holds the routing decisions and no iterations, and the live view
+shows the summed counts without a slot strip, block map or latency percentiles.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from slotserve.engine.async_engine import EngineClosedError
-from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.events import EngineSnapshot, TenantView
+from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
 from slotserve.sampling import SamplingParams
 from slotserve.scaleout.router import Router
@@ -54,14 +61,14 @@ class ReplicaState:
     up: bool = True
     in_flight: int = 0  # sequences admitted here by this ingress, not finished
     served: int = 0  # requests routed here
-    snapshot: dict = field(default_factory=dict)
+    snapshot: dict = field(default_factory=dict)  # EngineReplica.snapshot()'s, last poll
 
 
 class ReplicaFront:
     """An AsyncEngine look-alike over replicas (see the module doc).
 
     replicas: name -> DeploymentHandle of an EngineReplica; describe: one replica's
-    `describe()` (configs and tokenizer, the same for all).
+    `describe()` (model config, tokenizer and a first snapshot; the same for all).
     """
 
     def __init__(self, replicas: dict[str, object], describe: dict, router: Router, *,
@@ -73,11 +80,13 @@ class ReplicaFront:
                                 DeploymentUnavailableError)
         self.replicas = {name: ReplicaState(name, h) for name, h in replicas.items()}
         self.router = router
-        self.engine = FrontView(describe, self)
+        self.model_config = describe["model_config"]
+        self.tokenizer = describe["tokenizer"]
+        self._first_snapshot: EngineSnapshot = describe["snapshot"]
         self.poll_interval_s = poll_interval_s
         self._accepting = True
         self._active: dict[str, ReplicaState] = {}  # request id -> where it runs
-        self._step_listeners: list = []
+        self._subscribers: list = []
         self._poller: asyncio.Task | None = None
         self.routing: deque[dict] = deque(maxlen=ROUTING_RECORDS)
 
@@ -105,14 +114,73 @@ class ReplicaFront:
     def num_active(self) -> int:
         return len(self._active)
 
-    def add_step_listener(self, callback) -> None:
-        """callback([RequestOutput]) for each output passing through (the live view's
-        latencies)."""
-        self._step_listeners.append(callback)
+    @property
+    def model_name(self) -> str:
+        return self.model_config.name
 
-    def remove_step_listener(self, callback) -> None:
-        if callback in self._step_listeners:
-            self._step_listeners.remove(callback)
+    @property
+    def max_total_tokens(self) -> int:
+        """Longest sequence (prompt + output) a request may reach (the replicas' own)."""
+        return self._first_snapshot.max_total_tokens
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The engine's own tokenize (LLMEngine.tokenize: it reads `tokenizer` and
+        `model_config`, which the replicas share), here, so bad prompts are a 400 at once."""
+        return LLMEngine.tokenize(self, prompt)
+
+    # ------------------------------------------------------------------ read side
+    def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
+        """The replicas that are up, as one engine, from their last polled snapshots.
+
+        Summed: slots, KV blocks, counts, counters, tokens, finished requests, tenants'
+        service (iteration / iterations: the replicas' together). From the first replica:
+        the configuration (model, policies, block size, lengths). Slots are numbered
+        replica by replica (replica k's slot i is k * its num_slots + i). NOTE: block_map is
+        always None (include_blocks is ignored): block ids are per replica and the block
+        tables stay in the replicas. With no replica up: the first replica's configuration,
+        its pool all free and every count zero.
+        """
+        snaps = [r.snapshot["engine"] for r in self.replicas.values()
+                 if r.up and "engine" in r.snapshot]
+        return sum_snapshots(snaps) if snaps else idle_snapshot(self._first_snapshot)
+
+    def subscribe(self, callback) -> None:
+        """Kept and never called: the iterations run in the replicas (see the module doc)."""
+        self._subscribers.append(callback)
+
+    def unsubscribe(self, callback) -> None:
+        if callback in self._subscribers:
+            self._subscribers.remove(callback)
+
+    def export_trace(self) -> dict:
+        """/debug/trace of a replica set: which replica served which request and why (the
+        iteration records stay in the replicas)."""
+        return {"version": 1, "source": "replicas", "router": self.router.policy,
+                "num_slots": self._first_snapshot.num_slots,
+                "replicas": {r.name: {"up": r.up, "served": r.served,
+                                      "in_flight": r.in_flight}
+                             for r in self.replicas.values()},
+                "routing": list(self.routing), "requests": [], "iterations": []}
+
+    async def reset_prefix_cache(self) -> int:
+        """Reset every replica's prefix cache that is up; the cached free blocks dropped in
+        all. A replica that fails as down is marked down; EngineClosedError if none reset."""
+        targets = [r for r in self.replicas.values() if r.up]
+        results = await asyncio.gather(*(r.handle.reset_prefix_cache.remote()
+                                         for r in targets), return_exceptions=True)
+        dropped, reset = 0, 0
+        for replica, result in zip(targets, results):
+            if isinstance(result, BaseException):
+                error = _unwrap(result) if isinstance(result, Exception) else result
+                if not isinstance(error, (*self._replica_errors, EngineClosedError)):
+                    raise error
+                self._mark_down(replica, error)
+                continue
+            dropped += result
+            reset += 1
+        if not reset:
+            raise EngineClosedError("no replica is up to reset its prefix cache")
+        return dropped
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -125,7 +193,7 @@ class ReplicaFront:
         """
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
-        self.engine.tokenize(prompt_ids)  # NOTE: bad ids are a 400 here, not in a replica
+        self.tokenize(prompt_ids)  # NOTE: bad ids are a 400 here, not in a replica
         tried: set[str] = set()
         while True:
             replica = self._route(request_id, prompt_ids, tried)
@@ -137,7 +205,6 @@ class ReplicaFront:
             try:
                 async for out in call:
                     streamed = True
-                    self._notify(out)
                     yield out
                 done = True
                 return
@@ -182,13 +249,6 @@ class ReplicaFront:
         replica = self._active.get(request_id)
         if replica is not None:
             replica.handle.abort.remote(request_id)
-
-    def _notify(self, out: RequestOutput) -> None:
-        for listener in list(self._step_listeners):
-            try:
-                listener([out])
-            except Exception:
-                logger.debug("step listener %r failed", listener, exc_info=True)
 
     # ------------------------------------------------------------------ health
     def _mark_down(self, replica: ReplicaState, exc: BaseException) -> None:
@@ -243,90 +303,46 @@ def _unwrap(exc: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else exc
 
 
-# --------------------------------------------------------------------------- the view
-class FrontView:
-    """Stands for the LLMEngine where the server reads one: the tokenizer and tokenize()
-    (LLMEngine's own), the limits, and the replicas' summed counters."""
-
-    def __init__(self, describe: dict, front: ReplicaFront) -> None:
-        self.model_config = describe["model_config"]
-        self.tokenizer = describe["tokenizer"]
-        self.scheduler = _SummedScheduler(describe, front)
-        self.kv = _SummedKV(describe, front)
-        self.stats = _SummedStats(front)
-        self.trace = RoutingTrace(front, describe)
-
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        return LLMEngine.tokenize(self, prompt)  # NOTE: needs tokenizer and model_config
+# --------------------------------------------------------------------------- snapshots
+# EngineSnapshot fields summed over the replicas (the others, config, from the first).
+SUMMED_FIELDS = (
+    "num_slots", "kv_blocks_total", "iteration", "num_running", "num_waiting",
+    "num_preemptions", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_cached_free",
+    "kv_blocks_shared", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions",
+    "iterations", "prompt_tokens", "generation_tokens", "busy_seconds")
+TENANT_SUMMED = ("virtual_counter", "prompt_tokens", "output_tokens", "active")
 
 
-def _total(front: ReplicaFront, key: str) -> int:
-    return sum(r.snapshot.get(key, 0) for r in front.replicas.values() if r.up)
+def sum_snapshots(snaps: list[EngineSnapshot]) -> EngineSnapshot:
+    """Several replicas' snapshots as one (see ReplicaFront.snapshot)."""
+    first = snaps[0]
+    sums = {name: sum(getattr(s, name) for s in snaps) for name in SUMMED_FIELDS}
+    slots, offset = [], 0
+    for snap in snaps:
+        slots.extend(dataclasses.replace(v, slot=offset + v.slot) for v in snap.slots)
+        offset += snap.num_slots
+    finished = Counter()
+    for snap in snaps:
+        finished.update(dict(snap.finished_by_reason))
+    return dataclasses.replace(
+        first, **sums, slots=tuple(slots), block_map=None,
+        finished_by_reason=tuple(sorted(finished.items())),
+        tenants=_sum_tenants([t for s in snaps for t in s.tenants]))
 
 
-class _SummedScheduler:
-    def __init__(self, describe: dict, front: ReplicaFront) -> None:
-        self.config = describe["scheduler_config"]
-        self.max_total_tokens = describe["max_total_tokens"]
-        self._front = front
-
-    num_running = property(lambda self: _total(self._front, "running"))
-    num_waiting = property(lambda self: _total(self._front, "waiting"))
-    num_preemptions = property(lambda self: _total(self._front, "preemptions"))
-    iteration = property(lambda self: _total(self._front, "iteration"))
+def _sum_tenants(views: list[TenantView]) -> tuple[TenantView, ...]:
+    """One view per tenant name: its service summed over the replicas (weight: the first)."""
+    by_name: dict[str, TenantView] = {}
+    for view in views:
+        seen = by_name.get(view.name)
+        by_name[view.name] = view if seen is None else dataclasses.replace(
+            seen, **{f: getattr(seen, f) + getattr(view, f) for f in TENANT_SUMMED})
+    return tuple(by_name[name] for name in sorted(by_name))
 
 
-class _SummedKV:
-    def __init__(self, describe: dict, front: ReplicaFront) -> None:
-        self.block_size = describe["block_size"]
-        self._per_replica = describe["num_blocks"]
-        self._front = front
-        self.block_tables: dict = {}  # NOTE: the block map stays in the replicas
-
-    @property
-    def num_blocks(self) -> int:
-        return self._per_replica * sum(r.up for r in self._front.replicas.values())
-
-    @property
-    def num_free_blocks(self) -> int:
-        return _total(self._front, "kv_free")
-
-    @property
-    def usage(self) -> float:
-        return 1 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-class _SummedStats:
-    def __init__(self, front: ReplicaFront) -> None:
-        self._front = front
-
-    generation_tokens = property(lambda self: _total(self._front, "generation_tokens"))
-    prompt_tokens = property(lambda self: _total(self._front, "prompt_tokens"))
-
-
-class RoutingTrace:
-    """/debug/trace of a replica set: which replica served which request and why (the
-    iteration records stay in the replicas). Trace listeners are kept, never called."""
-
-    def __init__(self, front: ReplicaFront, describe: dict) -> None:
-        self._front = front
-        self._describe = describe
-        self._listeners: list = []
-        self._lock = threading.Lock()
-
-    def add_listener(self, callback) -> None:
-        with self._lock:
-            self._listeners.append(callback)
-
-    def remove_listener(self, callback) -> None:
-        with self._lock:
-            if callback in self._listeners:
-                self._listeners.remove(callback)
-
-    def export(self) -> dict:
-        front = self._front
-        return {"version": 1, "source": "replicas", "router": front.router.policy,
-                "replicas": {r.name: {"up": r.up, "served": r.served,
-                                      "in_flight": r.in_flight}
-                             for r in front.replicas.values()},
-                "routing": list(front.routing), "requests": [], "iterations": []}
+def idle_snapshot(snap: EngineSnapshot) -> EngineSnapshot:
+    """snap's configuration with its pool all free and every count zero."""
+    kept = ("num_slots", "kv_blocks_total", "kv_blocks_free")
+    zeros = {name: 0 for name in SUMMED_FIELDS if name not in kept}
+    return dataclasses.replace(snap, **zeros, kv_blocks_free=snap.kv_blocks_total, slots=(),
+                               block_map=None, finished_by_reason=(), tenants=())

@@ -101,7 +101,7 @@ def build_front(handles: dict[str, object], policy: str, **router_kwargs):
     from slotserve.scaleout.router import Router
 
     describe = next(iter(handles.values())).describe.remote().result()
-    router = Router(list(handles), describe["block_size"], policy, **router_kwargs)
+    router = Router(list(handles), describe["snapshot"].block_size, policy, **router_kwargs)
     return ReplicaFront(handles, describe, router)
 
 
@@ -136,7 +136,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     try:
         handles = deploy_replicas(spec, args.replicas)
         front = build_front(handles, args.router)
-        name, aliases = served_model_names(front.engine.model_config.name, args.model,
+        name, aliases = served_model_names(front.model_name, args.model,
                                            args.served_model_name)
         app = build_app(front, name, aliases=aliases, limits=limits, access=policy,
                         metrics=ReplicaSetMetrics(front))

@@ -48,9 +48,10 @@ class EngineReplica:
         # NOTE: after from_config, which sets one thread per core the process may use.
         torch.set_num_threads(spec.threads)
         self.name = name
+        self.model_config = engine.model_config
         self.async_engine = AsyncEngine(engine)
-        self.metrics = ServerMetrics(engine)
-        self.metrics.attach(self.async_engine)
+        self.metrics = ServerMetrics(self.async_engine)
+        self.metrics.attach()
         self.async_engine.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -67,25 +68,21 @@ class EngineReplica:
     def stop_accepting(self) -> None:
         self.async_engine.stop_accepting()
 
+    async def reset_prefix_cache(self) -> int:
+        """Drop this engine's cached free blocks (AsyncEngine.reset_prefix_cache); how many."""
+        return await self.async_engine.reset_prefix_cache()
+
     def describe(self) -> dict:
-        """What the ingress needs to front this engine: configs and the tokenizer."""
-        engine = self.async_engine.engine
-        return {"model_config": engine.model_config, "scheduler_config": engine.scheduler.config,
-                "max_total_tokens": engine.scheduler.max_total_tokens,
-                "block_size": engine.kv.block_size, "num_blocks": engine.kv.num_blocks,
-                "tokenizer": engine.tokenizer, "threads": self._threads(), "pid": os.getpid()}
+        """What the ingress needs to front this engine: the model config (tokenize's vocab),
+        the tokenizer and a first snapshot (the limits, block size, slots)."""
+        return {"model_config": self.model_config, "tokenizer": self.async_engine.tokenizer,
+                "snapshot": self.async_engine.snapshot(), "threads": self._threads(),
+                "pid": os.getpid()}
 
     def snapshot(self) -> dict:
-        """Load and counters now, and the replica's Prometheus text."""
-        engine = self.async_engine.engine
-        sched, kv, stats = engine.scheduler, engine.kv, engine.stats
-        return {"healthy": self.async_engine.healthy, "running": sched.num_running,
-                "waiting": sched.num_waiting, "iteration": sched.iteration,
-                "preemptions": sched.num_preemptions, "kv_free": kv.num_free_blocks,
-                "generation_tokens": stats.generation_tokens,
-                "prompt_tokens": stats.prompt_tokens,
-                "prefix_cache_queries": stats.prefix_cache_queries,
-                "prefix_cache_hits": stats.prefix_cache_hits,
+        """healthy, engine (the engine's EngineSnapshot now: frozen, picklable, no block
+        map) and metrics (this replica's Prometheus text)."""
+        return {"healthy": self.async_engine.healthy, "engine": self.async_engine.snapshot(),
                 "metrics": self.metrics.render().decode()}
 
     def actor_name(self) -> str:
