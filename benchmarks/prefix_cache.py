@@ -15,7 +15,10 @@ with the embedded SmolLM2-135M:
 - n=4: 4 distinct 128-token prompts, 4 completions each, 8 output tokens each.
 - W: 8 chat requests of W's shape (benchmarks/perf.py: short chat prompts, lognormal output
   lengths, median 16 here instead of 64), no shared prefixes beyond the chat template's
-  few tokens: caching must cost nothing there. Run `--w-rounds` times.
+  few tokens (SmolLM2's template writes a default system prompt: one 16-token block is
+  shared). Run `--w-rounds` times.
+- W-random: W's shape with random token ids of 20-60 tokens instead of chat prompts: no
+  shared prefix at all, so caching must cost nothing there. Run `--w-rounds` times.
 
 Each workload runs `--rounds` times with caching off and on, interleaved (off, on, on, off,
 ...) so that a drift of the host's speed falls on both sides; every run builds a fresh engine
@@ -65,6 +68,11 @@ def build_workloads(target: EngineTarget, scale: float = 1.0) -> dict[str, Workl
         "W": generate_workload(count(8), prompts="chat" if vocab is None else "random",
                                output_len_median=count(16), output_len_sigma=0.8,
                                output_len_min=2, output_len_max=count(64), vocab_size=vocab),
+        "W-random": generate_workload(count(8), prompts="random", prompt_len_min=20,
+                                      prompt_len_max=60, output_len_median=count(16),
+                                      output_len_sigma=0.8, output_len_min=2,
+                                      output_len_max=count(64),
+                                      vocab_size=target.model_config.vocab_size),
     }
 
 
@@ -163,7 +171,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--rounds", type=int, default=1, help="off/on pairs per workload")
-    p.add_argument("--w-rounds", type=int, default=2, help="off/on pairs for W")
+    p.add_argument("--w-rounds", type=int, default=2, help="off/on pairs for W and W-random")
     p.add_argument("--scale", type=float, default=1.0, help="x request counts and lengths")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--only", nargs="*", help="some of the workloads (default: all)")
@@ -178,7 +186,7 @@ def main() -> None:
     for name, workload in workloads.items():
         if not args.only or name in args.only:
             print(f"{name}: {workload.num_sends} requests", flush=True)
-            rounds = args.w_rounds if name == "W" else args.rounds
+            rounds = args.w_rounds if name.startswith("W") else args.rounds
             results[name] = compare(target, workload, rounds, name)
     targets = check_targets(results)
     text = format_text(results, targets)

@@ -150,7 +150,7 @@ def test_interleaving_puts_drift_on_both_sides():
 
 def test_benchmark_pieces_on_the_tiny_model(target):
     workloads = build_workloads(target, scale=0.25)
-    assert set(workloads) == {"shared-system-prompt", "multi-turn", "n=4", "W"}
+    assert set(workloads) == {"shared-system-prompt", "multi-turn", "n=4", "W", "W-random"}
     assert workloads["n=4"].requests[0].n == 4 and workloads["multi-turn"].num_sends > 2
     small = shared_prefix_workload(4, output_len=2, prefix_len=32, vocab_size=VOCAB)
     row = compare(target, small, 1, "shared-system-prompt")
