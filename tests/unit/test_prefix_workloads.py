@@ -3,6 +3,8 @@ benchmark's pieces, on a tiny random-weight model (token-id prompts, no tokenize
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.prefix_cache import (
@@ -12,6 +14,7 @@ from benchmarks.prefix_cache import (
     format_text,
     interleaved,
 )
+from slotserve.cli import main
 from slotserve.config import ModelConfig
 from slotserve.lab.bench import EngineTarget, run_bench
 from slotserve.lab.workload import (
@@ -161,3 +164,19 @@ def test_benchmark_pieces_on_the_tiny_model(target):
     assert [t["metric"] for t in targets] == ["ttft_p50_x", "prefill_computed_x"]
     text = format_text({"shared-system-prompt": row}, targets)
     assert "| shared-system-prompt | on |" in text and "prefill_computed_x" in text
+
+
+@pytest.mark.parametrize("scenario, sends", [("shared-system-prompt", 3), ("n4", 12)])
+def test_cli_scenarios_write_their_workload(tiny_llama, tmp_path, scenario, sends):
+    model = tmp_path / "tiny"
+    tiny_llama.save_pretrained(model)
+    path, out = tmp_path / "w.jsonl", tmp_path / "out.json"
+    code = main(["bench", "--model", str(model), "--scenario", scenario, "--num-requests", "3",
+                 "--output-len", "2", "--block-size", "8", "--num-blocks", "512",
+                 "--max-model-len", "512", "--no-progress", "--save-workload", str(path),
+                 "--out", str(out)])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["completed"] == sends and row["failed"] == 0
+    assert row["prefix_cache"]["hits"] > 0 and row["config"]["enable_prefix_caching"]
+    assert load_workload(path).num_completions == sends
