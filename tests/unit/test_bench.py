@@ -244,6 +244,7 @@ def test_python_api_online_arrivals_and_rejections(tiny_llama):
 
 # ---------------------------------------------------------------------- URL target
 FIRST_DELAY, GAP = 0.08, 0.03  # the fake server's time to first chunk and between chunks
+CHAT_BODIES: list[dict] = []  # every chat request the fake server received, in order
 
 
 def _fake_openai_app():
@@ -274,6 +275,8 @@ def _fake_openai_app():
             body = await request.json()
             assert body["stream"] and body["model"] == "fake-model" and body["ignore_eos"]
             text = json.dumps(body.get("messages") or body.get("prompt"))
+            if chat:
+                CHAT_BODIES.append(body)
             if "FAIL" in text:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             return StreamingResponse(stream(body, chat), media_type="text/event-stream")
@@ -337,3 +340,17 @@ def test_cli_url_counts_failures(fake_server, tmp_path):
     assert row["completed"] == 2 and row["failed"] == 1 and "HTTP 500" in row["errors"][0]
     assert row["target"] == fake_server and row["total_output_tokens"] == 5
     assert row["utilisation"] is None and row["preemptions"] is None
+
+
+def test_url_target_sends_each_turn_after_the_previous_answer(fake_server):
+    first = [{"role": "user", "content": "hello"}]
+    conversation = BenchRequest("c0.t0", 2, messages=first, turns=("more", "again"))
+    CHAT_BODIES.clear()
+    result = run_bench(Workload((conversation,)), OpenAITarget(fake_server, "chat"))
+    assert result.completed == 3 and result.failed == 0
+    assert [len(b["messages"]) for b in CHAT_BODIES] == [1, 3, 5]
+    answer = {"role": "assistant", "content": " t0 t1"}  # the fake server's 2-token answer
+    assert CHAT_BODIES[1]["messages"] == [*first, answer, {"role": "user", "content": "more"}]
+    assert CHAT_BODIES[2]["messages"][:3] == CHAT_BODIES[1]["messages"]
+    with pytest.raises(ValueError, match="endpoint chat"):
+        run_bench(Workload((conversation,)), OpenAITarget(fake_server, "completions"))

@@ -16,9 +16,15 @@ from slotserve.lab.workload import (
     Workload,
     generate_workload,
     load_workload,
+    multi_turn_workload,
+    parallel_sampling_workload,
     save_workload,
+    shared_prefix_workload,
     with_poisson_arrivals,
 )
+
+# --scenario: workloads with shared prefixes (what prefix caching saves).
+SCENARIOS = ("shared-system-prompt", "multi-turn", "n4")
 
 # Engine settings --sweep may vary: engine_config's integer settings.
 SWEEPABLE = tuple(name for name, leaf in engine_fields().items() if leaf.base_type is int)
@@ -43,7 +49,13 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", metavar="FILE.jsonl",
                    help='one request a line: {"prompt"|"messages", "max_tokens", "arrival"}')
-    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--num-requests", type=int, default=64,
+                   help="requests (multi-turn: conversations)")
+    g.add_argument("--scenario", choices=SCENARIOS,
+                   help="shared-system-prompt: every request behind one ~400-token system "
+                        "prompt; multi-turn: conversations of 4-8 turns, each sent when the "
+                        "previous answer arrives; n4: 4 completions of each prompt "
+                        "(--output-len, default 32)")
     g.add_argument("--prompts", choices=["auto", "chat", "random"], default="auto",
                    help="built-in chat prompts or random token ids (auto: chat if the model "
                         "has a chat template or with --url)")
@@ -153,6 +165,8 @@ def _target(args: argparse.Namespace):
 
 def _workload(args: argparse.Namespace, target) -> Workload:
     if args.workload:
+        if args.scenario:
+            raise ValueError("use --workload or --scenario, not both")
         return load_workload(args.workload)
     kind = args.prompts
     if kind == "auto":
@@ -160,12 +174,24 @@ def _workload(args: argparse.Namespace, target) -> Workload:
     if kind == "random" and isinstance(target, OpenAITarget):
         raise ValueError("random token prompts need the model's vocabulary: in-process only")
     vocab = None if isinstance(target, OpenAITarget) else target.model_config.vocab_size
+    if args.scenario:
+        return _scenario(args, None if kind == "chat" else vocab)
     return generate_workload(
         args.num_requests, prompts=kind, output_len=args.output_len,
         output_len_median=args.output_len_median, output_len_sigma=args.output_len_sigma,
         output_len_min=args.output_len_min, output_len_max=args.output_len_max,
         prompt_len_min=args.prompt_len_min, prompt_len_max=args.prompt_len_max,
         vocab_size=vocab, seed=args.seed)
+
+
+def _scenario(args: argparse.Namespace, vocab: int | None) -> Workload:
+    """A --scenario workload: chat messages (vocab None) or token ids."""
+    common = dict(output_len=args.output_len or 32, vocab_size=vocab, seed=args.seed)
+    if args.scenario == "shared-system-prompt":
+        return shared_prefix_workload(args.num_requests, **common)
+    if args.scenario == "multi-turn":
+        return multi_turn_workload(args.num_requests, **common)
+    return parallel_sampling_workload(args.num_requests, n=4, **common)
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str | None, dict]]:

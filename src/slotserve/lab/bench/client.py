@@ -39,7 +39,9 @@ async def stream_request(client, path: str, payload: dict,
                 if chunk.get("error"):
                     return RequestRecord(request.id, ok=False, error=str(chunk["error"])[:200])
                 times.add(chunk, time.perf_counter())
-    return _client_record(request, start, time.perf_counter(), times.token_times(), times.usage)
+    record = _client_record(request, start, time.perf_counter(), times.token_times(), times.usage)
+    record.text = "".join(times.answer)
+    return record
 
 
 async def sse_json(response) -> AsyncIterator[dict]:
@@ -70,12 +72,15 @@ class _ChunkTimes:
         self.text: list[float] = []
         self.choices: list[float] = []
         self.usage: dict = {}
+        self.answer: list[str] = []
 
     def add(self, chunk: dict, now: float) -> None:
         if chunk.get("choices"):
             self.choices.append(now)
-        if _chunk_text(chunk):
+        text = _chunk_text(chunk)
+        if text:
             self.text.append(now)
+            self.answer.append(text)
         self.usage = chunk.get("usage") or self.usage
 
     def token_times(self) -> list[float]:

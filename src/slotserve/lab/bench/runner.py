@@ -17,7 +17,7 @@ def run_bench(workload: Workload, target, *, sampling: BenchSampling | None = No
     trace_path: (engine) also write the run's iteration trace there (`slotserve timeline`).
     """
     sampling = sampling or BenchSampling()
-    bar = _progress_bar(len(workload), label) if progress else None
+    bar = _progress_bar(workload.num_completions, label) if progress else None
     try:
         run = target.run(workload, sampling, bar, trace_path)
     finally:

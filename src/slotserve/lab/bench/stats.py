@@ -23,6 +23,7 @@ class RequestRecord:
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the answer (HTTP: what the stream carried), for a conversation's next turn
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RunStats:
     utilisation: float | None = None
     preemptions: int | None = None
     iterations: int | None = None
+    prefix_cache: dict | None = None  # engine only: prompt tokens, cache queries and hits
 
 
 @dataclass
@@ -80,6 +82,8 @@ class BenchResult:
     machine: dict
     date: str
     errors: list[str] = field(default_factory=list)  # the first few failures' messages
+    # engine only: prompt_tokens, queries, hits (tokens), hit_rate, prefill_tokens_computed
+    prefix_cache: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,7 +109,7 @@ def summarize(run: RunStats, label: str, target: str) -> BenchResult:
         utilisation=run.utilisation, preemptions=run.preemptions, iterations=run.iterations,
         config=run.config, machine=machine_info(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        errors=[f"{r.id}: {r.error}" for r in bad[:5]])
+        errors=[f"{r.id}: {r.error}" for r in bad[:5]], prefix_cache=run.prefix_cache)
 
 
 def _present(values) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import replace
 
 from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
@@ -56,16 +57,18 @@ class EngineTarget:
 
     def run(self, workload: Workload, sampling: BenchSampling, bar=None,
             trace_path: str | None = None) -> RunStats:
-        """Drive a fresh engine through the workload's arrival schedule."""
+        """Drive a fresh engine through the workload's arrival schedule (and its
+        conversations' follow-up turns, each added when the previous answer finished)."""
         prompts = [self._prompt(r) for r in workload.requests]  # chat templates: not timed
         engine = self.build()
-        records, duration = _drive_engine(engine, workload, prompts, sampling, bar)
+        records, duration = _drive_engine(engine, workload, prompts, sampling, bar, self._prompt)
         if trace_path is not None:
             engine.trace.save(trace_path)
         stats, slots = engine.stats, engine.scheduler_config.max_num_seqs
         util = stats.slot_iterations_busy / (slots * stats.iterations) if stats.iterations else None
         return RunStats(records, duration, self._config(engine), util,
-                        engine.scheduler.num_preemptions, stats.iterations)
+                        engine.scheduler.num_preemptions, stats.iterations,
+                        _prefix_cache_counts(engine))
 
     def _prompt(self, request: BenchRequest):
         if request.messages is None:
@@ -82,13 +85,34 @@ class EngineTarget:
                 "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_model_len": sched.max_model_len, "block_size": cfg.cache.block_size,
                 "num_blocks": engine.kv.num_blocks, "device": cfg.device, "dtype": cfg.dtype,
-                "linear_kernel": engine.runner.linear_kernel}
+                "linear_kernel": engine.runner.linear_kernel,
+                "enable_prefix_caching": cfg.cache.enable_prefix_caching}
+
+
+def _prefix_cache_counts(engine) -> dict:
+    """The engine's prompt-token and prefix-cache counters for the run.
+
+    prompt_tokens counts every completion's prompt (n of them for n > 1, every turn of a
+    conversation); prefill_tokens_computed = prompt_tokens - hits (tokens found cached).
+    NOTE: hits also count cached tokens found when a preempted request is admitted again, so
+    with preemptions this undercounts the prompt tokens computed (runs report preemptions).
+    """
+    stats = engine.stats
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    return {"prompt_tokens": stats.prompt_tokens, "queries": queries, "hits": hits,
+            "hit_rate": hits / queries if queries else 0.0,
+            "prefill_tokens_computed": stats.prompt_tokens - hits}
 
 
 def _drive_engine(engine, workload: Workload, prompts: list, sampling: BenchSampling,
-                  bar) -> tuple[list[RequestRecord], float]:
-    """Add each request when its arrival comes, step until all finish; (records, duration)."""
+                  bar, prompt_of) -> tuple[list[RequestRecord], float]:
+    """Add each request when its arrival comes, step until all finish; (records, duration).
+
+    A request with follow-up turns: when it finishes, its next turn (`next_turn`, prompt by
+    `prompt_of`) is added at once, arriving then (closed loop).
+    """
     pending = deque(zip(workload.requests, prompts))
+    live = {r.id: r for r in workload.requests}
     records: list[RequestRecord] = []
     t0 = time.monotonic()
     while pending or engine.has_unfinished_requests():
@@ -101,6 +125,14 @@ def _drive_engine(engine, workload: Workload, prompts: list, sampling: BenchSamp
             if out.finished:
                 records.append(_engine_record(out))
                 _tick(bar)
+                # NOTE: n > 1 finishes one output per completion, all with the request's id
+                # (only n=1 requests have turns): the first one retires the request.
+                request = live.pop(out.request_id, None)
+                follow = request and request.next_turn(out.text, list(out.token_ids))
+                if follow and records[-1].ok:
+                    follow = replace(follow, arrival=time.monotonic() - t0)
+                    live[follow.id] = follow
+                    pending.appendleft((follow, prompt_of(follow)))
     return records, time.monotonic() - t0
 
 
@@ -110,7 +142,7 @@ def _add_due(engine, pending: deque, t0: float, sampling: BenchSampling) -> list
     while pending and t0 + pending[0][0].arrival <= time.monotonic():
         request, prompt = pending.popleft()
         params = SamplingParams(max_tokens=request.max_tokens, temperature=sampling.temperature,
-                                ignore_eos=sampling.ignore_eos)
+                                ignore_eos=sampling.ignore_eos, n=request.n)
         try:
             # NOTE: arrival is the scheduled time, so a late add (the loop was inside a step)
             # still counts its wait in TTFT, as a server's queue would.
@@ -121,10 +153,12 @@ def _add_due(engine, pending: deque, t0: float, sampling: BenchSampling) -> list
 
 
 def _engine_record(out) -> RequestRecord:
+    """One request's record: TTFT of its first completion, output tokens of all n."""
     m = out.metrics
-    ok = out.error is None and out.finish_reason in ("stop", "length")
+    ok = out.error is None and all(o.finish_reason in ("stop", "length") for o in out.outputs)
     error = out.error or (None if ok else f"finish_reason={out.finish_reason}")
-    return RequestRecord(out.request_id, ok, len(out.prompt_token_ids), len(out.token_ids),
+    outputs = sum(len(o.token_ids) for o in out.outputs)
+    return RequestRecord(out.request_id, ok, len(out.prompt_token_ids), outputs,
                          m.ttft, m.tpot, m.e2e, list(m.itls), error)
 
 
@@ -169,6 +203,9 @@ class OpenAITarget:
     def _check(self, request: BenchRequest) -> None:
         if self.endpoint == "chat" and isinstance(request.prompt, list):
             raise ValueError("token-id prompts need --endpoint completions")
+        if request.turns and (self.endpoint != "chat" or request.messages is None):
+            raise ValueError("multi-turn conversations over HTTP need chat messages and "
+                             "--endpoint chat (the server applies the chat template)")
 
     async def _run(self, workload: Workload, sampling: BenchSampling, bar) -> RunStats:
         import httpx
@@ -182,21 +219,28 @@ class OpenAITarget:
             model = self.model or await first_model(client)
             t0 = time.perf_counter()
             tasks = [self._send_at(client, t0, model, r, sampling, bar) for r in workload.requests]
-            records = list(await asyncio.gather(*tasks))
+            records = [r for group in await asyncio.gather(*tasks) for r in group]
             duration = time.perf_counter() - t0
         config = {"target": "url", "url": self.base, "endpoint": self.endpoint, "model": model}
         return RunStats(records, duration, config)
 
-    async def _send_at(self, client, t0: float, model: str, request: BenchRequest,
-                       sampling: BenchSampling, bar) -> RequestRecord:
+    async def _send_at(self, client, t0: float, model: str, request: BenchRequest | None,
+                       sampling: BenchSampling, bar) -> list[RequestRecord]:
+        """Send the request at its arrival time, then its conversation's next turns, each
+        when the previous answer has arrived (closed loop); one record per turn."""
         await asyncio.sleep(max(0.0, t0 + request.arrival - time.perf_counter()))
-        payload = self._payload(model, request, sampling)
-        try:
-            record = await stream_request(client, self.path, payload, request)
-        except Exception as exc:  # NOTE: one failed request must not end the run
-            record = RequestRecord(request.id, ok=False, error=f"{type(exc).__name__}: {exc}")
-        _tick(bar)
-        return record
+        records = []
+        while request is not None:
+            payload = self._payload(model, request, sampling)
+            try:
+                record = await stream_request(client, self.path, payload, request)
+            except Exception as exc:  # NOTE: one failed request must not end the run
+                record = RequestRecord(request.id, ok=False,
+                                       error=f"{type(exc).__name__}: {exc}")
+            records.append(record)
+            _tick(bar)
+            request = request.next_turn(record.text, []) if record.ok else None
+        return records
 
     def _payload(self, model: str, request: BenchRequest, sampling: BenchSampling) -> dict:
         body = {"model": model, "max_tokens": request.max_tokens,
@@ -204,6 +248,8 @@ class OpenAITarget:
                 "stream_options": {"include_usage": True}}
         if sampling.ignore_eos:
             body["ignore_eos"] = True  # vLLM, llama-server and slotserve accept it
+        if request.n != 1:
+            body["n"] = request.n
         if self.endpoint == "chat":
             body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
         else:
