@@ -33,7 +33,7 @@ MAX_PREFILL = 1000
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
               ("GET", "/metrics"), ("GET", "/debug/trace"), ("GET", "/debug/state"),
-              ("GET", "/debug/simulate")]
+              ("GET", "/debug/simulate"), ("POST", "/reset_prefix_cache")]
 # Schema-invalid cases exist only where there is something to break: a body or parameters.
 NEGATIVE = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
             ("GET", "/debug/simulate")]
