@@ -281,3 +281,16 @@ def test_tokenize_bad_input(client, path, body, status, param):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_routes_need_an_api_key_when_keys_are_set(served):
+    from slotserve.server.api import build_app
+    from slotserve.server.auth import AccessPolicy, Tenant
+
+    engine = served[0].app.state.server.engine
+    policy = AccessPolicy(api_keys=(("sk-alice", Tenant("alice")),))
+    with TestClient(build_app(engine, "tiny", access=policy)) as keyed:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            assert keyed.post(path, json=body).status_code == 401
+            ok = keyed.post(path, json=body, headers={"Authorization": "Bearer sk-alice"})
+            assert ok.status_code == 200, ok.text
