@@ -294,3 +294,61 @@ def test_tokenize_routes_need_an_api_key_when_keys_are_set(served):
             assert keyed.post(path, json=body).status_code == 401
             ok = keyed.post(path, json=body, headers={"Authorization": "Bearer sk-alice"})
             assert ok.status_code == 200, ok.text
+
+
+# ------------------------------------------------------------------ random schemas
+def _leaf_schemas():
+    from hypothesis import strategies as st
+
+    bounded_int = st.tuples(st.integers(-50, 50), st.integers(0, 100)).map(
+        lambda lo_span: {"type": "integer", "minimum": lo_span[0],
+                         "maximum": lo_span[0] + lo_span[1]})
+    short_text = st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n})
+    words = st.text("abcxyz", min_size=1, max_size=4)
+    enum = st.lists(st.one_of(words, st.integers(-9, 9)), min_size=1, max_size=4,
+                    unique=True).map(lambda values: {"enum": values})
+    return st.one_of(bounded_int, short_text, enum, st.just({"type": "boolean"}),
+                     st.just({"type": "null"}))
+
+
+def _schemas():
+    """Objects (nested to depth 2), arrays, enums, bounded integers and strings: each
+    bounded, so that a valid output fits in max_tokens whatever the model's weights."""
+    from hypothesis import strategies as st
+
+    def containers(children):
+        names = st.text("abcdefgh", min_size=1, max_size=5)
+        objects = st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+                lambda required: {"type": "object", "properties": props,
+                                  "required": required, "additionalProperties": False}))
+        arrays = st.tuples(children, st.integers(0, 3)).map(
+            lambda item_max: {"type": "array", "items": item_max[0],
+                              "maxItems": item_max[1]})
+        return st.one_of(objects, arrays)
+
+    return st.recursive(_leaf_schemas(), containers, max_leaves=5).filter(
+        lambda schema: schema.get("type") in ("object", "array"))
+
+
+def test_random_schemas_at_temperature_1_always_validate(served):
+    """50 random schemas, 2 samples each, through random weights at temperature 1: only the
+    grammar can make the outputs valid."""
+    from hypothesis import HealthCheck, given, settings
+
+    client = served[0]
+
+    @settings(max_examples=50, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(schema=_schemas())
+    def check(schema):
+        r = client.post("/v1/completions", json={
+            "prompt": "JSON:", "temperature": 1.0, "max_tokens": 200, "n": 2, "seed": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}}})
+        assert r.status_code == 200, (schema, r.text)
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop", (schema, choice["text"])
+            jsonschema.validate(json.loads(choice["text"]), schema)
+
+    check()
