@@ -352,3 +352,11 @@ def test_random_schemas_at_temperature_1_always_validate(served):
             jsonschema.validate(json.loads(choice["text"]), schema)
 
     check()
+
+
+def test_head_on_health_and_metrics_answers_like_get_without_a_body(client):
+    for path in ("/health", "/metrics"):
+        get, head = client.get(path), client.head(path)
+        assert head.status_code == get.status_code == 200
+        assert head.content == b"" and get.content
+        assert head.headers["content-type"] == get.headers["content-type"]

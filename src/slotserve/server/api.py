@@ -189,7 +189,8 @@ def _add_routes(app: FastAPI) -> None:
         server().check_model(model_id)
         return server().models().data[0]
 
-    @app.get("/health", responses={503: ERROR_RESPONSE})
+    # NOTE: HEAD answers like GET without a body (probes and aiperf use it)
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: ERROR_RESPONSE})
     async def health() -> dict:
         if server().draining:  # NOTE: load balancers stop sending traffic here
             raise APIError("the server is shutting down", 503, "service_unavailable")
@@ -197,7 +198,7 @@ def _add_routes(app: FastAPI) -> None:
             raise APIError("the engine is not healthy", 503, "service_unavailable")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(server().metrics.render(), media_type=CONTENT_TYPE)
 
