@@ -289,11 +289,12 @@ def test_tokenize_routes_need_an_api_key_when_keys_are_set(served):
 
     engine = served[0].app.state.server.engine
     policy = AccessPolicy(api_keys=(("sk-alice", Tenant("alice")),))
-    with TestClient(build_app(engine, "tiny", access=policy)) as keyed:
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
-            assert keyed.post(path, json=body).status_code == 401
-            ok = keyed.post(path, json=body, headers={"Authorization": "Bearer sk-alice"})
-            assert ok.status_code == 200, ok.text
+    # NOTE: no `with`: the app's lifespan would stop the shared engine accepting requests
+    keyed = TestClient(build_app(engine, "tiny", access=policy))
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert keyed.post(path, json=body).status_code == 401
+        ok = keyed.post(path, json=body, headers={"Authorization": "Bearer sk-alice"})
+        assert ok.status_code == 200, ok.text
 
 
 # ------------------------------------------------------------------ random schemas
