@@ -361,3 +361,21 @@ def test_head_on_health_and_metrics_answers_like_get_without_a_body(client):
         assert head.status_code == get.status_code == 200
         assert head.content == b"" and get.content
         assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_tool_calls_cut_short(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(client, tools=[WEATHER], tool_choice=named, max_tokens=3)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"]
+    r = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=3)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"]
+    assert choice["message"].get("tool_calls") is None
+    streamed = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=3,
+                    stream=True, seed=4)
+    events = sse_events(streamed.text)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text.startswith("{") and events[-1]["choices"][0]["finish_reason"] == "length"

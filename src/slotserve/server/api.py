@@ -730,8 +730,11 @@ class Server:
 
 def _assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.AssistantMessage:
     """The message of a finished choice: a tool call (content null) when the request forced
-    one and the output is a complete call; its text otherwise."""
+    one and the output is a complete call, or a named function's arguments cut short (as
+    OpenAI answers with finish_reason "length"); its text otherwise."""
     call = plan.call_of(c.text) if plan is not None else None
+    if call is None and plan is not None and plan.name is not None:
+        call = plan.name, c.text
     if call is None:
         return p.AssistantMessage(content=c.text)
     name, arguments = call
@@ -753,11 +756,13 @@ class _ToolCallPiece:
     output: CompletionOutput
     delta: p.ToolCallDelta | None
     finish_reason: str | None
+    content: str | None = None  # "required" cut short: the text, as the answer would carry
 
     def choice(self, logprobs: p.ChatLogprobs | None) -> p.ChatChunkChoice:
         tool_calls = [self.delta] if self.delta is not None else None
         return p.ChatChunkChoice(index=self.output.index,
-                                 delta=p.DeltaMessage(tool_calls=tool_calls),
+                                 delta=p.DeltaMessage(content=self.content,
+                                                      tool_calls=tool_calls),
                                  logprobs=logprobs, finish_reason=self.finish_reason)
 
 
@@ -788,6 +793,8 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
                 yield _ToolCallPiece(c, p.ToolCallDelta(
                     index=0, id=p.new_id("call"), type="function",
                     function=p.FunctionCall(name=call[0], arguments=call[1])), None)
+            else:
+                yield _ToolCallPiece(c, None, None, content=c.text)
         if c.finished:
             yield _ToolCallPiece(c, None, _chat_finish_reason(c, plan))
 

@@ -320,8 +320,8 @@ class ToolPlan:
             value = json.loads(text)
         except ValueError:
             return None
-        if self.name is not None:
-            return self.name, json.dumps(value, ensure_ascii=False)
+        if self.name is not None:  # NOTE: the text as generated (and as it was streamed)
+            return self.name, text
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         return value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)
