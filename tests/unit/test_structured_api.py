@@ -379,3 +379,15 @@ def test_tool_calls_cut_short(client):
     events = sse_events(streamed.text)
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     assert text.startswith("{") and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_conversation_with_a_tool_call_and_its_result(served):
+    client, tokenizer = served
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call-1", "type": "function",
+        "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "12:00"}]
+    r = client.post("/tokenize", json={"messages": messages})
+    text = tokenizer.decode(r.json()["tokens"], skip_special_tokens=False)
+    assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in text and "12:00" in text
+    assert chat(client, messages=messages, max_tokens=2).status_code == 200

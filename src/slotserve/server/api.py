@@ -806,9 +806,18 @@ def _chunk(response, include_usage: bool) -> dict:
     for choice in data["choices"]:
         if "delta" in choice:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if "tool_calls" in choice["delta"]:  # OpenAI's pieces carry only what is new
+                choice["delta"]["tool_calls"] = [_without_nulls(call) for call in
+                                                 choice["delta"]["tool_calls"]]
     if not include_usage:
         data.pop("usage", None)
     return data
+
+
+def _without_nulls(value: dict) -> dict:
+    """`value` without its null entries, nested dicts included."""
+    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in value.items()
+            if v is not None}
 
 
 def _delta_logprobs(c: CompletionOutput) -> tuple[list[int], list[dict[int, float]]]:

@@ -252,18 +252,48 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def as_text(self) -> str:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return json.dumps({"name": self.function.name, "arguments": arguments},
+                          ensure_ascii=False)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
 
     def as_template_dict(self) -> dict[str, str]:
-        """{role, content} with text parts joined (what chat templates expect)."""
+        """{role, content} with text parts joined (what chat templates expect). An assistant
+        turn's tool calls, which templates without a tool format cannot show, are written
+        as the JSON the model was constrained to ({"name": ..., "arguments": {...}})."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if self.tool_calls and not content:
+            content = "\n".join(call.as_text() for call in self.tool_calls)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
 
