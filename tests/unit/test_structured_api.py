@@ -391,3 +391,11 @@ def test_a_conversation_with_a_tool_call_and_its_result(served):
     text = tokenizer.decode(r.json()["tokens"], skip_special_tokens=False)
     assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in text and "12:00" in text
     assert chat(client, messages=messages, max_tokens=2).status_code == 200
+
+
+def test_engine_errors_about_a_constraint_name_structured_outputs():
+    from slotserve.server.protocol import invalid_request
+
+    error = invalid_request("structured_outputs.regex: unclosed group")
+    assert error.param == "structured_outputs" and error.status == 400
+    assert invalid_request("something else went wrong").param is None

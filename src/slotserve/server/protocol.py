@@ -463,6 +463,7 @@ def invalid_request(message: str, renames: dict[str, str] | None = None) -> APIE
     """A 400 from a ValueError whose message starts with the field name (SamplingParams')."""
     first = message.split(" ", 1)[0].rstrip(":")
     known = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+    first = first if first in known else first.split(".", 1)[0]  # "structured_outputs.json"
     param = first if first in known else None
     if param is not None and renames and param in renames:
         param = renames[param]
