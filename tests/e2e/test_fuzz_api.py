@@ -33,10 +33,11 @@ MAX_PREFILL = 1000
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
               ("GET", "/metrics"), ("GET", "/debug/trace"), ("GET", "/debug/state"),
-              ("GET", "/debug/simulate"), ("POST", "/reset_prefix_cache")]
+              ("GET", "/debug/simulate"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("HEAD", "/health"), ("HEAD", "/metrics"), ("POST", "/reset_prefix_cache")]
 # Schema-invalid cases exist only where there is something to break: a body or parameters.
 NEGATIVE = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-            ("GET", "/debug/simulate")]
+            ("GET", "/debug/simulate"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 # (method, path, mode, HTTP status, the error's param) -> cases: printed at the end (-s).
 STATUSES: Counter = Counter()
 CASES = [(m, p, "positive") for m, p in OPERATIONS] + [(m, p, "negative") for m, p in NEGATIVE]
@@ -99,7 +100,7 @@ def check_response(case, response) -> None:
     """No server error, and a rejection is one of REJECTIONS with OpenAI's error body."""
     where = f"{case.method} {case.formatted_path} body={case.body!r:.300}"
     assert response.status_code < 500, f"{where} -> {response.status_code} {response.text:.500}"
-    if response.status_code >= 400:
+    if response.status_code >= 400 and case.method != "HEAD":
         assert response.status_code in REJECTIONS, f"{where} -> {response.status_code}"
         assert content_type(response) == "application/json", where
         error = response.json()["error"]
@@ -111,7 +112,9 @@ def check_response(case, response) -> None:
         check_stream(where, response.text)
     else:
         assert kind in ("application/json", "text/plain"), f"{where}: {kind}"
-        if kind == "application/json":
+        if case.method == "HEAD":
+            assert not response.content, f"{where}: HEAD answered with a body"
+        elif kind == "application/json":
             response.json()
 
 
@@ -144,7 +147,8 @@ def test_fuzz_operation(schema, fuzz_server, method, path, mode):
     def run(case):
         response = case.call(base_url=fuzz_server.url, timeout=REQUEST_TIMEOUT_S)
         check_response(case, response)
-        param = response.json()["error"]["param"] if response.status_code >= 400 else ""
+        param = (response.json()["error"]["param"]
+                 if response.status_code >= 400 and method != "HEAD" else "")
         STATUSES[method, path, mode, response.status_code, param or ""] += 1
 
     run()

@@ -184,6 +184,14 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await server().chat(body, request)
 
+    @app.post("/tokenize", responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})
+    async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
+        return await server().tokenize(body)
+
+    @app.post("/detokenize", responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        return await server().detokenize(body)
+
     @app.get("/v1/models")
     async def models() -> p.ModelList:
         return server().models()
@@ -193,7 +201,8 @@ def _add_routes(app: FastAPI) -> None:
         server().check_model(model_id)
         return server().models().data[0]
 
-    @app.get("/health", responses={503: ERROR_RESPONSE})
+    # NOTE: HEAD answers like GET without a body (probes and aiperf use it)
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: ERROR_RESPONSE})
     async def health() -> dict:
         if server().draining:  # NOTE: load balancers stop sending traffic here
             raise APIError("the server is shutting down", 503, "service_unavailable")
@@ -201,7 +210,7 @@ def _add_routes(app: FastAPI) -> None:
             raise APIError("the engine is not healthy", 503, "service_unavailable")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(server().metrics.render(), media_type=CONTENT_TYPE)
 
@@ -527,6 +536,7 @@ class Server:
 
     async def completions(self, body: p.CompletionRequest, request: Request):
         params = self._sampling_params(body)
+        await self._check_structured(params, body.structured_spec()[1])
         ids = await self._prompt_ids(body.engine_prompt())
         stream = self._generation("cmpl", ids, params, "prompt", request, body)
         first = await stream.start(request)
@@ -537,6 +547,7 @@ class Server:
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         params = self._sampling_params(body)
+        await self._check_structured(params, body.constraint_param())
         ids = await self._chat_ids(body)
         stream = self._generation("chatcmpl", ids, params, "messages", request, body)
         first = await stream.start(request)
@@ -544,6 +555,57 @@ class Server:
             return _sse(self._chat_chunks(stream, first, body), stream)
         finals = await stream.collect(request, first)
         return self._chat_response(stream, finals, body)
+
+    async def _check_structured(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's grammar (off the event loop; cached, so the engine's own
+        compile is a lookup): a rejected schema, regex or grammar is a 400 naming the
+        request's field before the request is admitted."""
+        spec = params.structured_outputs
+        grammars = getattr(getattr(self.engine, "engine", None), "grammars", None)
+        if spec is None or grammars is None:
+            return
+        try:
+            await self._off_loop(grammars.compile, spec)
+        except ValueError as exc:
+            raise p.structured_error(str(exc), param or "structured_outputs") from exc
+
+    # ---------------------------------------------------------------- tokenize
+    async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
+        """vLLM's /tokenize: the prompt's token ids (messages: the chat template's)."""
+        self.check_model(body.model)
+        body.check()
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="prompt")
+        if body.messages is not None:
+            messages = [m.as_template_dict() for m in body.messages]
+            self._check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                      for m in messages), "messages")
+            try:
+                ids = await self._off_loop(self.tokenizer.encode_chat, messages,
+                                           add_generation_prompt=body.add_generation_prompt)
+            except Exception as exc:  # a template may raise on an unusual conversation
+                raise APIError(f"messages: the chat template failed: {exc}",
+                               param="messages") from exc
+        else:
+            self._check_text_size(len(body.prompt.encode("utf-8", "surrogatepass")), "prompt")
+            ids = await self._off_loop(self.tokenizer.encode, body.prompt,
+                                       add_special_tokens=body.add_special_tokens)
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_total_tokens,
+                                  tokens=ids)
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+        self.check_model(body.model)
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"tokens: {bad} is not a token id of this model (0..{vocab - 1})",
+                           param="tokens")
+        text = await self._off_loop(self.tokenizer.decode, body.tokens,
+                                    skip_special_tokens=False)
+        return p.DetokenizeResponse(prompt=text)
 
     # ---------------------------------------------------------------- prompts
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -613,9 +675,10 @@ class Server:
 
     def _chat_response(self, stream: _Generation, finals: list[CompletionOutput],
                        body: p.ChatCompletionRequest) -> p.ChatCompletionResponse:
+        plan = body.tool_plan()
         choices = [p.ChatChoice(
-            index=c.index, message=p.AssistantMessage(content=c.text),
-            finish_reason=c.finish_reason,
+            index=c.index, message=_assistant_message(c, plan),
+            finish_reason=_chat_finish_reason(c, plan),
             logprobs=self._chat_logprobs(c.token_ids, c.logprobs, body)) for c in finals]
         return p.ChatCompletionResponse(id=stream.request_id, model=self.model_name,
                                         choices=choices, usage=stream.usage(finals))
@@ -657,7 +720,14 @@ class Server:
         for index in range(stream.params.n):  # OpenAI opens each choice with the role
             yield chunk(p.ChatChunkChoice(index=index,
                                           delta=p.DeltaMessage(role="assistant", content="")))
-        async for c in stream.completions(first):
+        plan = body.tool_plan()
+        completions = stream.completions(first)
+        if plan is not None:
+            completions = _tool_call_deltas(completions, plan)
+        async for c in completions:
+            if isinstance(c, _ToolCallPiece):
+                yield chunk(c.choice(self._chat_logprobs(*_delta_logprobs(c.output), body)))
+                continue
             if c.delta_text or (body.logprobs and c.delta_token_ids):
                 ids, lps = _delta_logprobs(c)
                 yield chunk(p.ChatChunkChoice(index=c.index,
@@ -671,6 +741,77 @@ class Server:
                                         usage=stream.usage(stream.finals)).model_dump()
 
 
+def _assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.AssistantMessage:
+    """The message of a finished choice: a tool call (content null) when the request forced
+    one and the output is a complete call, or a named function's arguments cut short (as
+    OpenAI answers with finish_reason "length"); its text otherwise."""
+    call = plan.call_of(c.text) if plan is not None else None
+    if call is None and plan is not None and plan.name is not None:
+        call = plan.name, c.text
+    if call is None:
+        return p.AssistantMessage(content=c.text)
+    name, arguments = call
+    return p.AssistantMessage(content=None, tool_calls=[p.ToolCall(
+        function=p.FunctionCall(name=name, arguments=arguments))])
+
+
+def _chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | None:
+    """"tool_calls" for a complete forced call that ended by itself (OpenAI's reason)."""
+    if plan is not None and c.finish_reason == "stop" and plan.call_of(c.text) is not None:
+        return "tool_calls"
+    return c.finish_reason
+
+
+@dataclass
+class _ToolCallPiece:
+    """A streamed piece of a forced tool call: `delta` for one choice's call."""
+
+    output: CompletionOutput
+    delta: p.ToolCallDelta | None
+    finish_reason: str | None
+    content: str | None = None  # "required" cut short: the text, as the answer would carry
+
+    def choice(self, logprobs: p.ChatLogprobs | None) -> p.ChatChunkChoice:
+        tool_calls = [self.delta] if self.delta is not None else None
+        return p.ChatChunkChoice(index=self.output.index,
+                                 delta=p.DeltaMessage(content=self.content,
+                                                      tool_calls=tool_calls),
+                                 logprobs=logprobs, finish_reason=self.finish_reason)
+
+
+async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: p.ToolPlan
+                            ) -> AsyncIterator[_ToolCallPiece]:
+    """A forced tool call streamed as OpenAI streams one: a first delta with the call's id,
+    type and function name, then the arguments' text as it comes, then the finish reason.
+
+    Named function: the output is the arguments, streamed as generated. tool_choice
+    "required": the output is {"name": ..., "arguments": ...}, so each choice is held back
+    until it finishes, then sent whole (the name must be known first).
+    """
+    opened: set[int] = set()
+    async for c in completions:
+        first_piece = c.index not in opened
+        if plan.name is not None:
+            if first_piece:
+                opened.add(c.index)
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, id=p.new_id("call"), type="function",
+                    function=p.FunctionCall(name=plan.name, arguments="")), None)
+            if c.delta_text:
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, function=p.FunctionCall(arguments=c.delta_text)), None)
+        elif c.finished:
+            call = plan.call_of(c.text)
+            if call is not None:
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, id=p.new_id("call"), type="function",
+                    function=p.FunctionCall(name=call[0], arguments=call[1])), None)
+            else:
+                yield _ToolCallPiece(c, None, None, content=c.text)
+        if c.finished:
+            yield _ToolCallPiece(c, None, _chat_finish_reason(c, plan))
+
+
 def _chunk(response, include_usage: bool) -> dict:
     """A stream chunk as OpenAI sends them: deltas list only what they carry, and "usage"
     is null in every chunk but the last when include_usage is set (absent otherwise)."""
@@ -678,9 +819,18 @@ def _chunk(response, include_usage: bool) -> dict:
     for choice in data["choices"]:
         if "delta" in choice:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if "tool_calls" in choice["delta"]:  # OpenAI's pieces carry only what is new
+                choice["delta"]["tool_calls"] = [_without_nulls(call) for call in
+                                                 choice["delta"]["tool_calls"]]
     if not include_usage:
         data.pop("usage", None)
     return data
+
+
+def _without_nulls(value: dict) -> dict:
+    """`value` without its null entries, nested dicts included."""
+    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in value.items()
+            if v is not None}
 
 
 def _delta_logprobs(c: CompletionOutput) -> tuple[list[int], list[dict[int, float]]]:

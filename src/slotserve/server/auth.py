@@ -3,7 +3,8 @@
 `AccessPolicy` holds the keys; `AccessControl` is the ASGI middleware that enforces them:
 
 - /health is always open (load balancers probe it).
-- /v1/* need `Authorization: Bearer <key>` when API keys are set (an admin key also works);
+- /v1/* (and /tokenize, /detokenize) need `Authorization: Bearer <key>` when API keys are
+  set (an admin key also works);
   otherwise 401 with OpenAI's error body. The request's tenant goes into the ASGI scope
   (`tenant_of(request)`; "default" when no key is set).
 - Everything else (the live view at / and /dashboard, /debug/*, /metrics, /docs) is an admin
@@ -32,6 +33,8 @@ DEFAULT_TENANT = "default"
 ADMIN_TENANT = "admin"
 TENANT_SCOPE_KEY = "slotserve.tenant"
 OPEN_PATHS = ("/health",)
+# Routes outside /v1 (where vLLM has them) that are guarded as /v1 is: API keys, tenants.
+API_PATHS = ("/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ class AccessControl:
         if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         bearer, password = _credentials(scope)
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path in API_PATHS:
             error = self._check_api(scope, bearer)
         else:
             error = self._check_admin(bearer or password)

@@ -8,7 +8,9 @@ vLLM does. `to_sampling_params()` turns a request into SamplingParams and raises
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from slotserve.sampling import SamplingParams
+from slotserve.structured import StructuredOutputs, from_response_format
 
 # Chat requests without max_tokens / max_completion_tokens generate up to this many tokens;
 # the engine also stops at the context limit (max_model_len), with finish_reason "length".
@@ -139,7 +142,85 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Request):
+class _StructuredFields(BaseModel):
+    """The ways to constrain the output (exactly one at most): OpenAI's `response_format`,
+    vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and its
+    older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> tuple[StructuredOutputs | None, str | None]:
+        """(what the output must match, the request field that says so); (None, None) when
+        unconstrained. APIError (400) naming the field when it is malformed or when more than
+        one field constrains the output."""
+        found = []
+        for param in ("response_format", "structured_outputs", *_GUIDED):
+            value = getattr(self, param)
+            if value is None:
+                continue
+            try:
+                spec = _structured_from(param, value)
+            except ValueError as exc:
+                raise APIError(_renamed(str(exc), param), param=param) from exc
+            if spec is not None:
+                found.append((spec, param))
+        if len(found) > 1:
+            names = ", ".join(param for _, param in found)
+            raise APIError(f"only one of response_format, structured_outputs and guided_* "
+                           f"may constrain the output; got {names}", param=found[1][1])
+        return found[0] if found else (None, None)
+
+
+# guided_* field -> the StructuredOutputs field it sets (vLLM's older names)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _structured_from(param: str, value: Any) -> StructuredOutputs | None:
+    if param == "response_format":
+        return from_response_format(value)
+    if param == "structured_outputs":
+        return StructuredOutputs.from_dict(value)
+    return StructuredOutputs(**{_GUIDED[param]: value})
+
+
+def _renamed(message: str, param: str) -> str:
+    """A StructuredOutputs message ("structured_outputs.json: ...") in the request's terms."""
+    if param in _GUIDED:
+        return message.replace(f"structured_outputs.{_GUIDED[param]}", param, 1)
+    return message
+
+
+def structured_error(message: str, param: str) -> APIError:
+    """The grammar engine rejected a request's constraint (ValueError "structured_outputs.
+    <kind>: ..."): a 400 naming the request field that carried it."""
+    prefix, _, rest = message.partition(":")
+    if param == "response_format" and prefix == "structured_outputs.json":
+        message = f"response_format.json_schema.schema:{rest}"
+    elif param in _GUIDED:
+        message = _renamed(message, param)
+    elif param == "structured_outputs" or not prefix.startswith("structured_outputs"):
+        pass
+    else:  # tools: the schema built from the tools' parameters
+        message = f"{param}: the function parameters schema was rejected:{rest}"
+    return APIError(message, param=param)
+
+
+def with_structured(params: SamplingParams, spec: StructuredOutputs | None) -> SamplingParams:
+    """`params` constrained to `spec` (unchanged when None)."""
+    if spec is None:
+        return params
+    return dataclasses.replace(params, structured_outputs=spec)
+
+
+class CompletionRequest(_Request, _StructuredFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of one of those."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -172,7 +253,8 @@ class CompletionRequest(_Request):
         max_tokens = self.max_tokens
         if max_tokens is None or "max_tokens" not in self.model_fields_set:
             max_tokens = _capped(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_cap)
-        return self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
+        params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
+        return with_structured(params, self.structured_spec()[0])
 
 
 class TextPart(BaseModel):
@@ -182,23 +264,117 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def as_text(self) -> str:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return json.dumps({"name": self.function.name, "arguments": arguments},
+                          ensure_ascii=False)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
 
     def as_template_dict(self) -> dict[str, str]:
-        """{role, content} with text parts joined (what chat templates expect)."""
+        """{role, content} with text parts joined (what chat templates expect). An assistant
+        turn's tool calls, which templates without a tool format cannot show, are written
+        as the JSON the model was constrained to ({"name": ..., "arguments": {...}})."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if self.tool_calls and not content:
+            content = "\n".join(call.as_text() for call in self.tool_calls)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_Request):
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' is not supported for this model; use 'required' "
+                          "or a named function")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """How a request's tool call is produced: the output is constrained to `spec`.
+
+    name: the named function (tool_choice {"type": "function", ...}): the output is its
+    arguments. None (tool_choice "required"): the output is {"name": ..., "arguments": ...}
+    for one of the tools.
+    """
+
+    spec: StructuredOutputs
+    name: str | None
+
+    def call_of(self, text: str) -> tuple[str, str] | None:
+        """(function name, arguments as JSON text) of a finished output; None when the text
+        is not a complete call (the output was cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:  # NOTE: the text as generated (and as it was streamed)
+            return self.name, text
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        return value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)
+
+
+def _parameters(function: FunctionDefinition) -> dict:
+    """A function's argument schema (no `parameters`: any JSON object)."""
+    return function.parameters if function.parameters is not None else {"type": "object"}
+
+
+class ChatCompletionRequest(_Request, _StructuredFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -206,16 +382,16 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
         """SamplingParams, or APIError (400) naming the field (as to CompletionRequest's)."""
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError("response_format: only {'type': 'text'} is supported",
-                           param="response_format")
+        spec, _ = self.structured_spec()
+        plan = self.tool_plan()
+        if plan is not None and spec is not None:
+            raise APIError("a tool call and response_format / structured_outputs cannot be "
+                           "asked together", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -225,7 +401,52 @@ class ChatCompletionRequest(_Request):
         max_tokens = self.chat_max_tokens
         if self.max_completion_tokens is None and self.max_tokens is None:
             max_tokens = _capped(max_tokens, max_tokens_cap)
-        return self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
+        params = self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
+        return with_structured(params, plan.spec if plan is not None else spec)
+
+    def constraint_param(self) -> str | None:
+        """The request field whose constraint the output follows (for error messages)."""
+        if self.tool_plan() is not None:
+            return "tools"
+        return self.structured_spec()[1]
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The forced tool call, or None (no tools, or tool_choice "none"). APIError (400) for
+        tool_choice "auto" (this server has no tool-call parser for free text) and for a
+        tool_choice that names no tool."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        if choice in (None, "auto"):  # NOTE: OpenAI's default with tools is "auto"
+            raise APIError(AUTO_TOOLS_UNSUPPORTED, param="tool_choice")
+        functions = {tool.function.name: tool.function for tool in self.tools}
+        if len(functions) != len(self.tools):
+            raise APIError("tools: two tools have the same function name", param="tools")
+        if isinstance(choice, NamedToolChoice):
+            function = functions.get(choice.function.name)
+            if function is None:
+                raise APIError(f"tool_choice names the function {choice.function.name!r}, "
+                               f"which is not among the tools ({', '.join(functions)})",
+                               param="tool_choice")
+            return ToolPlan(self._tool_spec(_parameters(function)), function.name)
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]},
+                                                   "arguments": _parameters(function)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, function in functions.items()]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return ToolPlan(self._tool_spec(schema), None)
+
+    @staticmethod
+    def _tool_spec(schema: dict) -> StructuredOutputs:
+        try:
+            return StructuredOutputs(json=schema)
+        except ValueError as exc:
+            raise APIError(f"tools: a function's parameters are not a JSON schema: {exc}",
+                           param="tools") from exc
 
     @property
     def chat_max_tokens(self) -> int:
@@ -254,6 +475,7 @@ def invalid_request(message: str, renames: dict[str, str] | None = None) -> APIE
     """A 400 from a ValueError whose message starts with the field name (SamplingParams')."""
     first = message.split(" ", 1)[0].rstrip(":")
     known = set(SamplingParams.__dataclass_fields__) | {"prompt"}
+    first = first if first in known else first.split(".", 1)[0]  # "structured_outputs.json"
     param = first if first in known else None
     if param is not None and renames and param in renames:
         param = renames[param]
@@ -325,9 +547,31 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: new_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(BaseModel):
+    """One piece of a streamed tool call (OpenAI's shape: the first carries id, type and
+    the function's name; the later ones more of its arguments)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -346,6 +590,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -371,6 +616,41 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered with the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("send exactly one of prompt and messages", param="prompt")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def new_id(prefix: str) -> str:

@@ -17,6 +17,7 @@ reads the tokenizer's own tokenizer.json and takes Lark and GBNF grammars alike.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 
@@ -30,6 +31,9 @@ from slotserve.structured.params import StructuredOutputs
 _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
             "choice": "choice", "grammar": "grammar"}
 _ANY_JSON_OBJECT = '{"type": "object"}'
+# Where JSON allows whitespace, a constrained output may put at most one space (as
+# json.dumps does after ":" and ","); see _bounded_whitespace.
+WHITESPACE = "[ ]?"
 
 
 class GrammarCompiler:
@@ -79,6 +83,8 @@ class GrammarCompiler:
     def _compile_uncached(self, spec: StructuredOutputs) -> str | ValueError:
         kind = spec.kind
         text = _ANY_JSON_OBJECT if kind == "json_object" else spec.key[1]
+        if _FORMATS[kind] == "json_schema":
+            text = _bounded_whitespace(text)
         try:
             grammar = llguidance.grammar_from(_FORMATS[kind], text)
         except Exception as exc:  # llguidance raises ValueError (or others) on unusable text
@@ -164,6 +170,18 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
 
 _EXECUTOR: list[llguidance.LLExecutor] = []
 _EXECUTOR_LOCK = threading.Lock()
+
+
+def _bounded_whitespace(schema_text: str) -> str:
+    """The schema with llguidance's whitespace pattern set to WHITESPACE (unless the schema
+    sets its own "x-guidance" options). NOTE: with free whitespace a model may emit
+    whitespace until max_tokens (random weights always do), so the output never parses."""
+    schema = json.loads(schema_text)
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict) or "x-guidance" in schema:
+        return schema_text
+    return json.dumps({"x-guidance": {"whitespace_pattern": WHITESPACE}, **schema})
 
 
 def _executor() -> llguidance.LLExecutor:
