@@ -399,3 +399,21 @@ def test_engine_errors_about_a_constraint_name_structured_outputs():
     error = invalid_request("structured_outputs.regex: unclosed group")
     assert error.param == "structured_outputs" and error.status == 400
     assert invalid_request("something else went wrong").param is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_grammar_engine_cannot_follow_is_400_for_that_request(client, stream):
+    """llguidance 1.9 masks the wrong first byte for this pattern on SmolLM2's vocabulary (see
+    structured.grammar.GrammarRejectedToken): the request gets a 400 naming the constraint,
+    and a free request in the same server still answers."""
+    body = {"messages": USER, "max_tokens": 8, "stream": stream, "guided_regex": "\U00085346WT"}
+    r = client.post("/v1/chat/completions", json=body)
+    if stream:
+        assert r.status_code == 200
+        assert "unsupported_constraint" in r.text and "structured_outputs" in r.text
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "structured_outputs" and error["code"] == "unsupported_constraint"
+    ok = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4})
+    assert ok.status_code == 200

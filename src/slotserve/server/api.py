@@ -912,14 +912,14 @@ class _Generation:
 
     async def completions(self, first: RequestOutput) -> AsyncIterator[CompletionOutput]:
         """Every output's completion, first included; raises APIError on a failure."""
-        yield self._check(first.outputs[0])
+        yield self._check(first.outputs[0], first.error)
         while True:
             try:
                 out = await self._guarded(self._next())
             except StopAsyncIteration:
                 return
             self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
-            yield self._check(out.outputs[0])
+            yield self._check(out.outputs[0], out.error)
 
     async def _next(self) -> RequestOutput:
         return await anext(self.outputs)
@@ -951,7 +951,12 @@ class _Generation:
                        "service_unavailable", code="slo_unattainable",
                        headers={"Retry-After": str(self.server.retry_after_s)})
 
-    def _check(self, c: CompletionOutput) -> CompletionOutput:
+    def _check(self, c: CompletionOutput, error: str | None = None) -> CompletionOutput:
+        if c.finish_reason == "error" and (error or "").startswith("GrammarRejectedToken"):
+            # NOTE: the request's own constraint is one the grammar engine cannot follow
+            raise APIError("the grammar engine could not follow this request's constraint "
+                           f"({error}); try a simpler pattern", 400,
+                           param="structured_outputs", code="unsupported_constraint")
         if c.finish_reason == "error":
             raise APIError("generation failed in the engine", 500, "server_error")
         if c.finish_reason == "abort":

@@ -103,6 +103,16 @@ class GrammarCompiler:
         return GrammarMatcher(matcher, spec)
 
 
+class GrammarRejectedToken(ValueError):
+    """The matcher refused a token its own mask allowed.
+
+    NOTE: seen with llguidance 1.9 on SmolLM2's byte-level vocabulary for a regex whose
+    forced bytes start a rare 4-byte character (U+85346): the first mask allowed the
+    character's second byte. The request that asked for that constraint fails alone (the
+    server answers 400, param structured_outputs); nobody else is touched.
+    """
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar.
 
@@ -122,8 +132,8 @@ class GrammarMatcher:
         if not new:
             return
         if not self._matcher.consume_tokens(new):
-            raise ValueError(f"the grammar rejected a sampled token: "
-                             f"{_summary(self._matcher.get_error())}")
+            raise GrammarRejectedToken(f"the grammar rejected a sampled token: "
+                                       f"{_summary(self._matcher.get_error())}")
         self.num_consumed = len(output_token_ids)
 
     @property
