@@ -404,16 +404,28 @@ def test_engine_errors_about_a_constraint_name_structured_outputs():
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_constraint_the_grammar_engine_cannot_follow_is_400_for_that_request(client, stream):
     """llguidance 1.9 masks the wrong first byte for this pattern on SmolLM2's vocabulary (see
-    structured.grammar.GrammarRejectedToken): the request gets a 400 naming the constraint,
-    and a free request in the same server still answers."""
+    structured.grammar.GrammarRejectedToken; found by the API fuzz): the compile-time probe
+    refuses it with a 400 naming the field, and a free request still answers."""
     body = {"messages": USER, "max_tokens": 8, "stream": stream, "guided_regex": "\U00085346WT"}
     r = client.post("/v1/chat/completions", json=body)
-    if stream:
-        assert r.status_code == 200
-        assert "unsupported_constraint" in r.text and "structured_outputs" in r.text
-    else:
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "structured_outputs" and error["code"] == "unsupported_constraint"
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_regex" and "cannot follow" in error["message"], error
     ok = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def test_the_server_maps_a_refused_sampled_token_to_400():
+    """Past the probe (a later forced character), the engine's GrammarRejectedToken fails
+    that completion alone; the server answers 400 unsupported_constraint, not 500."""
+    from slotserve.engine.outputs import CompletionOutput
+    from slotserve.server.api import _Generation
+    from slotserve.server.protocol import APIError
+
+    failed = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")
+    with pytest.raises(APIError) as raised:
+        _Generation._check(None, failed, "GrammarRejectedToken: the grammar rejected ...")
+    assert raised.value.status == 400 and raised.value.param == "structured_outputs"
+    with pytest.raises(APIError) as raised:
+        _Generation._check(None, failed, "RuntimeError: boom")
+    assert raised.value.status == 500

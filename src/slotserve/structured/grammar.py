@@ -92,7 +92,36 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
             return ValueError(f"structured_outputs.{kind}: {_summary(error)}")
+        problem = self._probe_forced_start(grammar)
+        if problem:
+            return ValueError(f"structured_outputs.{kind}: {problem}")
         return grammar
+
+    def _probe_forced_start(self, grammar: str) -> str | None:
+        """Walk the grammar's forced start (while its mask allows at most FORCED_WIDTH
+        tokens, up to PROBE_STEPS tokens) and check that the matcher accepts every token its
+        mask allows there; the problem found, or None.
+
+        NOTE: see GrammarRejectedToken: llguidance 1.9 can mask a wrong byte where a pattern
+        forces a rare multi-byte character; such a constraint is refused (400) up front.
+        """
+        matcher = GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0),
+                                 None)
+        for _ in range(PROBE_STEPS):
+            if matcher.is_finished or matcher.ll_matcher.is_error():
+                return None
+            bitmask = allocate_bitmask(1, self.vocab_size)
+            fill_bitmasks([(matcher, 0)], bitmask)
+            allowed = np.flatnonzero(unpack_bitmask(bitmask, self.vocab_size)[0]).tolist()
+            if not allowed or len(allowed) > FORCED_WIDTH:
+                return None
+            for token in allowed:
+                if matcher.ll_matcher.validate_tokens([token]) != 1:
+                    return ("the grammar engine cannot follow this constraint with this "
+                            f"model's tokenizer (its mask allows token {token}, which its "
+                            "matcher then refuses)")
+            matcher.ll_matcher.consume_token(allowed[0])
+        return None
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one sequence (compiling `spec`, or taking it from the cache)."""
@@ -101,6 +130,10 @@ class GrammarCompiler:
         if matcher.is_error():  # NOTE: validate_grammar passed, so only a resource limit
             raise ValueError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
         return GrammarMatcher(matcher, spec)
+
+
+PROBE_STEPS = 32  # forced tokens walked by _probe_forced_start at compile time
+FORCED_WIDTH = 4  # a mask allowing at most this many tokens counts as forced
 
 
 class GrammarRejectedToken(ValueError):
