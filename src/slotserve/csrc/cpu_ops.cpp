@@ -533,6 +533,19 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return padded.view({panels, PANEL_WIDTH, in}).transpose(1, 2).contiguous();
 }
 
+#if defined(__AVX512F__)
+// Store a tile's ROWS x 2 accumulators into y (row stride outs), only its first cols outputs.
+template <int ROWS>
+inline void store_panel_tile(__m512 (&acc)[ROWS][2], float* y, int64_t outs, int64_t cols) {
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * outs + 16, high, acc[r][1]);
+  }
+}
+#endif
+
 // y[r, :cols] = x[r, :] . panel for ROWS rows of x (row stride in), y's row stride outs.
 template <int ROWS>
 void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
@@ -551,12 +564,7 @@ void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_
       acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
     }
   }
-  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
-  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * outs + 16, high, acc[r][1]);
-  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
 #else
   // The same sums in the same order, without AVX-512 (fma keeps each step's rounding).
   for (int r = 0; r < ROWS; ++r)
@@ -714,13 +722,7 @@ void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, fl
       }
     }
   }
-  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
-  const __mmask16 high_mask =
-      cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * outs + 16, high_mask, acc[r][1]);
-  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
 }
 #endif
 
@@ -743,13 +745,7 @@ void panel_tile_bf16_dot(const uint32_t* xb, const uint16_t* panel, int64_t pair
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
     }
   }
-  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
-  const __mmask16 high_mask =
-      cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
-  for (int r = 0; r < ROWS; ++r) {
-    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * outs + 16, high_mask, acc[r][1]);
-  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
 }
 #endif
 
