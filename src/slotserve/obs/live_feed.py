@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 from slotserve.engine.events import EngineSnapshot, IterationEvent
+from slotserve.obs.subscriber import EngineSubscriber
 from slotserve.obs.windows import LatencyWindow, percentile
 
 
@@ -51,7 +52,7 @@ class LiveClient:
         return out
 
 
-class LiveFeed:
+class LiveFeed(EngineSubscriber):
     """Follows one engine (its `subscribe` / `snapshot` / `export_trace`): fans iteration
     records out to pages, keeps recent latencies.
 
@@ -60,28 +61,15 @@ class LiveFeed:
 
     def __init__(self, engine, client_queue: int = 2048, window_s: float = 60.0,
                  max_latencies: int = 4096) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.client_queue = client_queue
         self.window_s = window_s
         self._clients: list[LiveClient] = []
         self._lock = threading.Lock()  # guards _clients and _tokens across the threads
         self.latencies = LatencyWindow(window_s, max_latencies)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated)
-        self._attached = False
 
     # ------------------------------------------------------------------ engine side
-    def attach(self) -> None:
-        """Follow the engine's iterations."""
-        if not self._attached:
-            self.engine.subscribe(self.on_iteration)
-            self._attached = True
-
-    def close(self) -> None:
-        """Stop following the engine."""
-        if self._attached:
-            self.engine.unsubscribe(self.on_iteration)
-            self._attached = False
-
     def on_iteration(self, event: IterationEvent) -> None:
         """Subscriber (engine thread): hand the record to every page, keep the latencies."""
         self.latencies.on_event(event)

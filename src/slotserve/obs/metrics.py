@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from slotserve.engine.events import OBSERVED_REASONS, FinishedCompletion, IterationEvent
+from slotserve.obs.subscriber import EngineSubscriber
 from slotserve.obs.windows import SlotWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,7 +48,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class ServerMetrics:
+class ServerMetrics(EngineSubscriber):
     """The metrics of one served engine. `attach()` starts feeding them.
 
     engine: what publishes the engine's read side, `snapshot()` and `subscribe()` (an
@@ -57,7 +58,7 @@ class ServerMetrics:
     def __init__(self, engine, window_s: float = 10.0, tenants=()) -> None:
         """tenants: tenant names whose series exist from the start (with "default" and the
         engine's configured tenants)."""
-        self.engine = engine
+        super().__init__(engine)
         self.registry = CollectorRegistry()
         snap = engine.snapshot()
         self.slots = SlotWindow(snap.num_slots, window_s)
@@ -66,7 +67,6 @@ class ServerMetrics:
                                            *getattr(snap, "configured_tenants", ())}))
         self._tenant_metrics(self.registry)
         self.registry.register(EngineCollector(engine, self.slots, self))
-        self._attached = False
 
     def _histograms(self, registry: CollectorRegistry) -> None:
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
@@ -110,17 +110,6 @@ class ServerMetrics:
         """Requests within both SLOs / requests judged, since start (0.0 before any)."""
         with self._slo_lock:
             return self.slo_met_total / self.slo_judged_total if self.slo_judged_total else 0.0
-
-    def attach(self) -> None:
-        """Follow the engine's iterations (latencies and slot utilisation)."""
-        if not self._attached:
-            self.engine.subscribe(self.on_iteration)
-            self._attached = True
-
-    def close(self) -> None:
-        if self._attached:
-            self.engine.unsubscribe(self.on_iteration)
-            self._attached = False
 
     def on_iteration(self, event: IterationEvent) -> None:
         """Subscriber (engine thread): the slots' work and the finished latencies."""
