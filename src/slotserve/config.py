@@ -234,6 +234,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
+def check_policy_fields(priority: Any, tenant: Any, slo_ttft_ms: Any,
+                        slo_tpot_ms: Any) -> None:
+    """A request's scheduling-policy fields; ValueError naming the first bad one."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+    check_slo_ms("slo_ttft_ms", slo_ttft_ms)
+    check_slo_ms("slo_tpot_ms", slo_tpot_ms)
+
+
 def check_slo_ms(name: str, value: Any) -> None:
     """ValueError naming the field unless value is None or a positive finite number."""
     if value is None:

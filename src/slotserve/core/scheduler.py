@@ -20,7 +20,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from slotserve.config import SchedulerConfig, check_slo_ms
+from slotserve.config import SchedulerConfig, check_policy_fields
 from slotserve.core import policy
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, SlotState
@@ -81,12 +81,8 @@ class Scheduler:
 
     @staticmethod
     def _check_policy_fields(request: Request) -> None:
-        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-            raise ValueError(f"priority must be an integer, got {request.priority!r}")
-        if not isinstance(request.tenant, str) or not request.tenant:
-            raise ValueError(f"tenant must be a non-empty string, got {request.tenant!r}")
-        check_slo_ms("slo_ttft_ms", request.slo_ttft_ms)
-        check_slo_ms("slo_tpot_ms", request.slo_tpot_ms)
+        check_policy_fields(request.priority, request.tenant, request.slo_ttft_ms,
+                            request.slo_tpot_ms)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, error, stop string): it leaves and its blocks return."""

@@ -29,7 +29,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from slotserve.config import check_slo_ms
+from slotserve.config import check_policy_fields
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
@@ -74,12 +74,7 @@ class _PolicyFields:
     def check(self) -> None:
         """ValueError naming the field (before the request is queued, so the caller gets
         it at once rather than from the engine thread)."""
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
-        check_slo_ms("slo_ttft_ms", self.slo_ttft_ms)
-        check_slo_ms("slo_tpot_ms", self.slo_tpot_ms)
+        check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
 
 
 class AsyncEngine:
