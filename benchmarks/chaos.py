@@ -256,6 +256,38 @@ def wrong_types(ctx):
 
 
 @status_of()
+def priority_huge(ctx):
+    return small(priority=10**30)
+
+
+@status_of()
+def slo_negative(ctx):
+    return small(slo_ttft_ms=-1)
+
+
+@status_of()
+def cache_salt_huge(ctx):
+    return small(cache_salt="s" * 100_000)
+
+
+@status_of()
+def guided_regex_bad(ctx):
+    return small(guided_regex="(unclosed")
+
+
+@status_of()
+def guided_regex_unfollowable(ctx):
+    """A pattern llguidance cannot follow on SmolLM2's vocabulary (GrammarRejectedToken)."""
+    return small(guided_regex="\U00085346WT")
+
+
+@status_of()
+def json_schema_bad(ctx):
+    return small(response_format={"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": {"type": 7}}})
+
+
+@status_of()
 def unknown_model(ctx):
     return small(model="gpt-9-ultra")
 
@@ -346,6 +378,12 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "malformed JSON": (malformed_json, frozenset({400})),
     "wrong types": (wrong_types, frozenset({400})),
     "unknown model": (unknown_model, frozenset({404})),
+    "priority 10**30": (priority_huge, frozenset({400})),
+    "slo_ttft_ms -1": (slo_negative, frozenset({400})),
+    "a 100k-character cache_salt": (cache_salt_huge, frozenset({400})),
+    "an unparsable guided_regex": (guided_regex_bad, frozenset({400})),
+    "a regex the grammar engine cannot follow": (guided_regex_unfollowable, frozenset({400})),
+    "a malformed json_schema": (json_schema_bad, frozenset({400})),
     "no API key": (missing_key, frozenset({401})),
     "a wrong API key": (wrong_key, frozenset({401})),
     "/metrics with a non-admin key": (metrics_without_admin, frozenset({401})),
