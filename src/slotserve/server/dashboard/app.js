@@ -473,20 +473,20 @@ function showUtilisation(columns, numSlots) {
     : "utilisation — (no iterations yet: send some requests)";
 }
 
-/** The requests in view, most recently seen first; the ones in the newest column bold. */
-function showLegend(columns) {
+/** The requests in view, most recently seen first; the ones in the newest column bold
+ * (columns from `newest` on: one newest column per replica strip). */
+function showLegend(columns, newest = columns.length - 1) {
   const lastSeen = new Map();
   columns.forEach((column, j) => {
     for (const cell of column.slots) if (cell) lastSeen.set(cell.request, j);
   });
   const ids = [...lastSeen.keys()].sort((a, b) => lastSeen.get(b) - lastSeen.get(a));
-  const newest = columns.length - 1;
-  const key = ids.map((id) => `${id}:${lastSeen.get(id) === newest}`).join("|");
+  const key = ids.map((id) => `${id}:${lastSeen.get(id) >= newest}`).join("|");
   if (key === live.legendKey) return;
   live.legendKey = key;
   const legend = $("#live-legend");
   legend.dataset.count = String(ids.length);
-  legend.replaceChildren(...ids.slice(0, 40).map((id) => legendItem(id, lastSeen.get(id) === newest)));
+  legend.replaceChildren(...ids.slice(0, 40).map((id) => legendItem(id, lastSeen.get(id) >= newest)));
   if (ids.length > 40) legend.append(el("li", { class: "more" }, `+${ids.length - 40} more`));
 }
 
@@ -639,7 +639,7 @@ function drawReplicaStrips() {
     ? `utilisation <b>${pct(value)}</b> over the last ${iterations} iterations of ${live.replicas.size} replicas`
     : "utilisation — (no iterations yet: send some requests)";
   inView.sort((a, b) => b.age - a.age); // oldest first: the legend lists the newest first
-  showLegend(inView.map((item) => item.column));
+  showLegend(inView.map((item) => item.column), inView.findIndex((item) => item.age === 0));
 }
 
 // ------------------------------------------------------------------------ block map
