@@ -119,6 +119,7 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
                    if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
         state = httpx.get(server.url + "/debug/state").json()  # the live view's, summed
         assert state["num_slots"] == 4 and state["blocks"] is None
+        _check_live_feed(server.url, trace)
         reset = httpx.post(server.url + "/reset_prefix_cache")
         assert reset.status_code == 200 and reset.json()["blocks_dropped"] >= 0
     finally:
@@ -126,6 +127,32 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert status == 0, server.log()[-3000:]
     assert "replicas stopped" in server.log()
+
+
+def _check_live_feed(url: str, trace: dict) -> None:
+    """The live view's stream: its hello lists both replicas and carries their iterations,
+    each tagged with the replica that ran it, which is the one the router chose (the trace's
+    routing) for every request in it; the replicas' finished requests reach the latency
+    percentiles; /debug/trace holds each replica's records too."""
+    import httpx
+
+    with httpx.stream("GET", url + "/debug/events", timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: hello"
+        hello = json.loads(next(lines).removeprefix("data: "))
+    assert [(v["name"], v["up"], v["num_slots"]) for v in hello["replicas"]] == [
+        ("slotserve-replica-0", True, 2), ("slotserve-replica-1", True, 2)]
+    routed = {r["request_id"]: r["replica"] for r in trace["routing"]}
+    ran = {}
+    for record in hello["iterations"]:
+        for cell in record["slots"]:
+            if cell:
+                ran.setdefault(cell["request"].split("#")[0], set()).add(record["replica"])
+    assert set(ran) == set(routed)  # both requests, each on its replica only
+    assert all(ran[request] == {replica} for request, replica in routed.items())
+    assert hello["finished_in_window"] == 2 and hello["ttft_p50"] is not None
+    replicas = httpx.get(url + "/debug/trace").json()["replicas"]
+    assert sum(len(r["iterations"]) for r in replicas.values()) == len(hello["iterations"])
 
 
 def _own_processes(marker: str) -> list[str]:
