@@ -62,7 +62,11 @@ def start_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | 
     if address:
         join_cluster(address)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+        # NOTE: "local": a new Ray of our own even when RAY_ADDRESS is set or a `ray start`
+        # cluster runs here (ray.init() would join that one, and the server's exit would
+        # then leave its replicas there).
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 log_to_driver=False,
                  object_store_memory=object_store_bytes, _temp_dir=temp_dir)
     serve.start(proxy_location="Disabled")
 
