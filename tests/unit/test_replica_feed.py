@@ -59,21 +59,13 @@ def test_the_tap_answers_each_cursor_with_the_events_after_it():
     assert [e.index for e in tap.since(5, "old")["events"]] == [3, 4, 5]
 
 
-def _replica(seed: int) -> InProcessReplica:
-    engine = tiny_engine(_hf_model(), max_num_seqs=2, num_blocks=64, block_size=BLOCK_SIZE,
-                         seed=seed)
-    return InProcessReplica(AsyncEngine(engine))
+def _engine(hf_model, seed: int) -> AsyncEngine:
+    return AsyncEngine(tiny_engine(hf_model, max_num_seqs=2, num_blocks=64,
+                                   block_size=BLOCK_SIZE, seed=seed))
 
 
-_MODEL = []
-
-
-def _hf_model():
-    from tests.conftest import tiny_hf_model
-
-    if not _MODEL:
-        _MODEL.append(tiny_hf_model())
-    return _MODEL[0]
+def _replica(hf_model, seed: int) -> InProcessReplica:
+    return InProcessReplica(_engine(hf_model, seed))
 
 
 async def _serve(replica: InProcessReplica, request_id: str, prompt: list[int]) -> None:
@@ -82,11 +74,11 @@ async def _serve(replica: InProcessReplica, request_id: str, prompt: list[int]) 
         pass
 
 
-def test_the_live_feed_of_a_replica_set_carries_each_replicas_iterations():
+def test_the_live_feed_of_a_replica_set_carries_each_replicas_iterations(tiny_llama):
     """Each replica's iterations reach the live feed's pages tagged with that replica, with
     the requests it ran; the hello has the replicas and their recent iterations; the
     latency percentiles come back; a restarted replica's first record says so."""
-    replicas = {"replica-0": _replica(0), "replica-1": _replica(1)}
+    replicas = {"replica-0": _replica(tiny_llama, 0), "replica-1": _replica(tiny_llama, 1)}
     front = in_process_front(replicas, BLOCK_SIZE)
     feed = LiveFeed(front)
     feed.attach()
@@ -124,7 +116,7 @@ def test_the_live_feed_of_a_replica_set_carries_each_replicas_iterations():
     assert "replica" not in replicas["replica-0"].async_engine.export_trace()["iterations"][0]
 
     # Serve restarts replica-0: its new engine numbers iterations from 0 again.
-    replicas["replica-0"].restart(_replica(2).async_engine)
+    replicas["replica-0"].restart(_engine(tiny_llama, 2))
 
     async def after_restart():
         replicas["replica-0"].async_engine.start()
@@ -143,8 +135,8 @@ def test_the_live_feed_of_a_replica_set_carries_each_replicas_iterations():
     assert front.recent_iterations(600)[0] is again[0]  # replica-0's old records dropped
 
 
-def test_a_failing_subscriber_does_not_stop_the_forwarding():
-    replicas = {"replica-0": _replica(0)}
+def test_a_failing_subscriber_does_not_stop_the_forwarding(tiny_llama):
+    replicas = {"replica-0": _replica(tiny_llama, 0)}
     front = in_process_front(replicas, BLOCK_SIZE)
     seen = []
 
