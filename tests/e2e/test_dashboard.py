@@ -489,3 +489,94 @@ def test_page_buffers_stay_bounded(page, live_server):
     page.wait_for_function("() => document.querySelector('#live-legend').children.length > 1")
     assert page.locator("#live-legend li").count() <= 41
     assert page.errors == []
+
+
+# --------------------------------------------------------------------------- replicas
+REPLICAS = ("replica-0", "replica-1")
+REPLICA_SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def replica_live_server():
+    """The live view over a replica set's ingress (a real ReplicaFront polling every 0.2 s)
+    whose two replicas are paced engines in this process (tests.support.replicas: no Ray);
+    POST /test/generate?replica=NAME starts requests on one replica."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from contextlib import asynccontextmanager
+
+    from tests.support.replicas import InProcessReplica, in_process_front
+
+    replicas = {}
+    for seed, name in enumerate(REPLICAS):
+        engine = tiny_engine(tiny_hf_model(), max_num_seqs=REPLICA_SLOTS, num_blocks=NUM_BLOCKS,
+                             block_size=BLOCK_SIZE, max_model_len=256, seed=seed)
+        replicas[name] = InProcessReplica(AsyncEngine(engine))
+        replicas[name].async_engine.subscribe(lambda event: time.sleep(STEP_DELAY_S))
+    front = in_process_front(replicas, BLOCK_SIZE)
+    front.poll_interval_s = 0.2
+
+    @asynccontextmanager
+    async def polling(app):
+        front.start()
+        yield
+        await front.stop()
+
+    app = FastAPI(lifespan=polling)
+    app.include_router(build_live_router(front, stats_interval_s=0.25))
+    tasks: set[asyncio.Task] = set()
+
+    @app.post("/test/generate")
+    async def generate(replica: str, prefix: str, n: int = 3, max_tokens: int = 40) -> dict:
+        engine = replicas[replica].async_engine
+        for i, prompt in enumerate(random_prompts(n, min_len=8, max_len=30, seed=n)):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+            task = asyncio.create_task(_run(engine, f"{prefix}-{i}", prompt, params))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        return {"started": n}
+
+    server = ThreadServer(app)
+    for replica in replicas.values():
+        replica.async_engine.start()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        for replica in replicas.values():
+            replica.async_engine.stop()
+
+
+# JS: each replica strip's label, iterations drawn and requests in view.
+REPLICA_STRIPS = """() => [...document.querySelectorAll('#live .replica-strip')].map(node => ({
+    name: node.dataset.replica, label: node.querySelector('.replica-label').textContent,
+    iterations: Number(node.dataset.iterations || 0),
+    requests: (node.dataset.requests || '').split(' ').filter(Boolean),
+    painted: (() => { const c = node.querySelector('canvas.strip');
+                      return c.width > 0 && c.getBoundingClientRect().height > 0; })()}))"""
+
+
+def test_live_view_of_replicas_draws_a_labelled_strip_per_replica(page, replica_live_server):
+    """With a replica set behind the server, the page swaps its one strip for one strip per
+    replica, labelled, each with the requests that replica ran."""
+    page.goto(replica_live_server.url + "/")
+    page.wait_for_selector('body[data-connected="true"]')
+    for name in REPLICAS:
+        r = httpx.post(f"{replica_live_server.url}/test/generate",
+                       params={"replica": name, "prefix": f"{name}-req"})
+        assert r.status_code == 200, r.text
+    page.wait_for_function(f"() => ({REPLICA_STRIPS})().length === 2 && ({REPLICA_STRIPS})()"
+                           ".every(s => s.requests.length === 3)")
+    strips = page.evaluate(REPLICA_STRIPS)
+    assert [s["name"] for s in strips] == list(REPLICAS)
+    for strip in strips:
+        assert strip["label"] == f"{strip['name']} · {REPLICA_SLOTS} slots · up"
+        assert sorted(strip["requests"]) == [f"{strip['name']}-req-{i}" for i in range(3)]
+        assert strip["iterations"] > 0 and strip["painted"]
+    assert not page.locator("#live-strip").is_visible()  # the single strip gives way
+    assert page.evaluate(LEGEND, "replica-") == 6
+    assert float(page.locator("#live-util-text").get_attribute("data-utilisation")) > 0
+    screenshot(page, "dashboard-replicas.png")
+    page.wait_for_function("() => document.querySelector('[data-key=ttft_p50]').textContent "
+                           "!== '—'")  # the replicas' finished requests reach the latencies
+    assert page.errors == []

@@ -5,7 +5,13 @@ oracle. Slow: Ray and the replicas take ~20-60 s to start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -113,6 +119,7 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
                    if k.startswith("slotserve:prompt_tokens_total{replica=")) == 80
         state = httpx.get(server.url + "/debug/state").json()  # the live view's, summed
         assert state["num_slots"] == 4 and state["blocks"] is None
+        _check_live_feed(server.url, trace)
         reset = httpx.post(server.url + "/reset_prefix_cache")
         assert reset.status_code == 200 and reset.json()["blocks_dropped"] >= 0
     finally:
@@ -120,6 +127,184 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert status == 0, server.log()[-3000:]
     assert "replicas stopped" in server.log()
+
+
+def _check_live_feed(url: str, trace: dict) -> None:
+    """The live view's stream: its hello lists both replicas and carries their iterations,
+    each tagged with the replica that ran it, which is the one the router chose (the trace's
+    routing) for every request in it; the replicas' finished requests reach the latency
+    percentiles; /debug/trace holds each replica's records too."""
+    import httpx
+
+    with httpx.stream("GET", url + "/debug/events", timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: hello"
+        hello = json.loads(next(lines).removeprefix("data: "))
+    assert [(v["name"], v["up"], v["num_slots"]) for v in hello["replicas"]] == [
+        ("slotserve-replica-0", True, 2), ("slotserve-replica-1", True, 2)]
+    routed = {r["request_id"]: r["replica"] for r in trace["routing"]}
+    ran = {}
+    for record in hello["iterations"]:
+        for cell in record["slots"]:
+            if cell:
+                ran.setdefault(cell["request"].split("#")[0], set()).add(record["replica"])
+    assert set(ran) == set(routed)  # both requests, each on its replica only
+    assert all(ran[request] == {replica} for request, replica in routed.items())
+    assert hello["finished_in_window"] == 2 and hello["ttft_p50"] is not None
+    replicas = httpx.get(url + "/debug/trace").json()["replicas"]
+    assert sum(len(r["iterations"]) for r in replicas.values()) == len(hello["iterations"])
+
+
+def _own_processes(marker: str) -> list[str]:
+    """Processes whose command line names `marker` (a test's own Ray temp dir): 'pid cmd'."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited meanwhile
+            continue
+        if marker in cmd:
+            found.append(f"{proc.name} {cmd[:200]}")
+    return found
+
+
+def _port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def external_ray_cluster(num_cpus: int = 2):
+    """A one-node Ray cluster of our own, as `ray start --head` makes it for a real
+    cluster, with token authentication (its own token): yields (address, temp_dir, auth:
+    the environment a driver needs to join it). Its processes run in their own session,
+    ended by that session's id (never `ray stop`: that would end every Ray on the machine)."""
+    import secrets
+
+    from tests.support.launch import free_port
+
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/ray-ext-")  # NOTE: short: Ray's socket paths
+    token_path = Path(temp_dir) / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    port = free_port()
+    ports = {flag: free_port() for flag in (
+        "--ray-client-server-port", "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+        "--node-manager-port", "--object-manager-port")}
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+           f"--port={port}", f"--num-cpus={num_cpus}", f"--temp-dir={temp_dir}",
+           "--include-dashboard=false", "--disable-usage-stats",
+           "--object-store-memory=200000000", *(f"{k}={v}" for k, v in ports.items())]
+    log = open(Path(temp_dir) / "ray-start.log", "wb")
+    head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **auth})
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while "Ray runtime started" not in (Path(temp_dir) / "ray-start.log").read_text():
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("ray start failed: "
+                                   + (Path(temp_dir) / "ray-start.log").read_text()[-2000:])
+            time.sleep(1)
+        yield address, temp_dir, auth
+    finally:
+        _end_session(head)
+        assert not _session_alive(head.pid), "the cluster's processes outlived SIGKILL"
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _end_session(head: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM to `ray start --block`'s session (its Ray processes, as `ray stop` sends),
+    SIGKILL what stays after `timeout` (`ray start --block` itself ignores SIGTERM)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _session_alive(head.pid):
+            time.sleep(0.5)
+        if not _session_alive(head.pid):
+            break
+    head.wait(10)
+
+
+def _session_alive(sid: int) -> bool:
+    """Any process of session `sid` still there (a zombie child of ours does not count)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
+                return True
+    return False
+
+
+def test_serve_replicas_joins_an_existing_ray_cluster(tmp_path, monkeypatch):
+    """`slotserve serve --replicas 2 --ray-address ADDR` on a cluster that `ray start` made
+    (token authentication on): without the token it exits at once saying what to set; with
+    it, it deploys there, answers a chat request (the embedded model: it has a chat
+    template), and on SIGTERM removes its replicas but leaves the cluster running;
+    afterwards no process of the cluster or the server is left, and their ports are free."""
+    import httpx
+
+    from tests.support.launch import ServerProcess, cli_flags
+
+    flags = cli_flags(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=256,
+                      num_blocks=64, block_size=16)
+    args = ("--replicas", "2", "--ray-address", None, "--threads-per-replica", "1", *flags)
+    with external_ray_cluster() as (address, temp_dir, auth):
+        args = tuple(address if a is None else a for a in args)
+        for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", *auth):
+            monkeypatch.delenv(name, raising=False)
+        refused = ServerProcess.launch(tmp_path / "refused.log", *args, cwd=REPO)
+        assert refused.proc.wait(120) == 2, refused.log()[-3000:]
+        assert "set RAY_AUTH_MODE=token" in refused.log()
+
+        for name, value in auth.items():
+            monkeypatch.setenv(name, value)
+        server = ServerProcess.launch(tmp_path / "server.log", *args, cwd=REPO)
+        try:
+            server.wait_ready()
+            body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(server.base_url + "/chat/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 4
+            assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+            apps = _serve_apps(address)
+            assert sorted(a for a in apps if a.startswith("slotserve-replica-")) == [
+                "slotserve-replica-0", "slotserve-replica-1"]
+        finally:
+            status = server.stop()
+        assert status == 0, server.log()[-3000:]
+        assert "replicas stopped" in server.log()
+        # The cluster still answers a new driver, without the server's replicas.
+        assert not [a for a in _serve_apps(address) if a.startswith("slotserve-replica-")]
+        port = int(server.url.rsplit(":", 1)[1])
+    assert _own_processes(temp_dir) == []
+    assert _port_is_free(int(address.rsplit(":", 1)[1])) and _port_is_free(port)
+
+
+def _serve_apps(address: str) -> list[str]:
+    """The Serve applications on the cluster at `address` (asked from a separate driver;
+    the environment has the cluster's token)."""
+    script = ("import ray, json; from ray import serve; "
+              f"ray.init(address={address!r}, log_to_driver=False); "
+              "print(json.dumps(sorted(serve.status().applications)))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_greedy_outputs_equal_a_single_engine(handles, oracle):

@@ -4,6 +4,11 @@ Data flow: the engine calls `LiveFeed.on_iteration` after every iteration (its o
 subscriber hook); each connected page has a bounded queue that drops its oldest records
 when the page lags, so a slow or stalled client costs the engine nothing and memory stays
 bounded. The state (config, counts, block map) comes from the engine's `snapshot()`.
+
+A replica set's ingress (scaleout.front.ReplicaFront) is followed the same way; it also has
+`replica_views()` and `recent_iterations(n)`, and its records say which replica ran them
+(`"replica"`). Then the state has `replicas` (name, up, slots, iteration of each: the page
+draws one strip per replica) and a page's backfill is each replica's recent iterations.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class LiveFeed(EngineSubscriber):
         self._lock = threading.Lock()  # guards _clients and _tokens across the threads
         self.latencies = LatencyWindow(window_s, max_latencies)
         self._tokens: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens generated)
+        self.replica_set = hasattr(engine, "replica_views")  # a ReplicaFront (module doc)
 
     # ------------------------------------------------------------------ engine side
     def on_iteration(self, event: IterationEvent) -> None:
@@ -100,6 +106,8 @@ class LiveFeed(EngineSubscriber):
 
     def hello(self, backfill: int) -> dict:
         """The first event of a stream: the state and the last `backfill` iterations."""
+        if self.replica_set:
+            return {**self.state(), "iterations": self.engine.recent_iterations(backfill)}
         iterations = self.engine.export_trace()["iterations"]
         return {**self.state(), "iterations": iterations[-backfill:] if backfill else []}
 
@@ -125,6 +133,7 @@ class LiveFeed(EngineSubscriber):
         now = time.monotonic() if now is None else now
         snap = snap or self.engine.snapshot(include_blocks=True)
         ttft, tpot = self.latencies.latencies(now)
+        replicas = {"replicas": self.engine.replica_views()} if self.replica_set else {}
         return {
             "time": time.time(), "iteration": snap.iteration,
             "running": snap.num_running, "waiting": snap.num_waiting,
@@ -141,7 +150,7 @@ class LiveFeed(EngineSubscriber):
             "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
             "blocks": snap.block_map.to_json() if snap.block_map is not None else None,
             "dropped": dropped, "clients": self.num_clients,
-            "tenants": live_tenants(snap),
+            "tenants": live_tenants(snap), **replicas,
         }
 
     def _tokens_per_s(self, now: float, total: int, span_s: float = 5.0) -> float:

@@ -20,11 +20,13 @@ and its Prometheus text, which /metrics serves with a `replica` label (each repl
 metrics: its latency histograms and finished requests by reason).
 
 Read side (see `snapshot`): one EngineSnapshot summed over the replicas that are up, as of
-their last poll. NOTE: iterations run inside the replicas and their records stay there:
-the ingress has no iteration of its own, so `subscribe` callbacks are never called (an
-IterationEvent needs an iteration record, which the live view draws as a slot-strip
-column), `export_trace()` holds the routing decisions and no iterations, and the live view
-shows the summed counts without a slot strip, block map or latency percentiles.
+their last poll. Iterations run inside the replicas; each poll also brings a replica's
+iteration events since the last one (scaleout.feed), which `subscribe` callbacks (the live
+view's LiveFeed) then get, each record tagged with its replica (`"replica": name`), from the
+event loop: the live view draws one slot strip per replica (`replica_views`,
+`recent_iterations`) and its latency percentiles. `export_trace()` holds the routing
+decisions (which replica served which request, and why) and each replica's recent
+iteration records; block maps stay in the replicas.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from slotserve.engine.events import EngineSnapshot, TenantView
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
 from slotserve.sampling import SamplingParams
+from slotserve.scaleout.feed import tag_events
 from slotserve.scaleout.router import Router
 
 logger = logging.getLogger("slotserve.scaleout")
@@ -50,6 +53,7 @@ logger = logging.getLogger("slotserve.scaleout")
 POLL_INTERVAL_S = 0.5
 SNAPSHOT_TIMEOUT_S = 5.0
 ROUTING_RECORDS = 4096  # routing decisions kept for /debug/trace
+RECENT_ITERATIONS = 600  # iteration records kept per replica (the page's backfill, the trace)
 
 
 @dataclass
@@ -62,6 +66,10 @@ class ReplicaState:
     in_flight: int = 0  # sequences admitted here by this ingress, not finished
     served: int = 0  # requests routed here
     snapshot: dict = field(default_factory=dict)  # EngineReplica.snapshot()'s, last poll
+    # Its iteration feed: the tap's instance and cursor, and the records forwarded last.
+    instance: str | None = None
+    cursor: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ITERATIONS))
 
 
 class ReplicaFront:
@@ -145,20 +153,42 @@ class ReplicaFront:
         return sum_snapshots(snaps) if snaps else idle_snapshot(self._first_snapshot)
 
     def subscribe(self, callback) -> None:
-        """Kept and never called: the iterations run in the replicas (see the module doc)."""
+        """callback(IterationEvent) for each replica's iterations, its record tagged with the
+        replica (`"replica": name`), in the event loop after each poll (see the module doc)."""
         self._subscribers.append(callback)
 
     def unsubscribe(self, callback) -> None:
         if callback in self._subscribers:
             self._subscribers.remove(callback)
 
+    def replica_views(self) -> list[dict]:
+        """The live view's list of replicas: name, up, num_slots, iteration (last poll)."""
+        views = []
+        for r in self.replicas.values():
+            snap = r.snapshot.get("engine", self._first_snapshot)
+            views.append({"name": r.name, "up": r.up, "num_slots": snap.num_slots,
+                          "iteration": snap.iteration})
+        return views
+
+    def recent_iterations(self, per_replica: int) -> list[dict]:
+        """The last `per_replica` iteration records of each replica (tagged), replica by
+        replica: the live view's backfill."""
+        if per_replica <= 0:
+            return []
+        return [record for r in self.replicas.values()
+                for record in list(r.recent)[-per_replica:]]
+
     def export_trace(self) -> dict:
-        """/debug/trace of a replica set: which replica served which request and why (the
-        iteration records stay in the replicas)."""
+        """/debug/trace of a replica set: which replica served which request and why
+        (`routing`), and each replica's recent iteration records (`replicas[name]
+        ["iterations"]`, tagged). NOTE: the top-level `iterations` stays empty: the
+        replicas' records interleave several engines' numbering, which the page's replay
+        of one engine's trace cannot read."""
         return {"version": 1, "source": "replicas", "router": self.router.policy,
                 "num_slots": self._first_snapshot.num_slots,
                 "replicas": {r.name: {"up": r.up, "served": r.served,
-                                      "in_flight": r.in_flight}
+                                      "in_flight": r.in_flight,
+                                      "iterations": list(r.recent)}
                              for r in self.replicas.values()},
                 "routing": list(self.routing), "requests": [], "iterations": []}
 
@@ -263,19 +293,42 @@ class ReplicaFront:
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll(self, replica: ReplicaState) -> None:
-        """Read one replica's snapshot; up if it answers and its engine is healthy."""
+        """Read one replica's snapshot and new iterations (forwarded to the subscribers);
+        up if it answers and its engine is healthy."""
         try:
-            snapshot = await asyncio.wait_for(replica.handle.snapshot.remote(),
-                                              SNAPSHOT_TIMEOUT_S)
+            snapshot = await asyncio.wait_for(
+                replica.handle.snapshot.remote(replica.cursor, replica.instance),
+                SNAPSHOT_TIMEOUT_S)
         except Exception as exc:  # a dead, restarting or stuck replica
             self._mark_down(replica, exc)
             return
+        self._forward_iterations(replica, snapshot.pop("iterations", None))
         replica.snapshot = snapshot
         if snapshot["healthy"] and not replica.up:
             logger.info("replica %s is up", replica.name)
         if not snapshot["healthy"]:
             self._mark_down(replica, RuntimeError("engine loop died"))
         replica.up = snapshot["healthy"]
+
+    def _forward_iterations(self, replica: ReplicaState, feed: dict | None) -> None:
+        """Hand a replica's new iteration events (IterationTap.since's answer) to the
+        subscribers, tagged; a subscriber's error is logged, never stops the poller."""
+        if feed is None:
+            return
+        restarted = replica.instance is not None and feed["instance"] != replica.instance
+        if restarted:
+            replica.recent.clear()
+        replica.instance, replica.cursor = feed["instance"], feed["cursor"]
+        if feed["missed"]:
+            logger.debug("replica %s: %d iterations were not forwarded (the tap was full)",
+                         replica.name, feed["missed"])
+        for event in tag_events(feed, replica.name, restarted):
+            replica.recent.append(event.record)
+            for callback in list(self._subscribers):
+                try:
+                    callback(event)
+                except Exception:
+                    logger.exception("an iteration subscriber failed")
 
     async def wait_all_up(self, timeout_s: float) -> None:
         """Poll until every replica answers (tests; startup); TimeoutError if not."""

@@ -51,16 +51,59 @@ def _at_least_one(text: str) -> int:
 
 def start_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None,
               object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES) -> None:
-    """Join `address`, or start a local Ray (no dashboard); then Serve without its proxy."""
+    """Join `address`, or start a local Ray (no dashboard); then Serve without its proxy.
+
+    RayClusterError (its message says what to do) if the cluster at `address` cannot be
+    joined: not there, or it wants an authentication token that this process lacks.
+    """
     import ray
     from ray import serve
 
     if address:
-        ray.init(address=address, log_to_driver=False)
+        join_cluster(address)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+        # NOTE: "local": a new Ray of our own even when RAY_ADDRESS is set or a `ray start`
+        # cluster runs here (ray.init() would join that one, and the server's exit would
+        # then leave its replicas there).
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 log_to_driver=False,
                  object_store_memory=object_store_bytes, _temp_dir=temp_dir)
     serve.start(proxy_location="Disabled")
+
+
+class RayClusterError(RuntimeError):
+    """The Ray cluster named by --ray-address cannot be joined (the message says why)."""
+
+
+def join_cluster(address: str) -> None:
+    """ray.init(address): join a running cluster (`ray start --head` made it).
+
+    NOTE: Ray enables token authentication on a cluster whose head has a token (Ray >= 2.52
+    makes one for every new local cluster), and a driver that names an address explicitly
+    never turns it on by itself: it needs RAY_AUTH_MODE=token and the cluster's token
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
+    """
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as exc:
+        if "authentication" in _causes(exc).lower():
+            raise RayClusterError(
+                f"the Ray cluster at {address} refused this process: it uses token "
+                "authentication; set RAY_AUTH_MODE=token and give the cluster's token "
+                "(RAY_AUTH_TOKEN=..., RAY_AUTH_TOKEN_PATH=FILE or ~/.ray/auth_token)") from exc
+        raise RayClusterError(f"cannot join the Ray cluster at {address} (is `ray start "
+                              f"--head` running there, and is the port right?): {exc}") from exc
+
+
+def _causes(exc: BaseException) -> str:
+    """The messages of an exception and its causes."""
+    parts = []
+    while exc is not None and len(parts) < 10:
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " | ".join(parts)
 
 
 def default_threads(num_replicas: int) -> int:
@@ -126,7 +169,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     policy = access_policy(args)
     limits = server_limits(args)
-    start_ray(args.ray_address)
+    try:
+        start_ray(args.ray_address)
+    except RayClusterError as exc:
+        logger.error("%s", exc)
+        return 2
     threads = args.threads_per_replica or default_threads(args.replicas)
     spec = ReplicaSpec(model=args.model, engine_kwargs=engine_kwargs(args), threads=threads,
                        max_waiting=args.max_waiting)

@@ -40,6 +40,7 @@ class EngineReplica:
         from slotserve.engine.llm import engine_config
         from slotserve.engine.llm_engine import LLMEngine
         from slotserve.obs.metrics import ServerMetrics
+        from slotserve.scaleout.feed import IterationTap
 
         kwargs = dict(spec.engine_kwargs)
         if spec.max_waiting is not None:
@@ -52,6 +53,8 @@ class EngineReplica:
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(self.async_engine)
         self.metrics.attach()
+        self.tap = IterationTap(self.async_engine)
+        self.tap.attach()
         self.async_engine.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -79,11 +82,13 @@ class EngineReplica:
                 "snapshot": self.async_engine.snapshot(), "threads": self._threads(),
                 "pid": os.getpid()}
 
-    def snapshot(self) -> dict:
+    def snapshot(self, cursor: int = 0, instance: str | None = None) -> dict:
         """healthy, engine (the engine's EngineSnapshot now: frozen, picklable, no block
-        map) and metrics (this replica's Prometheus text)."""
+        map), metrics (this replica's Prometheus text) and iterations (the engine's
+        iteration events after the ingress's `cursor`: IterationTap.since)."""
         return {"healthy": self.async_engine.healthy, "engine": self.async_engine.snapshot(),
-                "metrics": self.metrics.render().decode()}
+                "metrics": self.metrics.render().decode(),
+                "iterations": self.tap.since(cursor, instance)}
 
     def actor_name(self) -> str:
         """The Ray actor's name (tests kill it with ray.kill)."""

@@ -342,6 +342,7 @@ const live = {
   dirtyStats: false,
   legendKey: "",
   frame: 0,
+  replicas: null, // a replica set's ingress: name -> its strip ({columns, lastIndex, numSlots, up, node})
 };
 
 function connect() {
@@ -359,9 +360,10 @@ function setConnected(connected) {
 }
 
 function onHello(hello) {
-  const restarted = hello.iteration < live.lastIndex + 1;
-  const resized = live.config && live.config.num_slots !== hello.num_slots;
-  if (restarted || resized) {
+  if (hello.replicas) {
+    setReplicas(hello.replicas);
+  } else if (hello.iteration < live.lastIndex + 1 ||
+             (live.config && live.config.num_slots !== hello.num_slots)) { // restarted, resized
     live.columns = [];
     live.lastIndex = -1;
   }
@@ -396,6 +398,10 @@ function escapeHTML(text) {
 
 /** Append iteration records (in order; duplicates from a reconnect are skipped). */
 function appendIterations(records) {
+  if (live.replicas) {
+    appendReplicaIterations(records);
+    return;
+  }
   for (const record of records) {
     if (record.index <= live.lastIndex) continue;
     if (live.lastIndex >= 0 && record.index > live.lastIndex + 1) record.gapBefore = true;
@@ -409,6 +415,7 @@ function appendIterations(records) {
 
 function onStats(stats) {
   live.stats = stats;
+  if (live.replicas && stats.replicas) showReplicaLabels(stats.replicas);
   const { blocks, ...sample } = stats; // the block map can be large: keep it only once
   live.samples.push(sample);
   if (live.samples.length > MAX_SAMPLES) live.samples.splice(0, live.samples.length - MAX_SAMPLES);
@@ -437,6 +444,10 @@ function render() {
 }
 
 function drawLive() {
+  if (live.replicas) {
+    drawReplicaStrips();
+    return;
+  }
   const numSlots = live.config.num_slots;
   const canvas = $("#live-strip");
   const rowH = clamp(Math.floor(240 / numSlots), 3, 18);
@@ -462,20 +473,20 @@ function showUtilisation(columns, numSlots) {
     : "utilisation — (no iterations yet: send some requests)";
 }
 
-/** The requests in view, most recently seen first; the ones in the newest column bold. */
-function showLegend(columns) {
+/** The requests in view, most recently seen first; the ones in the newest column bold
+ * (columns from `newest` on: one newest column per replica strip). */
+function showLegend(columns, newest = columns.length - 1) {
   const lastSeen = new Map();
   columns.forEach((column, j) => {
     for (const cell of column.slots) if (cell) lastSeen.set(cell.request, j);
   });
   const ids = [...lastSeen.keys()].sort((a, b) => lastSeen.get(b) - lastSeen.get(a));
-  const newest = columns.length - 1;
-  const key = ids.map((id) => `${id}:${lastSeen.get(id) === newest}`).join("|");
+  const key = ids.map((id) => `${id}:${lastSeen.get(id) >= newest}`).join("|");
   if (key === live.legendKey) return;
   live.legendKey = key;
   const legend = $("#live-legend");
   legend.dataset.count = String(ids.length);
-  legend.replaceChildren(...ids.slice(0, 40).map((id) => legendItem(id, lastSeen.get(id) === newest)));
+  legend.replaceChildren(...ids.slice(0, 40).map((id) => legendItem(id, lastSeen.get(id) >= newest)));
   if (ids.length > 40) legend.append(el("li", { class: "more" }, `+${ids.length - 40} more`));
 }
 
@@ -531,6 +542,104 @@ function showStats(s) {
   if (s.dropped) {
     $("#live-util-text").title = `${s.dropped} iterations were dropped for this page (it lagged)`;
   }
+}
+
+// ------------------------------------------------------------------------ replicas
+/* A replica set's ingress (`slotserve serve --replicas N`): each record says which replica
+ * ran it (`replica`), with that replica's own iteration numbers; the page draws one strip per
+ * replica, labelled, in place of the single strip. */
+
+/** The replicas of a hello: keep the strips of known ones (a reconnect), unless restarted. */
+function setReplicas(views) {
+  const old = live.replicas || new Map();
+  live.replicas = new Map();
+  const wrap = $("#live .strip-wrap");
+  $("#live-strip").style.display = "none";
+  $("#live-util").style.display = "none";
+  for (const node of wrap.querySelectorAll(".replica-strip")) node.remove();
+  for (const view of views) {
+    let strip = old.get(view.name);
+    if (!strip || view.iteration < strip.lastIndex + 1 || strip.numSlots !== view.num_slots) {
+      strip = { columns: [], lastIndex: -1 };
+    }
+    strip.numSlots = view.num_slots;
+    strip.node = replicaNode(view.name);
+    wrap.append(strip.node);
+    live.replicas.set(view.name, strip);
+  }
+  showReplicaLabels(views);
+}
+
+function replicaNode(name) {
+  const node = el("div", { class: "replica-strip", "data-replica": name });
+  const canvas = el("canvas", { class: "strip", "aria-label": `slot strip of ${name}` });
+  node.append(el("div", { class: "replica-label" }), canvas,
+              el("canvas", { class: "util", "aria-label": `busy slots of ${name}` }));
+  attachTooltip(canvas);
+  return node;
+}
+
+function showReplicaLabels(views) {
+  for (const view of views) {
+    const strip = live.replicas.get(view.name);
+    if (!strip) continue;
+    strip.up = view.up;
+    strip.node.dataset.up = String(view.up);
+    $(".replica-label", strip.node).textContent =
+      `${view.name} · ${view.num_slots} slots · ${view.up ? "up" : "down"}`;
+  }
+}
+
+function appendReplicaIterations(records) {
+  for (const record of records) {
+    const strip = live.replicas.get(record.replica);
+    if (!strip) continue;
+    if (record.restarted) { // Serve restarted it: its numbering starts again
+      strip.columns = [];
+      strip.lastIndex = -1;
+    }
+    if (record.index <= strip.lastIndex) continue;
+    if (strip.lastIndex >= 0 && record.index > strip.lastIndex + 1) record.gapBefore = true;
+    strip.columns.push(record);
+    strip.lastIndex = record.index;
+  }
+  for (const strip of live.replicas.values()) {
+    if (strip.columns.length > MAX_COLUMNS) strip.columns.splice(0, strip.columns.length - MAX_COLUMNS);
+  }
+  live.dirtyStrip = true;
+  scheduleRender();
+}
+
+/** Each replica's strip; the utilisation and the legend over all of them. */
+function drawReplicaStrips() {
+  let busy = 0, cells = 0, iterations = 0;
+  const inView = [];
+  for (const [name, strip] of live.replicas) {
+    const canvas = $("canvas.strip", strip.node);
+    const rowH = clamp(Math.floor(160 / strip.numSlots), 3, 18);
+    const gutter = rowH >= 11 ? 48 : 0;
+    const fit = Math.max(1, Math.floor((canvas.clientWidth - gutter) / LIVE_CELL_W));
+    const columns = strip.columns.slice(-fit);
+    drawStrip(canvas, { columns, numSlots: strip.numSlots, cellW: LIVE_CELL_W, rowH,
+                        colors: live.colors, labels: false });
+    drawUtil($("canvas.util", strip.node), canvas.geometry);
+    strip.node.dataset.iterations = String(columns.length);
+    strip.node.dataset.requests = [...new Set(columns.flatMap(
+      (c) => c.slots.filter(Boolean).map((cell) => cell.request)))].join(" ");
+    busy += columns.reduce((n, column) => n + busyCount(column), 0);
+    cells += strip.numSlots * columns.length;
+    iterations += columns.length;
+    inView.push(...columns.map((column, j) => ({ column, age: columns.length - 1 - j, name })));
+  }
+  const value = cells ? busy / cells : 0;
+  const node = $("#live-util-text");
+  node.dataset.utilisation = value.toFixed(4);
+  node.dataset.iterations = String(iterations);
+  node.innerHTML = iterations
+    ? `utilisation <b>${pct(value)}</b> over the last ${iterations} iterations of ${live.replicas.size} replicas`
+    : "utilisation — (no iterations yet: send some requests)";
+  inView.sort((a, b) => b.age - a.age); // oldest first: the legend lists the newest first
+  showLegend(inView.map((item) => item.column), inView.findIndex((item) => item.age === 0));
 }
 
 // ------------------------------------------------------------------------ block map
