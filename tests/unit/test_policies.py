@@ -403,6 +403,28 @@ def test_new_tenant_order_is_exact():
     assert run_to_end(sched) == ["c0", "a3", "c1", "a4"]
 
 
+def test_tenant_running_but_not_waiting_is_lifted_to_the_backlogged_minimum():
+    # VTC's rule: "backlogged" is having a request *waiting*. B's long request runs in one
+    # of 3 slots while A (always waiting) fills the other two, so B's counter falls behind
+    # A's; that gap is not credit: B's next request starts at A's counter, not B's own.
+    sched = make_scheduler(scheduling_policy="fair", max_num_seqs=3)
+    add(sched, "b0", 4, 40, tenant="B")
+    for i in range(8):
+        add(sched, f"a{i}", 4, 4, tenant="A")
+    for _ in range(12):
+        step(sched)
+    tenants = sched.queue_policy.tenants
+    assert tenants["B"].active == 1 and "b0" in {r.request_id for r in sched.running}
+    lagging, a_counter = tenants["B"].virtual_counter, tenants["A"].virtual_counter
+    assert lagging < a_counter
+    add(sched, "b1", 4, 4, tenant="B")
+    assert tenants["B"].virtual_counter == a_counter
+    # Equal counters: ties go by arrival, so the A requests already waiting go first.
+    waiting_a = [r.request_id for r in sched.waiting if r.tenant == "A"]
+    order = run_to_end(sched)
+    assert order.index("b1") > order.index(waiting_a[0])
+
+
 def test_fair_is_work_conserving():
     # One tenant alone gets every slot, even far ahead of an idle tenant's counter.
     sched = make_scheduler(scheduling_policy="fair", max_num_seqs=4)
