@@ -816,7 +816,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="only the measured half (no simulated column)")
     p.add_argument("--profile", default=DEFAULT_PROFILE,
                    help=f"the simulator's calibrated cost profile (default {DEFAULT_PROFILE}, "
-                        "SmolLM2 on this machine; `slotserve calibrate` writes one)")
+                        "SmolLM2 on this machine, also under --tiny: then only the "
+                        "rankings compare; `slotserve calibrate` writes one)")
     defaults = Settings()
     for name, value in asdict(defaults).items():
         kind = type(value[0]) if isinstance(value, tuple) else type(value)
