@@ -126,6 +126,12 @@ def test_miniature_run_of_all_three_comparisons(tmp_path, monkeypatch, tiny_llam
                            goodput_requests=3, priority_requests=4, calibration_requests=2)
     report = pb.run_all(settings, log=lambda msg: None)
     assert set(report["targets"]) == {"flood", "goodput"}
+    # The simulated half ran the same comparisons; every ranking figure is compared.
+    assert set(report["simulated"]["targets"]) == {"flood", "goodput"}
+    figures = {row["figure"] for row in report["agreement"]}
+    assert {"flood: B TTFT p50 ms", "goodput: goodput at 90% req/s",
+            "priority: high TTFT p50 ms"} <= figures
+    assert all(row["agrees"] in (True, False, None) for row in report["agreement"])
     assert set(report["flood"]["runs"]) == {"fcfs", "fair"}
     assert set(report["priority"]["runs"]) == {"fcfs", "priority"}
     for policy in ("fcfs", "deadline"):
@@ -137,6 +143,92 @@ def test_miniature_run_of_all_three_comparisons(tmp_path, monkeypatch, tiny_llam
     json.dumps(report)  # the JSON report must be serialisable
     text = pb.format_report(report)
     assert "flooding tenant" in text and "goodput at 90%" in text and "priority:" in text
+    assert "measured vs simulated" in text
     png = tmp_path / "goodput.png"
     pb.plot_goodput(report["goodput"], str(png))
     assert png.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------- the simulated half
+def _profile():
+    from slotserve.lab.replay import load_profile
+
+    return load_profile(pb.REPO / pb.DEFAULT_PROFILE)
+
+
+def test_sim_engine_matches_the_replay_simulator():
+    # SimEngine is the replay simulator's loop with policy fields: under FCFS (which the
+    # replay simulator runs) both give every request the same virtual token times.
+    from slotserve.lab.replay import ReplayRequest, ReplaySettings, replay
+
+    settings = pb.Settings(slots=4, budget=128)
+    sched = pb.flood_schedule(b_rate=2.0, count_b=3, vocab=VOCAB, seed=1)
+    engine = pb.SimEngine(pb.config_for("fcfs", settings), _profile())
+    result = pb.drive(engine, sched)
+    config = pb.config_for("fcfs", settings)
+    requests = [ReplayRequest(a.id, len(a.prompt), a.max_tokens, a.at, tuple(a.prompt))
+                for a in sched]
+    replayed = replay(requests,
+                      ReplaySettings(max_num_seqs=4, max_num_batched_tokens=128,
+                                     max_model_len=config.scheduler.max_model_len),
+                      _profile())
+    outcomes = {o.id: o for o in replayed.outcomes}
+    assert len(result.records) == len(sched)
+    for record in result.records:
+        assert record.ttft == pytest.approx(outcomes[record.id].ttft)
+        assert record.tpot == pytest.approx(outcomes[record.id].tpot)
+    assert result.duration == pytest.approx(replayed.duration)  # both clocks start at 0
+    engine.check_integrity()
+
+
+def test_sim_engine_runs_policies_on_its_virtual_clock():
+    # Deadline slack and SLOs are in simulated seconds: a run is deterministic and
+    # independent of the host's speed, and its latencies are the profile's, not wall time.
+    settings = pb.Settings(slots=4)
+    slos = pb.Slos(2000.0, 500.0, 20000.0, 1000.0)
+    sched = pb.mixed_schedule(3.0, 12, 0.25, slos, VOCAB, seed=2)
+    runs = [pb.drive(pb.SimEngine(pb.config_for("deadline", settings), _profile()), sched)
+            for _ in range(2)]
+    assert [(r.id, r.ttft, r.tpot) for r in runs[0].records] == \
+        [(r.id, r.ttft, r.tpot) for r in runs[1].records]
+    assert all(r.finish_reason == "length" for r in runs[0].records)
+    # The profile's fixed cost alone is 161 ms an iteration: simulated time, not host time.
+    assert sum(runs[0].step_seconds) >= 0.16 * len(runs[0].step_seconds)
+    assert runs[0].duration >= max(a.at for a in sched)
+
+
+def test_better_of_and_agreement():
+    assert pb.better_of({"fcfs": 10.0, "fair": 4.0}, higher_better=False) == "fair"
+    assert pb.better_of({"fcfs": 0.5, "deadline": 0.9}, higher_better=True) == "deadline"
+    assert pb.better_of({"fcfs": 1.0, "deadline": 0.99}, higher_better=True) == "tie"
+    assert pb.better_of({"fcfs": None, "deadline": 0.99}, higher_better=True) is None
+    measured = {"priority": {"runs": {"fcfs": {"high": {"ttft_p50_ms": 900.0}},
+                                      "priority": {"high": {"ttft_p50_ms": 100.0}}}}}
+    agrees = {"priority": {"runs": {"fcfs": {"high": {"ttft_p50_ms": 4000.0}},
+                                    "priority": {"high": {"ttft_p50_ms": 800.0}}}}}
+    disagrees = {"priority": {"runs": {"fcfs": {"high": {"ttft_p50_ms": 100.0}},
+                                       "priority": {"high": {"ttft_p50_ms": 800.0}}}}}
+    (row,) = pb.agreement(measured, agrees)
+    assert row["figure"] == "priority: high TTFT p50 ms" and row["agrees"] is True
+    assert row["measured_better"] == row["simulated_better"] == "priority"
+    (row,) = pb.agreement(measured, disagrees)
+    assert row["agrees"] is False and row["simulated_better"] == "fcfs"
+
+
+def test_simulate_only_loads_no_model(monkeypatch, tmp_path):
+    def no_model(tiny, settings):
+        raise AssertionError("--simulate-only must not load a model")
+
+    monkeypatch.setattr(pb, "engine_factory", no_model)
+    out = tmp_path / "sim.json"
+    report = pb.main(["--simulate-only", "--slots", "4", "--flood-b-requests", "2",
+                      "--goodput-loads", "1", "2", "--goodput-requests", "4",
+                      "--priority-requests", "4", "--calibration-requests", "4",
+                      "--out", str(out), "--plot", str(tmp_path / "g.png")])
+    assert "model" not in report and "agreement" not in report
+    sim = report["simulated"]
+    assert set(sim) >= {"flood", "goodput", "priority", "targets", "predicted_engine_seconds"}
+    assert sim["predicted_engine_seconds"] > 0
+    assert sim["flood"]["runs"]["fair"]["failed"] == 0
+    assert json.loads(out.read_text())["simulated"]["goodput"]["loads"] == [1.0, 2.0]
+    assert (tmp_path / "g.png").stat().st_size > 1000

@@ -77,7 +77,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self.queue_policy.on_add(request)
+        self.queue_policy.on_add(request, self.waiting)
 
     @staticmethod
     def _check_policy_fields(request: Request) -> None:
