@@ -88,23 +88,21 @@ class IgnoredFields:
     def note(self, names: Iterable[str]) -> None:
         """Log the names not logged before (within the bound)."""
         new: list[str] = []
+        now_full = False
         with self._lock:
             for name in names:
                 name = name[:self.max_chars]
-                if name in self.logged or name in new:
+                if name in self.logged:
                     continue
                 if len(self.logged) >= self.max_names:
-                    self._note_full()
+                    now_full, self._full_noted = not self._full_noted, True
                     break
                 self.logged.add(name)
                 new.append(name)
         if new:  # NOTE: repr() escapes control characters (no forged log lines)
             logger.warning("The following fields were present in the request but ignored: "
                            "{%s}", ", ".join(map(repr, new)))
-
-    def _note_full(self) -> None:
-        if not self._full_noted:
-            self._full_noted = True
+        if now_full:
             logger.warning("more than %d distinct ignored request fields: later ones are not "
                            "logged", self.max_names)
 
