@@ -131,18 +131,28 @@ class Request:
         self.times.token_times.append(now)
 
     def check_stop(self) -> RequestStatus | None:
-        """The finish status the last token triggers, if any (stop strings: the engine)."""
+        """The finish status the last token triggers, if any (stop strings: the engine).
+
+        NOTE: before min_tokens output tokens only the length caps end a request (as
+        vLLM); the sampler keeps EOS and stop_token_ids out of those tokens anyway.
+        """
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+        if self.reached_min_tokens:
+            last = self.output_token_ids[-1]
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @property
+    def reached_min_tokens(self) -> bool:
+        """It has its min_tokens output tokens: stops (EOS, tokens, strings) may end it."""
+        return len(self.output_token_ids) >= self.sampling_params.min_tokens
 
     # ----------------------------------------------------------------- goodput
     @property

@@ -37,6 +37,9 @@ class SamplingParams:
         a JSON schema, any JSON object, a regex, one of a list of strings or a grammar. Its
         shape is checked here; the engine compiles it at add_request (ValueError if rejected).
     max_tokens: an integer in [1, 2**63 - 1] (the engine also caps by the model length).
+    min_tokens: an integer in [0, max_tokens] (vLLM's): until a completion has this many
+        tokens, EOS and stop_token_ids cannot be sampled and no stop (token or string) ends
+        it; only the length caps do.
     """
 
     max_tokens: int = 16
@@ -52,6 +55,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +76,9 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
                f"must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], "
+               f"got {self.min_tokens!r}")
         _check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",

@@ -105,7 +105,8 @@ def test_serve_replicas_answers_like_the_single_process_server(model_dir, tmp_pa
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         reply = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
         assert reply["usage"] == {"prompt_tokens": 40, "completion_tokens": 6,
-                                  "total_tokens": 46}
+                                  "total_tokens": 46,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
         events = httpx.post(server.base_url + "/completions", json={**body, "stream": True},
                             timeout=60).text.split("\n\n")
         assert events[-2] == "data: [DONE]" and len(events) >= 3

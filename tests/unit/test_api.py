@@ -49,7 +49,8 @@ def test_completion(client):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "tiny"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_alias_and_no_model_are_accepted(client):
@@ -87,6 +88,34 @@ def test_stream_with_usage(client):
     assert finishes.count("length") == 2
     tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks)
     assert tokens == 8
+
+
+def test_stream_with_continuous_usage(client):
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=4, n=2, stream=True,
+             ignore_eos=True, stream_options={"include_usage": True,
+                                              "continuous_usage_stats": True})
+    *chunks, last = sse_events(r.text)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    usages = [c["usage"] for c in chunks]
+    assert all(u["prompt_tokens"] == 4 and u["total_tokens"] == 4 + u["completion_tokens"]
+               and u["prompt_tokens_details"] == {"cached_tokens": 0} for u in usages)
+    so_far = [u["completion_tokens"] for u in usages]
+    assert so_far == sorted(so_far) and 1 <= so_far[0] and so_far[-1] == 8
+    # without include_usage the option asks for nothing
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=2, stream=True,
+             stream_options={"continuous_usage_stats": True})
+    assert all("usage" not in e for e in sse_events(r.text))
+
+
+def test_unknown_fields_are_served_and_logged(client, monkeypatch, caplog):
+    from slotserve.server import protocol
+
+    monkeypatch.setattr(protocol, "IGNORED_FIELDS", protocol.IgnoredFields())
+    caplog.set_level("WARNING", logger="slotserve.server")
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=1, use_beam_search=False)
+    assert r.status_code == 200, r.text
+    assert ("The following fields were present in the request but ignored: "
+            "{'use_beam_search'}") in caplog.messages
 
 
 def test_stream_without_usage(client):

@@ -57,6 +57,13 @@ def test_counters_histograms_and_gauges(engine):
     assert m["slotserve:slot_utilisation"] == pytest.approx(3 / 4)
 
 
+def test_every_finish_reason_is_counted_from_the_start(engine):
+    m = samples(ServerMetrics(engine))
+    reasons = {"stop", "length", "abort", "error", "rejected"}
+    assert {f'slotserve:request_success_total{{finished_reason="{r}"}}' for r in reasons} <= {
+        k for k, v in m.items() if k.startswith("slotserve:request_success_total") and v == 0}
+
+
 def test_gauges_are_live(engine):
     metrics = ServerMetrics(engine)
     engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=50))

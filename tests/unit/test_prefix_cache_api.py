@@ -1,7 +1,10 @@
 """Prefix caching over HTTP: the cache_salt field (completions and chat), POST
-/reset_prefix_cache behind the admin key, and the prefix-cache metrics."""
+/reset_prefix_cache behind the admin key, the prefix-cache metrics and the usage's
+prompt_tokens_details.cached_tokens."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -106,3 +109,49 @@ def test_reset_answers_503_when_the_engine_does_not_run(tiny_llama):
     with app_client(engine) as client:
         r = client.post("/reset_prefix_cache")
     assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def sse_events(text: str) -> list[dict]:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def cached_tokens(usage: dict) -> int:
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+LONG_CHAT = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 4}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": LONG_CHAT}),
+])
+def test_usage_counts_the_prompt_tokens_found_cached(engine, path, body):
+    with app_client(engine) as client:
+        first = client.post(path, json={**body, **GREEDY}).json()["usage"]
+        second = client.post(path, json={**body, **GREEDY}).json()["usage"]
+        streamed = sse_events(client.post(path, json={
+            **body, **GREEDY, "stream": True,
+            "stream_options": {"include_usage": True}}).text)[-1]["usage"]
+    assert cached_tokens(first) == 0
+    assert first["prompt_tokens"] >= 32  # two full blocks of 16 at least
+    for usage in (second, streamed):
+        cached = cached_tokens(usage)
+        assert 0 < cached < usage["prompt_tokens"] and cached % 16 == 0
+
+
+def test_chat_stream_with_continuous_usage(engine):
+    body = {"messages": LONG_CHAT, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with app_client(engine) as client:
+        events = sse_events(client.post("/v1/chat/completions", json=body).text)
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far[0] == 0  # the role chunk comes before any token
+    assert so_far == sorted(so_far) and so_far[-1] == 3
+    assert all(cached_tokens(c["usage"]) == 0 for c in events)

@@ -121,6 +121,58 @@ def test_chat_messages():
 def test_include_usage():
     assert not completion().include_usage
     assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not completion(stream_options={"continuous_usage_stats": True}).continuous_usage
+    assert completion(stream_options={"include_usage": True,
+                                      "continuous_usage_stats": True}).continuous_usage
+
+
+IGNORED = "The following fields were present in the request but ignored"
+
+
+def ignored_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "slotserve.server" and r.levelname == "WARNING"]
+
+
+@pytest.fixture
+def ignored(monkeypatch, caplog) -> p.IgnoredFields:
+    """A fresh process-wide record of logged names (the real one remembers every test's)."""
+    fresh = p.IgnoredFields(max_names=4, max_chars=8)
+    monkeypatch.setattr(p, "IGNORED_FIELDS", fresh)
+    caplog.set_level("WARNING", logger="slotserve.server")
+    return fresh
+
+
+def test_ignored_fields_are_logged_once_each(ignored, caplog):
+    request = chat(frobnicate=1, messages=[{"role": "user", "content": "hi", "name": "bob",
+                                            "refusal": None}],
+                   stream_options={"include_usage": True, "chunky": True})
+    assert request.messages[0].content == "hi"  # the request stands
+    lines = ignored_lines(caplog)
+    assert all(line.startswith(IGNORED) for line in lines)
+    assert sorted(ignored.logged) == ["frobnica", "messages", "stream_o"]  # cut to 8 chars
+    chat(frobnicate=2)  # the same name again: no new line
+    assert len(ignored_lines(caplog)) == len(lines)
+    assert "'frobnica'" in " ".join(lines) and "'messages" in " ".join(lines)
+    chat(messages=[{"role": "user", "content": "hi", "name": None}])  # unset: nothing to say
+    assert len(ignored_lines(caplog)) == len(lines)
+
+
+def test_declared_fields_are_not_reported(ignored, caplog):
+    completion(max_tokens=3, min_tokens=1, stream=True, cache_salt="s",
+               stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+         tool_choice="required")
+    assert ignored_lines(caplog) == [] and not ignored.logged
+
+
+def test_the_ignored_field_log_is_bounded(ignored, caplog):
+    completion(**{f"field{i}\nforged": i for i in range(10)})
+    completion(another=1)
+    lines = ignored_lines(caplog)
+    assert len(ignored.logged) == 4 and len(lines) == 2  # the names, then "not logged"
+    assert "later ones are not logged" in lines[1]
+    assert "\n" not in lines[0]  # repr() escapes what a client sends
 
 
 def test_error_body_shape():

@@ -14,9 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slotserve.engine.outputs import RequestMetrics
+from slotserve.request import RequestStatus
 
 # Finish reasons whose latencies are observed (aborted / failed ones would skew them).
 OBSERVED_REASONS = ("stop", "length")
+# Every finish reason a completion can have ("stop", "length", "abort", "error", "rejected").
+FINISH_REASONS = tuple(status.value for status in RequestStatus if status.finished)
 
 
 @dataclass(frozen=True)

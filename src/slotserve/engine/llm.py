@@ -96,6 +96,8 @@ class LLM:
         merged = results.setdefault(out.request_id, RequestOutput(
             out.request_id, out.prompt, out.prompt_token_ids, [], out.error))
         merged.outputs.append(out.outputs[0])
+        if out.outputs[0].index == 0:  # NOTE: the prompt counts once, as choice 0 found it
+            merged.num_cached_tokens = out.num_cached_tokens
         merged.outputs.sort(key=lambda o: o.index)
         merged.error = merged.error or out.error
         return merged

@@ -103,6 +103,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner.grammar_of = self._grammar_of
+        self.runner.sampler.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
@@ -472,7 +473,8 @@ class LLMEngine:
             logger.exception("forgetting %s failed", request_id)
             self._drop(seq)
         return RequestOutput(seq.parent_id, seq.prompt, list(request.prompt_token_ids),
-                             [completion], error=message)
+                             [completion], error=message,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def _process(self, seq: _Sequence) -> RequestOutput:
         """Advance the grammar, detokenize the new tokens, check stop strings, build the output."""
@@ -496,7 +498,7 @@ class LLMEngine:
 
     def _check_stop_strings(self, seq: _Sequence) -> None:
         params = seq.request.sampling_params
-        if not params.stop:
+        if not params.stop or not seq.request.reached_min_tokens:  # NOTE: as vLLM
             return
         # Only the tail can hold a new match: the new text plus a stop string's length.
         window_start = max(0, seq.sent_text_len - seq.hold_back)
@@ -529,7 +531,7 @@ class LLMEngine:
             else None,
             delta_text=delta_text, delta_token_ids=delta_ids, metrics=RequestMetrics.of(request))
         return RequestOutput(seq.parent_id, seq.prompt, request.prompt_token_ids, [completion],
-                             error=request.error)
+                             error=request.error, num_cached_tokens=request.num_cached_tokens)
 
     def _forget(self, seq: _Sequence) -> None:
         request = seq.request

@@ -50,13 +50,18 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its completions (n of them)."""
+    """A request's prompt and its completions (n of them).
+
+    num_cached_tokens: prompt tokens the completion's first prefill found in the prefix
+    cache (vLLM's field; each completion of n counts its own).
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     error: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

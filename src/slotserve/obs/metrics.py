@@ -28,7 +28,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, ge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from slotserve.engine.events import OBSERVED_REASONS, FinishedCompletion, IterationEvent
+from slotserve.engine.events import (
+    FINISH_REASONS,
+    OBSERVED_REASONS,
+    FinishedCompletion,
+    IterationEvent,
+)
 from slotserve.obs.subscriber import EngineSubscriber
 from slotserve.obs.windows import SlotWindow
 
@@ -226,6 +231,8 @@ class EngineCollector(Collector):
         success = CounterMetricFamily(PREFIX + "request_success",
                                       "Finished completions, by finish reason.",
                                       labels=["finished_reason"])
-        for reason, count in snap.finished_by_reason:
+        # NOTE: every reason from the start (at 0), so rate() and alerts see the series
+        for reason, count in {**dict.fromkeys(FINISH_REASONS, 0),
+                              **dict(snap.finished_by_reason)}.items():
             success.add_metric([reason], count)
         yield success

@@ -9,6 +9,9 @@ Structured outputs: a constrained row comes with its grammar's allowed tokens; t
 are set to -inf before the argmax or the race, in the same batch as unconstrained rows.
 Log-probabilities stay those of the model (unmasked), as vLLM's default.
 
+min_tokens: a row whose sequence has fewer output tokens than its min_tokens cannot take
+EOS (unless ignore_eos) nor its stop_token_ids (vLLM's MinTokensLogitsProcessor).
+
 NOTE: every SamplingParams value reaches a tensor only after it is clamped to what the tensor
 holds (top_k to the vocabulary, temperature to float32's largest), and the most likely token
 of a row always survives the masks, so a row with one finite logit never samples a -inf one.
@@ -27,9 +30,13 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        """eos_token_ids: the model's EOS tokens (the engine sets them), which min_tokens
+        keeps out."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = eos_token_ids
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
                  allowed: AllowedTokens | None = None
@@ -40,6 +47,7 @@ class Sampler:
         """
         params = [s.sampling_params for s in seqs]
         masked = logits if allowed is None else mask_disallowed(logits, *allowed)
+        masked = mask_min_tokens(masked, seqs, self.eos_token_ids)
         tokens = argmax_rows(masked)  # (S,)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -103,6 +111,39 @@ def mask_disallowed(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor
     out = logits.clone()
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     out[index] = out[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out
+
+
+def mask_min_tokens(logits: torch.Tensor, seqs: list[ScheduledSeq],
+                    eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """`logits`, or a copy with -inf at the stop tokens of each row whose sequence has fewer
+    output tokens than its min_tokens: its stop_token_ids, and EOS unless ignore_eos.
+
+    NOTE: a row that would have no token left (its grammar allows only those tokens, or the
+    stop tokens cover the vocabulary) keeps its logits: a row of -inf only would sample
+    token 0, which nothing allowed.
+    """
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, seq in enumerate(seqs):
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            continue
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(eos_token_ids)
+        ids = [t for t in stops if t < vocab]  # NOTE: stop_token_ids may lie past the vocab
+        rows += [row] * len(ids)
+        cols += ids
+    if not rows:
+        return logits
+    out = logits.clone()
+    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
+        float("-inf"))
+    emptied = (out == float("-inf")).all(dim=-1)
+    if bool(emptied.any()):
+        out[emptied] = logits[emptied]
     return out
 
 

@@ -706,7 +706,9 @@ class Server:
             choice = p.CompletionChoice(index=c.index, text=c.delta_text, logprobs=logprobs,
                                         finish_reason=c.finish_reason)
             yield _chunk(p.CompletionResponse(id=stream.request_id, model=self.model_name,
-                                              choices=[choice]), body.include_usage)
+                                              choices=[choice],
+                                              usage=_running_usage(stream, body)),
+                         body.include_usage)
         if body.include_usage:
             yield p.CompletionResponse(id=stream.request_id, model=self.model_name, choices=[],
                                        usage=stream.usage(stream.finals)).model_dump()
@@ -715,7 +717,9 @@ class Server:
                            body: p.ChatCompletionRequest) -> AsyncIterator[dict]:
         def chunk(choice: p.ChatChunkChoice) -> dict:
             return _chunk(p.ChatCompletionChunk(id=stream.request_id, model=self.model_name,
-                                                choices=[choice]), body.include_usage)
+                                                choices=[choice],
+                                                usage=_running_usage(stream, body)),
+                          body.include_usage)
 
         for index in range(stream.params.n):  # OpenAI opens each choice with the role
             yield chunk(p.ChatChunkChoice(index=index,
@@ -812,9 +816,16 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
             yield _ToolCallPiece(c, None, _chat_finish_reason(c, plan))
 
 
+def _running_usage(stream: _Generation, body: p.CompletionRequest | p.ChatCompletionRequest
+                   ) -> p.UsageInfo | None:
+    """A content chunk's usage: the usage so far with continuous_usage_stats, else None."""
+    return stream.usage_so_far() if body.continuous_usage else None
+
+
 def _chunk(response, include_usage: bool) -> dict:
     """A stream chunk as OpenAI sends them: deltas list only what they carry, and "usage"
-    is null in every chunk but the last when include_usage is set (absent otherwise)."""
+    is null in every chunk but the last when include_usage is set (absent otherwise; with
+    continuous_usage_stats every chunk carries the usage so far)."""
     data = response.model_dump()
     for choice in data["choices"]:
         if "delta" in choice:
@@ -883,6 +894,10 @@ class _Generation:
                                               cache_salt=cache_salt, tenant=tenant,
                                               **(scheduling or {}))
         self.prompt_tokens = 0
+        # NOTE: choice 0's, as the usage counts the prompt once (its siblings may find
+        # more of it cached: choice 0 computed it)
+        self.cached_tokens = 0
+        self.tokens_so_far: dict[int, int] = {}  # choice index -> tokens generated
         self.started = False  # the first output came
         self.finals: list[CompletionOutput] = []
 
@@ -895,6 +910,7 @@ class _Generation:
             raise
         self._check_rejected(first)  # NOTE: before any response starts: a real 503
         self.prompt_tokens = len(first.prompt_token_ids)
+        self.cached_tokens = first.num_cached_tokens  # NOTE: final once a token came
         self.started = True
         return first
 
@@ -912,6 +928,7 @@ class _Generation:
 
     async def completions(self, first: RequestOutput) -> AsyncIterator[CompletionOutput]:
         """Every output's completion, first included; raises APIError on a failure."""
+        self._count(first)
         yield self._check(first.outputs[0], first.error)
         while True:
             try:
@@ -919,7 +936,15 @@ class _Generation:
             except StopAsyncIteration:
                 return
             self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
+            self._count(out)
             yield self._check(out.outputs[0], out.error)
+
+    def _count(self, out: RequestOutput) -> None:
+        """Note an output's tokens so far and (choice 0) its prompt tokens found cached."""
+        c = out.outputs[0]
+        self.tokens_so_far[c.index] = len(c.token_ids)
+        if c.index == 0:
+            self.cached_tokens = out.num_cached_tokens
 
     async def _next(self) -> RequestOutput:
         return await anext(self.outputs)
@@ -976,7 +1001,13 @@ class _Generation:
             self.started = False  # log once
 
     def usage(self, finals: list[CompletionOutput]) -> p.UsageInfo:
-        return p.UsageInfo.of(self.prompt_tokens, sum(len(c.token_ids) for c in finals))
+        return p.UsageInfo.of(self.prompt_tokens, sum(len(c.token_ids) for c in finals),
+                              self.cached_tokens)
+
+    def usage_so_far(self) -> p.UsageInfo:
+        """The usage up to the outputs seen (stream_options.continuous_usage_stats)."""
+        return p.UsageInfo.of(self.prompt_tokens, sum(self.tokens_so_far.values()),
+                              self.cached_tokens)
 
     async def _guarded(self, awaitable):
         """Await, turning the engine's exceptions into API errors."""

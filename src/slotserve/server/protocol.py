@@ -1,9 +1,10 @@
 """OpenAI API schemas (pydantic) and the conversions between them and the engine's types.
 
-Requests validate strictly (no "5" for 5, no true for 1) and ignore unknown fields, as
-vLLM does. `to_sampling_params()` turns a request into SamplingParams and raises
-`APIError` (HTTP 400) naming the offending field; logprob helpers shape the engine's
-`list[dict[token_id, logprob]]` into OpenAI's two response formats.
+Requests validate strictly (no "5" for 5, no true for 1) and accept unknown fields, as
+vLLM does, logging each ignored field name once (`IgnoredFields`). `to_sampling_params()`
+turns a request into SamplingParams and raises `APIError` (HTTP 400) naming the offending
+field; logprob helpers shape the engine's `list[dict[token_id, logprob]]` into OpenAI's two
+response formats.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
+import threading
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slotserve.sampling import SamplingParams
 from slotserve.structured import StructuredOutputs, from_response_format
@@ -26,6 +30,12 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # Completions without max_tokens: 16, the OpenAI legacy default.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0
+# Ignored request fields: the first this many distinct names are logged, each cut to this
+# many characters (a client choosing the names cannot flood the log).
+MAX_LOGGED_IGNORED_FIELDS = 64
+MAX_IGNORED_FIELD_CHARS = 64
+
+logger = logging.getLogger("slotserve.server")
 
 
 class APIError(Exception):
@@ -59,20 +69,85 @@ class ErrorResponse(BaseModel):
 
 
 # --------------------------------------------------------------------------- requests
-class StreamOptions(BaseModel):
+class IgnoredFields:
+    """Request fields the server ignored, each name logged once per process at WARNING
+    (vLLM's message); requests that carry them are served as usual.
+
+    NOTE: bounded: the first `max_names` distinct names (each cut to `max_chars`) are
+    logged, then one line says that later ones are not. Thread-safe.
+    """
+
+    def __init__(self, max_names: int = MAX_LOGGED_IGNORED_FIELDS,
+                 max_chars: int = MAX_IGNORED_FIELD_CHARS) -> None:
+        self.max_names = max_names
+        self.max_chars = max_chars
+        self.logged: set[str] = set()
+        self._full_noted = False
+        self._lock = threading.Lock()
+
+    def note(self, names: Iterable[str]) -> None:
+        """Log the names not logged before (within the bound)."""
+        new: list[str] = []
+        now_full = False
+        with self._lock:
+            for name in names:
+                name = name[:self.max_chars]
+                if name in self.logged:
+                    continue
+                if len(self.logged) >= self.max_names:
+                    now_full, self._full_noted = not self._full_noted, True
+                    break
+                self.logged.add(name)
+                new.append(name)
+        if new:  # NOTE: repr() escapes control characters (no forged log lines)
+            logger.warning("The following fields were present in the request but ignored: "
+                           "{%s}", ", ".join(map(repr, new)))
+        if now_full:
+            logger.warning("more than %d distinct ignored request fields: later ones are not "
+                           "logged", self.max_names)
+
+
+IGNORED_FIELDS = IgnoredFields()
+
+
+class _RequestModel(BaseModel):
+    """A request body or a part of one: strict types; fields it does not declare, and the
+    declared ones in `unused_fields` when set, are ignored and reported to IGNORED_FIELDS
+    (as `<field_prefix><name>`)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    unused_fields: ClassVar[frozenset[str]] = frozenset()
+    field_prefix: ClassVar[str] = ""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _report_ignored(cls, data: Any, handler):
+        model = handler(data)  # NOTE: an invalid body is a 400; nothing to report
+        if isinstance(data, dict):
+            ignored = [name for name, value in data.items() if name not in cls.model_fields
+                       or (name in cls.unused_fields and value is not None)]
+            if ignored:
+                IGNORED_FIELDS.note(f"{cls.field_prefix}{name}" for name in ignored)
+        return model
+
+
+class StreamOptions(_RequestModel):
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's, with
+    include_usage): every chunk also carries the usage so far."""
+
+    field_prefix = "stream_options."
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 PRIORITY_BOUND = 2**31 - 1  # |priority| at most this (vLLM's is an int32 in practice)
 MAX_USER_CHARS = 256  # OpenAI's `user` (a tenant name: a metrics label, a log field)
 
 
-class _Request(BaseModel):
+class _Request(_RequestModel):
     """Fields both endpoints share (vLLM's names for the extensions)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None  # None: the served model (vLLM's leniency)
     temperature: float | None = None
@@ -85,6 +160,7 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
+    min_tokens: int | None = None  # extension: no stop (EOS, stop strings) before this many
     presence_penalty: float | None = None  # only 0 / absent
     frequency_penalty: float | None = None  # only 0 / absent
     logit_bias: dict[str, float] | None = None  # only empty / absent
@@ -111,6 +187,7 @@ class _Request(BaseModel):
                 top_k=0 if self.top_k is None else self.top_k,
                 min_p=0.0 if self.min_p is None else self.min_p,
                 seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                min_tokens=0 if self.min_tokens is None else self.min_tokens,
                 logprobs=logprobs, n=1 if self.n is None else self.n)
         except ValueError as exc:
             raise invalid_request(str(exc), renames) from exc
@@ -141,13 +218,17 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (include_usage and
+        continuous_usage_stats, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
-class _StructuredFields(BaseModel):
+
+class _StructuredFields(_RequestModel):
     """The ways to constrain the output (exactly one at most): OpenAI's `response_format`,
     vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and its
     older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -257,24 +338,24 @@ class CompletionRequest(_Request, _StructuredFields):
         return with_structured(params, self.structured_spec()[0])
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_RequestModel):
+    field_prefix = "messages.content."
 
     type: Literal["text"]
     text: str
 
 
-class FunctionCallIn(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCallIn(_RequestModel):
+    field_prefix = "messages.tool_calls.function."
 
     name: str
     arguments: str
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(_RequestModel):
     """A tool call of an earlier assistant turn, as a client sends it back."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    field_prefix = "messages.tool_calls."
 
     id: str | None = None
     type: Literal["function"] = "function"
@@ -289,8 +370,9 @@ class ToolCallIn(BaseModel):
                           ensure_ascii=False)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(_RequestModel):
+    field_prefix = "messages."
+    unused_fields = frozenset({"name"})  # NOTE: the chat template is given role and content
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -310,8 +392,9 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionDefinition(_RequestModel):
+    field_prefix = "tools.function."
+    unused_fields = frozenset({"description"})  # NOTE: only the parameters constrain the output
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
@@ -319,21 +402,21 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ToolDefinition(_RequestModel):
+    field_prefix = "tools."
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedFunction(_RequestModel):
+    field_prefix = "tool_choice.function."
 
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class NamedToolChoice(_RequestModel):
+    field_prefix = "tool_choice."
 
     type: Literal["function"]
     function: NamedFunction
@@ -488,15 +571,25 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (not computed again)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int | None = None) -> UsageInfo:
+        """cached_tokens: None leaves prompt_tokens_details out."""
+        details = None if cached_tokens is None else PromptTokensDetails(
+            cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):
@@ -618,10 +711,9 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_RequestModel):
     """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered with the chat template."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
@@ -640,10 +732,9 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_RequestModel):
     """POST /detokenize (vLLM's)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     tokens: list[int]
