@@ -79,9 +79,20 @@ def test_timeline_draws_a_real_trace_and_its_replay_together(real_and_simulated,
                                                              capsys):
     real, simulated = real_and_simulated
     html, png = tmp_path / "pair.html", tmp_path / "pair.png"
-    assert main(["timeline", str(real), "--compare", str(simulated), "--html", str(html),
+    assert main(["timeline", str(real), str(simulated), "--html", str(html),
                  "--png", str(png), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    # The terminal: the real run's strip, then its replay's below it.
+    assert out.index(f"== {real}") < out.index("· engine ·") < out.index(f"== {simulated}") \
+        < out.index("· replay ·")
     page = html.read_text()
     assert "engine" in page and "replay" in page
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "engine" in capsys.readouterr().out
+    # --compare is the same pair; both forms at once is an error.
+    again = tmp_path / "again.html"
+    assert main(["timeline", str(real), "--compare", str(simulated), "--html", str(again),
+                 "--no-color"]) == 0
+    assert again.read_text() == page
+    capsys.readouterr()
+    assert main(["timeline", str(real), str(simulated), "--compare", str(simulated)]) == 2
+    assert "give the second trace once" in capsys.readouterr().err
