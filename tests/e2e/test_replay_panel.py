@@ -51,6 +51,14 @@ def real_and_simulated(server, folder):
     return real, simulated
 
 
+DROP = """([selector, text]) => {
+    const transfer = new DataTransfer();
+    transfer.items.add(new File([text], 'dropped.json', {type: 'application/json'}));
+    document.querySelector(selector).dispatchEvent(
+        new DragEvent('drop', {dataTransfer: transfer, bubbles: true, cancelable: true}));
+}"""
+
+
 def wait_for_title(page, side: str, title: str) -> None:
     page.wait_for_function(
         "([side, title]) => document.querySelector(`#replay-${side} h3`).textContent === title",
@@ -103,6 +111,9 @@ def test_panel_takes_the_live_trace_a_dropped_file_and_refuses_a_bad_one(page, l
     open_dashboard(page, live_server)
     page.set_input_files("#rp-file-a", str(simulated))
     wait_for_title(page, "static", "sim.json")
+    page.evaluate(DROP, ["#replay-note", real.read_text()])  # on the card: the free pane
+    wait_for_title(page, "continuous", "dropped.json")
+    assert page.evaluate(PANES)[0]["title"] == "sim.json"
 
     page.click("#rp-server-b")
     wait_for_title(page, "continuous", "this server, live")
@@ -112,12 +123,7 @@ def test_panel_takes_the_live_trace_a_dropped_file_and_refuses_a_bad_one(page, l
     assert right["iterations"] == right["drawn"] == live_iterations
     assert right["source"].startswith("real run (engine)")
 
-    page.evaluate("""(text) => {
-        const transfer = new DataTransfer();
-        transfer.items.add(new File([text], 'dropped.json', {type: 'application/json'}));
-        document.querySelector('#replay-static').dispatchEvent(
-            new DragEvent('drop', {dataTransfer: transfer, bubbles: true, cancelable: true}));
-    }""", real.read_text())
+    page.evaluate(DROP, ["#replay-static canvas", real.read_text()])  # on a pane: that pane
     wait_for_title(page, "static", "dropped.json")
     assert page.evaluate(PANES)[0]["iterations"] == len(json.loads(real.read_text())["iterations"])
 

@@ -1117,20 +1117,30 @@ async function loadServerInto(side) {
   }
 }
 
-/** Dropping files on a pane: the first goes into that pane, a second into the other. */
-function wireDrop(side) {
-  const node = document.getElementById(PANE_IDS[side]);
-  node.addEventListener("dragover", (event) => {
+/** Dropping files on a pane: the first goes into that pane, a second into the other.
+ * Elsewhere on the replay card: into the right pane if only it is free, else left then right
+ * (a drop that misses a pane must not make the browser open the file instead of the page). */
+function wireDrop() {
+  const card = $("#replay");
+  card.addEventListener("dragover", (event) => event.preventDefault());
+  card.addEventListener("drop", (event) => {
     event.preventDefault();
-    node.classList.add("drop");
-  });
-  node.addEventListener("dragleave", () => node.classList.remove("drop"));
-  node.addEventListener("drop", (event) => {
-    event.preventDefault();
-    node.classList.remove("drop");
+    const pane = event.target.closest && event.target.closest(".pane");
+    const side = pane ? PANE_IDS.indexOf(pane.id) : (freeSide() ?? 0);
+    if (pane) pane.classList.remove("drop");
     const files = [...event.dataTransfer.files].slice(0, 2);
     files.forEach((file, k) => loadFileInto(k ? 1 - side : side, file));
   });
+  for (const id of PANE_IDS) {
+    const node = document.getElementById(id);
+    node.addEventListener("dragover", () => node.classList.add("drop"));
+    node.addEventListener("dragleave", () => node.classList.remove("drop"));
+  }
+}
+
+/** The right pane when two-trace mode has only the left one filled, else null. */
+function freeSide() {
+  return replay.mode === "traces" && replay.loaded[0] && !replay.loaded[1] ? 1 : null;
 }
 
 function wireFileInput(selector, side) {
@@ -1179,8 +1189,7 @@ function wireControls() {
   wireFileInput("#rp-file-b", 1);
   $("#rp-server-a").addEventListener("click", () => loadServerInto(0));
   $("#rp-server-b").addEventListener("click", () => loadServerInto(1));
-  wireDrop(0);
-  wireDrop(1);
+  wireDrop();
   $("#rp-file").addEventListener("change", (event) => {
     const file = event.target.files[0];
     if (file) loadFile(file);
