@@ -1,5 +1,6 @@
 /* slotserve live view: the running batch (slot strip), queue and KV memory, latency, and a
- * replay of static vs continuous batching. Plain JS, no dependencies, no build step.
+ * replay of two runs side by side (static vs continuous batching, or any two traces: a real
+ * run's and its simulated replay). Plain JS, no dependencies, no build step.
  *
  * Data: /debug/events (server-sent events: hello, iterations, stats), /debug/simulate (the
  * simulator's traces), /debug/trace (the engine's recorded trace). Trace format: see
@@ -768,32 +769,49 @@ function strokeSeries(ctx, series, x, y, color, light) {
 }
 
 // ------------------------------------------------------------------------ replay
+// NOTE: the left and right panes keep the ids of the seed's comparison (#replay-static,
+// #replay-continuous) whatever they show; their heading says what that is.
+const PANE_IDS = ["replay-static", "replay-continuous"];
+const POLICY_TITLES = { static: "Static batching", continuous: "Continuous batching" };
+
 const replay = {
-  panes: [], // [{policy, node, trace, source, busyPrefix}]
+  panes: [], // [{node, trace, columns, numSlots, busyPrefix, total}]: left, right
   step: 0,
   max: 0,
   timer: 0,
   colors: new ColorMap(),
+  mode: "policies", // "policies": static vs continuous; "traces": any two traces
+  loaded: [null, null], // mode "traces": each pane's entry (kept while the other changes)
 };
 
-/** Show two traces side by side: {static: {trace, source}, continuous: {trace, source}}.
- * colors: the live strip's map for the server's own trace, so its requests keep their color. */
-function setReplay(traces, note, colors = new ColorMap()) {
+/** Show two traces side by side: entries [left, right], each {trace, title, source} or null.
+ * note: HTML over the panes (mode "traces" writes its own). colors: the live strip's map for the server's own trace, so its requests keep their color. */
+function setReplay(entries, note, colors = new ColorMap(), mode = "policies") {
   stopPlaying();
+  replay.mode = mode;
   replay.colors = colors;
-  replay.panes = ["static", "continuous"].map((policy) => makePane(policy, traces[policy]));
+  replay.panes = entries.map((entry, side) => makePane(side, entry));
   for (const pane of replay.panes) {
     for (const request of (pane.trace && pane.trace.requests) || []) replay.colors.get(request.id);
   }
   replay.max = Math.max(0, ...replay.panes.map((p) => p.columns.length));
   replay.step = replay.max; // start on the whole run; Home steps from the start
+  $("#replay-title").textContent = mode === "traces" ? "Replay: two traces side by side"
+    : "Replay: static vs continuous batching";
   $("#replay-note").classList.remove("error");
-  $("#replay-note").innerHTML = note || compareNote(replay.panes);
+  $("#replay-note").innerHTML = mode === "traces" ? twoTracesNote(entries, replay.panes)
+    : note || compareNote(replay.panes);
   renderReplay();
 }
 
-function makePane(policy, entry) {
-  const node = $(`#replay-${policy}`);
+/** The static and continuous entries of {static: {trace, source}, continuous: ...}. */
+function policyEntries(traces) {
+  return ["static", "continuous"].map((policy) => traces[policy]
+    ? { ...traces[policy], title: POLICY_TITLES[policy] } : null);
+}
+
+function makePane(side, entry) {
+  const node = document.getElementById(PANE_IDS[side]);
   const trace = entry ? entry.trace : null;
   const columns = trace ? trace.iterations : [];
   const busyPrefix = [0];
@@ -802,8 +820,10 @@ function makePane(policy, entry) {
   const total = columns.length ? busyPrefix[columns.length] / (numSlots * columns.length) : 0;
   node.dataset.iterations = String(columns.length);
   node.dataset.utilisation = total.toFixed(4);
+  node.dataset.policy = trace ? String(trace.policy) : "";
+  $("h3", node).textContent = entry ? entry.title : "(no trace)";
   $(".source", node).textContent = entry ? entry.source : "no trace";
-  return { policy, node, trace, columns, numSlots, busyPrefix, total };
+  return { node, trace, columns, numSlots, busyPrefix, total };
 }
 
 function compareNote(panes) {
@@ -829,7 +849,9 @@ function renderPane(pane) {
   const canvas = $(".replay-strip", node);
   if (!columns.length) {
     sizeCanvas(canvas, 40);
-    $(".it", node).textContent = "no iterations";
+    canvas.geometry = null;
+    $(".it", node).textContent = pane.trace ? "no iterations"
+      : "no trace yet: open one above, or drop a trace file here";
     $(".util", node).textContent = "";
     $(".queue", node).replaceChildren();
     return;
@@ -921,7 +943,7 @@ async function simulateForm() {
     return replayError("slots: give a whole number from 1 to 1024");
   }
   try {
-    setReplay(await simulatePair(lengths, slots, null));
+    setReplay(policyEntries(await simulatePair(lengths, slots, null)));
   } catch (error) {
     replayError(`simulate: ${error.message}`);
   }
@@ -954,7 +976,7 @@ async function showTrace(trace, source, colors = undefined) {
       note += ` (no simulated ${other} run: ${escapeHTML(error.message)})`;
     }
   }
-  setReplay(traces, note, colors);
+  setReplay(policyEntries(traces), note, colors);
 }
 
 /** The simulator names requests R1, R2, ... in workload order: give them back their ids. */
@@ -981,6 +1003,152 @@ async function loadFile(file) {
   } catch (error) {
     replayError(`${file.name}: ${error.message}`);
   }
+}
+
+// ------------------------------------------------------------------ any two traces
+/** Why `trace` is not a drawable version-1 trace (as slotserve.lab.timeline checks), or null. */
+function traceProblem(trace) {
+  if (!trace || typeof trace !== "object" || Array.isArray(trace)) return "not a JSON object";
+  if (trace.version !== 1) {
+    return `not a slotserve trace: version must be 1, got ${JSON.stringify(trace.version)}`;
+  }
+  const slots = trace.num_slots;
+  if (!Number.isInteger(slots) || slots < 1) return "num_slots must be an integer >= 1";
+  if (!Array.isArray(trace.requests)) return "requests must be a list";
+  if (!Array.isArray(trace.iterations)) return "iterations must be a list";
+  if (!trace.iterations.length) return "the trace has no iterations";
+  const bad = trace.iterations.findIndex((it) => !it || !Number.isFinite(it.index) ||
+    !Array.isArray(it.slots) || it.slots.length !== slots);
+  if (bad >= 0) return `iteration record ${bad}: needs an index and num_slots=${slots} slots`;
+  return null;
+}
+
+/** Where a trace comes from: a real run, the replay simulator (and its clock), or the toy. */
+function traceOrigin(trace) {
+  if (trace.source === "engine") return "real run (engine)";
+  if (trace.source === "replay") {
+    const kind = trace.cost_model && trace.cost_model.kind;
+    return kind === "unit" ? "simulated (replay, unit clock)" : `simulated (replay, ${kind} cost model)`;
+  }
+  if (trace.source === "simulator") return "simulated (toy)";
+  return `source ${trace.source}`;
+}
+
+/** Seconds for a real run or a calibrated replay; iterations of a unit clock otherwise. */
+function traceUnit(trace) {
+  const calibrated = trace.source === "replay" && trace.cost_model && trace.cost_model.kind !== "unit";
+  return trace.source === "engine" || calibrated ? "s" : "units";
+}
+
+/** The settings a trace records: policy, slots, KV blocks, and a replay's token budget. */
+function traceSettings(trace) {
+  const parts = [`${trace.policy}`, `${trace.num_slots} slots`];
+  if (Number.isInteger(trace.kv_blocks_total)) parts.push(`${trace.kv_blocks_total} KV blocks`);
+  const settings = trace.settings || {};
+  if (settings.max_num_batched_tokens) parts.push(`${settings.max_num_batched_tokens}-token budget`);
+  if (settings.enable_prefix_caching !== undefined) {
+    parts.push(`prefix cache ${settings.enable_prefix_caching ? "on" : "off"}`);
+  }
+  return parts.join(" · ");
+}
+
+/** From the first iteration's start to the last one's end, in the trace's unit; null if unknown. */
+function traceSpan(trace) {
+  const first = trace.iterations[0];
+  const last = trace.iterations[trace.iterations.length - 1];
+  const span = last.end - first.start;
+  return Number.isFinite(span) ? span : null;
+}
+
+function fmtSpan(trace) {
+  const span = traceSpan(trace);
+  if (span === null) return "—";
+  return traceUnit(trace) === "s" ? fmtSeconds(span) : `${+span.toFixed(2)} time units`;
+}
+
+function describeTrace(trace, name) {
+  return { trace, title: name, source: `${traceOrigin(trace)} · ${traceSettings(trace)}` };
+}
+
+/** The note over two arbitrary traces: each one's iterations, utilisation and span, then
+ * right / left when both are there. */
+function twoTracesNote(entries, panes) {
+  const parts = entries.map((entry, side) => entry ? `${side ? "right" : "left"} ` +
+    `(${escapeHTML(entry.title)}): <b>${panes[side].columns.length}</b> iterations at ` +
+    `<b>${pct(panes[side].total)}</b> utilisation, ${fmtSpan(entry.trace)}` : null);
+  if (!entries[0] || !entries[1]) {
+    return `${parts.find(Boolean)}. Load a second trace for the other pane: a real run's ` +
+      "(<code>--trace</code>) and its replay (<code>slotserve simulate --trace real.json " +
+      "--save-trace sim.json</code>) compare iteration by iteration.";
+  }
+  let ratio = `right / left: ${pct(panes[1].columns.length / panes[0].columns.length)} of the iterations`;
+  const [a, b] = entries.map((entry) => entry.trace);
+  const spans = [traceSpan(a), traceSpan(b)];
+  if (traceUnit(a) === traceUnit(b) && spans[0] > 0 && spans[1] !== null) {
+    ratio += `, ${pct(spans[1] / spans[0])} of the time`;
+  }
+  return `${parts.join(" · ")} — ${ratio}.`;
+}
+
+/** Draw `trace` in one pane (0: left, 1: right); the other pane keeps the trace loaded into
+ * it this way (the static-vs-continuous pair is replaced). */
+function showInPane(side, trace, name) {
+  const problem = traceProblem(trace);
+  if (problem) return replayError(`${name}: ${problem}`);
+  if (replay.mode !== "traces") replay.loaded = [null, null];
+  replay.loaded[side] = describeTrace(trace, name);
+  const colors = replay.mode === "traces" ? replay.colors : new ColorMap();
+  setReplay(replay.loaded.slice(), "", colors, "traces");
+}
+
+async function loadFileInto(side, file) {
+  try {
+    showInPane(side, JSON.parse(await file.text()), file.name);
+  } catch (error) {
+    replayError(`${file.name}: ${error.message}`);
+  }
+}
+
+async function loadServerInto(side) {
+  try {
+    showInPane(side, await fetchJSON("/debug/trace"), "this server, live");
+  } catch (error) {
+    replayError(`/debug/trace: ${error.message}`);
+  }
+}
+
+/** Dropping files on a pane: the first goes into that pane, a second into the other.
+ * Elsewhere on the replay card: into the right pane if only it is free, else left then right
+ * (a drop that misses a pane must not make the browser open the file instead of the page). */
+function wireDrop() {
+  const card = $("#replay");
+  card.addEventListener("dragover", (event) => event.preventDefault());
+  card.addEventListener("drop", (event) => {
+    event.preventDefault();
+    const pane = event.target.closest && event.target.closest(".pane");
+    const side = pane ? PANE_IDS.indexOf(pane.id) : (freeSide() ?? 0);
+    if (pane) pane.classList.remove("drop");
+    const files = [...event.dataTransfer.files].slice(0, 2);
+    files.forEach((file, k) => loadFileInto(k ? 1 - side : side, file));
+  });
+  for (const id of PANE_IDS) {
+    const node = document.getElementById(id);
+    node.addEventListener("dragover", () => node.classList.add("drop"));
+    node.addEventListener("dragleave", () => node.classList.remove("drop"));
+  }
+}
+
+/** The right pane when two-trace mode has only the left one filled, else null. */
+function freeSide() {
+  return replay.mode === "traces" && replay.loaded[0] && !replay.loaded[1] ? 1 : null;
+}
+
+function wireFileInput(selector, side) {
+  $(selector).addEventListener("change", (event) => {
+    const file = event.target.files[0];
+    if (file) loadFileInto(side, file);
+    event.target.value = "";
+  });
 }
 
 function onKey(event) {
@@ -1017,6 +1185,11 @@ function wireControls() {
   $("#rp-last").addEventListener("click", () => { stopPlaying(); go(replay.max); });
   $("#rp-form").addEventListener("submit", (event) => { event.preventDefault(); simulateForm(); });
   $("#rp-server").addEventListener("click", loadServerTrace);
+  wireFileInput("#rp-file-a", 0);
+  wireFileInput("#rp-file-b", 1);
+  $("#rp-server-a").addEventListener("click", () => loadServerInto(0));
+  $("#rp-server-b").addEventListener("click", () => loadServerInto(1));
+  wireDrop();
   $("#rp-file").addEventListener("change", (event) => {
     const file = event.target.files[0];
     if (file) loadFile(file);
