@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 import struct
@@ -335,6 +337,52 @@ def test_cli_timeline_windows_long_traces_in_the_terminal(tmp_path, capsys):
     text = capsys.readouterr().out
     assert all(len(r.split("│")[1]) == 120 for r in slot_rows(text))
     assert "--start/--end" in text
+
+
+class _FakeTerminal(io.StringIO):
+    """A captured stdout that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def printed_by(*argv: str, stdout: io.StringIO | None = None) -> str:
+    """What the command prints to `stdout` (a captured, non-terminal stream by default)."""
+    stdout = stdout if stdout is not None else io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert run_cli(*argv) == 0
+    return stdout.getvalue()
+
+
+@pytest.fixture
+def trace_file(tmp_path, static):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(static))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["simulate", "timeline"])
+def test_cli_colors_only_a_terminal_unless_forced(command, trace_file, monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    argv = ("simulate",) if command == "simulate" else ("timeline", trace_file)
+    piped = printed_by(*argv)
+    assert "\x1b[" not in piped and len(slot_rows(piped)) >= 3
+    forced = printed_by(*argv, "--color")
+    assert "\x1b[" in forced and ANSI.sub("", forced) == piped
+    assert "\x1b[" in printed_by(*argv, stdout=_FakeTerminal())
+    assert "\x1b[" not in printed_by(*argv, "--no-color", stdout=_FakeTerminal())
+    assert "\x1b[" not in printed_by(*argv, "--color", "--no-color")  # the last one wins
+
+
+@pytest.mark.parametrize("command", ["simulate", "timeline"])
+def test_cli_no_color_env_turns_the_terminal_plain_but_not_a_flag(command, trace_file,
+                                                                    monkeypatch):
+    argv = ("simulate",) if command == "simulate" else ("timeline", trace_file)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\x1b[" not in printed_by(*argv, stdout=_FakeTerminal())
+    assert "\x1b[" in printed_by(*argv, "--color")
+    monkeypatch.setenv("NO_COLOR", "")  # no-color.org: an empty value does not count
+    assert "\x1b[" in printed_by(*argv, stdout=_FakeTerminal())
 
 
 def test_cli_timeline_bad_file_is_exit_code_2(tmp_path, capsys):

@@ -82,7 +82,10 @@ def _add_chart_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", metavar="FILE.png", help="write a PNG chart")
     p.add_argument("--png-size", type=_size, default=(1200, 800), metavar="WxH",
                    help="PNG size in pixels (default 1200x800)")
-    p.add_argument("--no-color", action="store_true", help="no ANSI colors in the terminal")
+    p.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
+                   help="ANSI colors in the printed strip: --color forces them on, --no-color "
+                        "off (default: on only when stdout is a terminal and NO_COLOR is unset "
+                        "or empty)")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -218,7 +221,17 @@ def _load_json(path: str) -> dict:
 
 
 def _use_color(args: argparse.Namespace) -> bool:
-    return not args.no_color and "NO_COLOR" not in os.environ
+    """Whether the printed strip gets ANSI colors.
+
+    NOTE: an explicit --color / --no-color wins; otherwise colors only when stdout is a
+    terminal (a pipe or a file gets plain text) and NO_COLOR is unset or empty
+    (https://no-color.org: a command-line flag overrides the variable)."""
+    if args.color is not None:
+        return args.color
+    if os.environ.get("NO_COLOR"):
+        return False
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _int_list(text: str) -> list[int]:
