@@ -6,7 +6,7 @@
 SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, blocks of 16), each
 sequence's blocks spread at random over a pool, a separate cache per layer (so the K/V come
 from memory, as in a decode step). The baseline is the fused kernel of another revision of
-slotserve/csrc/cpu_ops.cpp (`--baseline REV`, built under its own name) or, without it,
+slotserve/csrc (`--baseline REV`, built under its own name) or, without it,
 the torch reference (gather + SDPA). Reported per shape: the median time of the 30 layers
 for each, and the median of the per-round ratios.
 """
@@ -41,14 +41,20 @@ def baseline_kernel(rev: str | None):
         return reference
     from torch.utils.cpp_extension import load
 
-    source = subprocess.run(["git", "show", f"{rev}:src/slotserve/csrc/cpu_ops.cpp"],
-                            cwd=REPO, check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "baseline_cpu_ops.cpp"
-    path.write_text(source)
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True).stdout
+
+    # NOTE: the kernels were one cpu_ops.cpp before they were split by family: copy whatever
+    # that revision's csrc holds and compile all its .cpp files.
+    csrc, folder = "src/slotserve/csrc", Path(tempfile.mkdtemp())
+    names = git("ls-tree", "--name-only", f"{rev}:{csrc}").decode().split()
+    for file in names:
+        (folder / file).write_bytes(git("show", f"{rev}:{csrc}/{file}"))
+    sources = sorted(str(folder / file) for file in names if file.endswith(".cpp"))
     name = "slotserve_baseline_" + subprocess.run(
         ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
         text=True).stdout.strip()
-    return load(name=name, sources=[str(path)], extra_cflags=CFLAGS,
+    return load(name=name, sources=sources, extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"]).paged_decode_attention
 
 

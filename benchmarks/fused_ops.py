@@ -4,7 +4,7 @@
 
 For each batch size (and fp32 / int8 weights), three engines on the embedded SmolLM2-135M
 with the same linear kernels: "stack" (the default: the fused kernels of
-slotserve/csrc/cpu_ops.cpp, all-decode iterations run by its DecodeStack in one C++ call),
+slotserve/csrc, all-decode iterations run by its DecodeStack in one C++ call),
 "python layers" (the same kernels called layer by layer from Python) and "torch ops" (the
 fused kernels taken out again: torch's RMSNorm, SiLU, RoPE, K/V write, decode attention by
 gather + SDPA). All decode `batch` requests from a ~100-token context; their step times

@@ -1,4 +1,4 @@
-"""The C++ DecodeStack (csrc/cpu_ops.cpp) equals the model's Python layers on the same kernels.
+"""The C++ DecodeStack (csrc/decode_stack.cpp) equals the model's Python layers on the same kernels.
 
 It runs the decoder layers of all-decode iterations in one call; whole models against HF
 (through the stack) are in test_vs_hf.py.

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (csrc/cpu_ops.cpp) equal the torch ops they replace.
+"""The fused CPU kernels (csrc/fused_ops.cpp, paged_attention.cpp) equal the torch ops they replace.
 
 Paged decode attention and the K/V write are also checked against dense attention in
 tests/unit/test_paged_attention.py; whole models against HF in test_vs_hf.py.

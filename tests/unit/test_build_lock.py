@@ -9,11 +9,12 @@ import time
 
 from slotserve.model.cpu_ops import (
     CFLAGS,
+    CSRC,
     LDFLAGS,
-    SOURCE,
     _build_name,
-    _stage_source,
+    _stage_sources,
     exclusive_build,
+    kernel_files,
 )
 
 
@@ -54,44 +55,69 @@ def test_waits_for_a_build_in_progress(tmp_path):
 # -- the build's name: keyed by the kernel's content and flags, never by the checkout's path -----
 
 
-def _checkout(root, source_text: str):
-    """A copy of the kernel source where a checkout at `root` would hold it."""
-    source = root / "slotserve" / "csrc" / "cpu_ops.cpp"
-    source.parent.mkdir(parents=True)
-    source.write_text(source_text)
-    return source
+def _checkout(root, files: dict[str, str]):
+    """The kernel files `files` (name: text) where a checkout at `root` would hold them."""
+    csrc = root / "slotserve" / "csrc"
+    csrc.mkdir(parents=True)
+    for name, text in files.items():
+        (csrc / name).write_text(text)
+    return csrc
+
+
+def _real_files() -> dict[str, str]:
+    return {file.name: file.read_text() for file in kernel_files(CSRC)}
+
+
+def test_kernel_files_are_every_source_and_header_in_name_order():
+    names = [file.name for file in kernel_files(CSRC)]
+    assert names == sorted(names)
+    assert "bindings.cpp" in names and "common.h" in names
+    assert {file.suffix for file in CSRC.iterdir() if file.name[0] != "."} <= {".cpp", ".h"}
 
 
 def test_build_name_follows_source_content_not_path(tmp_path):
-    text = SOURCE.read_text()
-    a = _checkout(tmp_path / "checkout_a", text)
-    b = _checkout(tmp_path / "checkout_b", text)
-    changed = _checkout(tmp_path / "checkout_c", text + "\n// one more line\n")
+    files = _real_files()
+    a = _checkout(tmp_path / "checkout_a", files)
+    b = _checkout(tmp_path / "checkout_b", files)
+    changed_source = _checkout(tmp_path / "checkout_c",
+                               {**files, "bindings.cpp": files["bindings.cpp"] + "\n// one more\n"})
+    changed_header = _checkout(tmp_path / "checkout_d",
+                               {**files, "common.h": files["common.h"] + "\n// one more\n"})
+    renamed = dict(files)
+    renamed["zz_common.h"] = renamed.pop("common.h")
+    changed_name = _checkout(tmp_path / "checkout_e", renamed)
 
-    assert _build_name(a) == _build_name(b) == _build_name(SOURCE)
-    assert _build_name(changed) != _build_name(a)
+    assert _build_name(a) == _build_name(b) == _build_name(CSRC)
+    others = {_build_name(d) for d in (changed_source, changed_header, changed_name)}
+    assert len(others) == 3 and _build_name(a) not in others
     assert _build_name(a).startswith("slotserve_cpu_ops_")
     assert _build_name(a).isidentifier()  # it is also the extension module's name
 
 
 def test_build_name_follows_flags():
-    assert _build_name(SOURCE, cflags=[*CFLAGS, "-DEXTRA"]) != _build_name(SOURCE)
-    assert _build_name(SOURCE, cflags=CFLAGS, ldflags=[*LDFLAGS, "-lm"]) != _build_name(SOURCE)
-    assert _build_name(SOURCE, cflags=list(CFLAGS), ldflags=list(LDFLAGS)) == _build_name(SOURCE)
+    assert _build_name(CSRC, cflags=[*CFLAGS, "-DEXTRA"]) != _build_name(CSRC)
+    assert _build_name(CSRC, cflags=CFLAGS, ldflags=[*LDFLAGS, "-lm"]) != _build_name(CSRC)
+    assert _build_name(CSRC, cflags=list(CFLAGS), ldflags=list(LDFLAGS)) == _build_name(CSRC)
 
 
-def test_staged_source_is_copied_once(tmp_path):
-    a = _checkout(tmp_path / "checkout_a", "int a;\n")
-    b = _checkout(tmp_path / "checkout_b", "int a;\n")
+def test_staged_sources_are_copied_once(tmp_path):
+    files = {"a.cpp": "#include \"a.h\"\n", "a.h": "int a;\n", "b.cpp": "int b;\n"}
+    a = _checkout(tmp_path / "checkout_a", files)
+    b = _checkout(tmp_path / "checkout_b", files)
     build_dir = tmp_path / "build"
     build_dir.mkdir()
 
-    staged = _stage_source(build_dir, a)
-    assert staged == build_dir / "cpu_ops.cpp" and staged.read_text() == "int a;\n"
-    os.utime(staged, (1_000_000, 1_000_000))
-    assert _stage_source(build_dir, b) == staged  # another checkout, the same bytes
-    assert staged.stat().st_mtime == 1_000_000  # untouched: ninja sees nothing new
+    staged = _stage_sources(build_dir, a)
+    assert staged == [build_dir / "a.cpp", build_dir / "b.cpp"]  # what torch compiles
+    assert {p.name: p.read_text() for p in build_dir.iterdir()} == files  # the header too
+    header = build_dir / "a.h"
+    for copy in (*staged, header):
+        os.utime(copy, (1_000_000, 1_000_000))
+    assert _stage_sources(build_dir, b) == staged  # another checkout, the same bytes
+    for copy in (*staged, header):
+        assert copy.stat().st_mtime == 1_000_000  # untouched: ninja sees nothing new
 
-    staged.write_text("int trunc")  # damaged: replaced by the source's bytes
-    assert _stage_source(build_dir, a).read_text() == "int a;\n"
-    assert sorted(p.name for p in build_dir.iterdir()) == ["cpu_ops.cpp"]  # no temp file left
+    header.write_text("int trunc")  # damaged: replaced by the source's bytes
+    _stage_sources(build_dir, a)
+    assert header.read_text() == "int a;\n"
+    assert sorted(p.name for p in build_dir.iterdir()) == sorted(files)  # no temp file left

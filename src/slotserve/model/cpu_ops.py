@@ -1,8 +1,8 @@
-"""Fused CPU kernels (`slotserve/csrc/cpu_ops.cpp`), compiled on first use.
+"""Fused CPU kernels (`slotserve/csrc/`, one C++ file per family), compiled on first use.
 
 `load_cpu_ops()` builds the extension with torch.utils.cpp_extension (g++ and ninja; about
 a minute once, then cached under ~/.cache/torch_extensions in a directory named by the CPU and
-by a hash of the source and flags: every checkout with the same kernel shares one build) and
+by a hash of the sources and flags: every checkout with the same kernel shares one build) and
 returns its module, or None when it cannot be built: the engine then runs the plain torch ops,
 which stay the reference that the tests compare these kernels against.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"  # the kernels' .cpp files and headers
 # NOTE: -march=native: see _cpu_key for how builds for other CPUs stay apart.
 # No -ffast-math: linked into a shared object it flushes denormals for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -67,47 +67,60 @@ def _cpu_key() -> str:
     return hashlib.sha1(features.encode()).hexdigest()[:10]
 
 
-def _source_key(source: Path = SOURCE, cflags: list[str] = CFLAGS,
-                ldflags: list[str] = LDFLAGS) -> str:
-    """A hash of the kernel source's bytes, the compiler and linker flags and torch's version.
+def kernel_files(csrc: Path = CSRC) -> list[Path]:
+    """Every file of the kernels (the .cpp files and the headers they include), sorted by name."""
+    return sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
 
-    Not the source's path: two checkouts with the same kernel share one build.
+
+def _source_key(csrc: Path = CSRC, cflags: list[str] = CFLAGS,
+                ldflags: list[str] = LDFLAGS) -> str:
+    """A hash of every kernel file's name and bytes, the compiler and linker flags and torch's
+    version.
+
+    Not the files' path: two checkouts with the same kernels share one build. NOTE: the headers
+    count too (a changed header must rebuild), and the files go in in name order: the key does
+    not depend on the order the directory lists them in.
     """
     import torch
 
-    h = hashlib.sha256(source.read_bytes())
-    for part in (*cflags, "--", *ldflags, "--", torch.__version__):
+    h = hashlib.sha256()
+    for file in kernel_files(csrc):
+        h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    for part in ("--", *cflags, "--", *ldflags, "--", torch.__version__):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:12]
 
 
-def _build_name(source: Path = SOURCE, cflags: list[str] = CFLAGS,
+def _build_name(csrc: Path = CSRC, cflags: list[str] = CFLAGS,
                 ldflags: list[str] = LDFLAGS) -> str:
     """The extension's name, which is also its build directory's: `slotserve_cpu_ops_<cpu>_<src>`.
 
     NOTE: keyed by content, never by path. The directory was once keyed by the CPU alone, and
     two checkouts (or two versions) of the project rebuilt each other's kernels on every
-    alternate start (~90 s): torch's build.ninja names the source path, and another path (or
-    other bytes) under the same name meant a rebuild. See also `_stage_source`.
+    alternate start (~90 s): torch's build.ninja names the source paths, and other paths (or
+    other bytes) under the same name meant a rebuild. See also `_stage_sources`.
     """
-    return f"slotserve_cpu_ops_{_cpu_key()}_{_source_key(source, cflags, ldflags)}"
+    return f"slotserve_cpu_ops_{_cpu_key()}_{_source_key(csrc, cflags, ldflags)}"
 
 
-def _stage_source(build_dir: Path, source: Path = SOURCE) -> Path:
-    """The kernel source, copied into its build directory: the copy that torch compiles.
+def _stage_sources(build_dir: Path, csrc: Path = CSRC) -> list[Path]:
+    """Every kernel file, copied into the build directory; returns the .cpp copies (what torch
+    compiles: their `#include "x.h"` finds the header copies beside them).
 
-    NOTE: compiling the copy makes build.ninja the same for every checkout. The copy is written
+    NOTE: compiling the copies makes build.ninja the same for every checkout. A copy is written
     only when missing or different (a fresh mtime alone would make ninja rebuild), and atomically
     (a process killed half-way leaves no truncated source behind).
     """
-    staged = build_dir / source.name
-    content = source.read_bytes()
-    if staged.is_file() and staged.read_bytes() == content:
-        return staged
-    partial = build_dir / f".{source.name}.{os.getpid()}.tmp"
-    partial.write_bytes(content)
-    os.replace(partial, staged)
-    return staged
+    staged = []
+    for file in kernel_files(csrc):
+        copy = build_dir / file.name
+        content = file.read_bytes()
+        if not (copy.is_file() and copy.read_bytes() == content):
+            partial = build_dir / f".{file.name}.{os.getpid()}.tmp"
+            partial.write_bytes(content)
+            os.replace(partial, copy)
+        staged.append(copy)
+    return [copy for copy in staged if copy.suffix == ".cpp"]
 
 
 @contextlib.contextmanager
@@ -145,9 +158,9 @@ def load_cpu_ops():
         name = _build_name()
         build_dir = Path(_get_build_directory(name, verbose=False))
         with exclusive_build(build_dir):
-            source = _stage_source(build_dir)
+            sources = _stage_sources(build_dir)
             # NOTE: copies of the flag lists: torch appends its own to extra_ldflags, in place.
-            return load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS),
+            return load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
                         extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                         verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why

@@ -1,0 +1,123 @@
+// ---- bf16 panels on AMX (many rows) ---------------------------------------------------
+// At 64+ rows a step is compute-bound: AMX's tile multiply (TDPBF16PS: a 16 x 32 bf16 tile
+// of x times a 32 x 16 tile of weights into 16 x 16 fp32 sums) does in one instruction
+// what takes 32 FMAs. The weight tiles are read straight from the bf16 panels (16 input
+// pairs x 16 outputs, row stride one panel row), x is rounded to bf16 (round to nearest
+// even), and the sums stay fp32 to the output. NOTE: like the vdpbf16ps mode each row's
+// sums do not depend on the other rows (batch invariant among AMX calls), but they differ
+// from the fp32-activation mode's: a caller that switches mode by row count gives up bit-
+// for-bit batch invariance across that switch.
+
+#include "ops.h"
+#include "panels.h"
+
+#include <ATen/cpu/Utils.h>
+
+namespace slotserve::kernels {
+
+namespace {
+
+constexpr int64_t AMX_ROWS = 16, AMX_PAIRS = 16;  // one tile: 16 rows x 16 input pairs
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: sums (row block 0/1 x output half 0/1); 4, 5: x of row block 0/1; 6, 7: weights
+// of output half 0/1. Sixteen input pairs per step (the panels are padded to that).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y[rows0 .. rows0 + 32) x [p * 32, +cols) for two blocks of 16 rows of xb (bf16 rows of
+// stride ldx elements, padded with zero rows), the weights of one panel.
+void amx_panel_block(const uint16_t* xb, int64_t ldx, const uint16_t* panel, int64_t pairs16,
+                     float* tmp /* 32 x 32 */) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kp = 0; kp < pairs16; kp += AMX_PAIRS) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
+    _tile_loadd(6, w, 2 * PANEL_WIDTH * 2);
+    _tile_loadd(7, w + PANEL_WIDTH, 2 * PANEL_WIDTH * 2);
+    _tile_loadd(4, xb + 2 * kp, ldx * 2);
+    _tile_loadd(5, xb + AMX_ROWS * ldx + 2 * kp, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, tmp, 32 * 4);
+  _tile_stored(1, tmp + 16, 32 * 4);
+  _tile_stored(2, tmp + 16 * 32, 32 * 4);
+  _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
+}
+#endif
+
+}  // namespace
+
+// Whether AMX-BF16 runs here: built with it, and the OS lets this process use the tiles.
+bool amx_bf16_usable() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  static const bool usable = at::cpu::init_amx();
+  return usable && !g_force_plain_loops;
+#else
+  return false;
+#endif
+}
+
+// y (T, out) = bf16(x) @ W^T on AMX, W as pack_panels_bf16(W); needs amx_bf16_usable().
+torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
+                                    int64_t out_features) {
+  TORCH_CHECK(amx_bf16_usable(), "AMX-BF16 is not usable here");
+  check_cpu_float(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
+              "panels must be bfloat16 on the CPU");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  const int64_t pairs16 = panels.size(1);
+  TORCH_CHECK(pairs16 == padded_pairs(in), "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  // x in bf16, zero-padded to a multiple of 2 x 16 rows and of 32 inputs
+  const int64_t blocks = (tokens + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), ldx = 2 * pairs16;
+  auto xb = torch::zeros({blocks * 2 * AMX_ROWS, ldx}, x.options().dtype(torch::kBFloat16));
+  xb.narrow(0, 0, tokens).narrow(1, 0, in).copy_(x);
+  const uint16_t* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float tmp[2 * AMX_ROWS * PANEL_WIDTH];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
+      for (int64_t b = 0; b < blocks; ++b) {
+        amx_panel_block(xbp + b * 2 * AMX_ROWS * ldx, ldx, pp + p * pairs16 * 2 * PANEL_WIDTH,
+                        pairs16, tmp);
+        const int64_t rows = std::min(2 * AMX_ROWS, tokens - b * 2 * AMX_ROWS);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(tmp + r * PANEL_WIDTH, cols,
+                      yp + (b * 2 * AMX_ROWS + r) * out_features + p * PANEL_WIDTH);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
+
+}  // namespace slotserve::kernels

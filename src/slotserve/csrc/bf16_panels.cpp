@@ -1,0 +1,215 @@
+// ---- bf16 weight panels, fp32 accumulation ------------------------------------------
+// The same panels of 32 outputs, with the weights rounded to bfloat16: half the bytes of
+// the fp32 panels, which is what a decode step with few rows waits for. Input pairs are
+// interleaved (the layout AVX512_BF16's vdpbf16ps multiplies): panel row kp holds, for each
+// of the 32 outputs j, the weights of inputs 2kp and 2kp + 1 side by side, one 32-bit lane
+// per output; 64 bf16 = two cache lines per input pair.
+//
+// Two ways to multiply (the caller picks one per layer; both keep outputs fp32):
+// - fp32 activations (`bf16_activations` false): each lane is widened in registers (shift
+//   or mask: a bf16 is the top half of an fp32) and multiplied by fp32 FMAs in the fp32
+//   panels' order. NOTE: the result equals, to the last bit, panel_linear's on the
+//   bf16-rounded weights; batch invariant like it.
+// - bf16 activations (true): each row of x rounded to bf16 (round to nearest even), and
+//   vdpbf16ps adds two products per lane and instruction (half the instructions). A row's
+//   sums still do not depend on its batch or tile (batch invariant), but each activation
+//   carries bf16's rounding (relative 2^-8) too.
+
+#include "ops.h"
+#include "panels.h"
+
+#include <tuple>
+#include <utility>
+
+namespace slotserve::kernels {
+
+// weight (out, in) fp32 -> panels (ceil(out / 32), padded_pairs(in), 64) bf16, zero padded.
+torch::Tensor pack_panels_bf16(torch::Tensor weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  const int64_t outs = weight.size(0), in = weight.size(1);
+  const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH, pairs = padded_pairs(in);
+  auto padded = torch::zeros({panels * PANEL_WIDTH, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, outs).narrow(1, 0, in).copy_(weight);
+  return padded.to(torch::kBFloat16)  // round to nearest even
+      .view({panels, PANEL_WIDTH, pairs, 2})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .view({panels, pairs, 2 * PANEL_WIDTH});
+}
+
+bool g_force_plain_loops = false;  // NOTE: see its declaration in panels.h
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  return std::bit_cast<float>(uint32_t(bits) << 16);
+}
+
+// The plain loops of both modes: input by input, fma in order. x: fp32 rows (row stride in)
+// or, in bf16 mode, rows of bf16 bits (row stride 2 * pairs).
+void panel_tile_bf16_plain(int rows, const float* x, const uint16_t* xb, const uint16_t* panel,
+                           int64_t in, float* y, int64_t outs, int64_t cols) {
+  const int64_t pairs = (in + 1) / 2;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < in; ++k) {
+        const float a = xb ? bf16_bits_to_float(xb[r * 2 * pairs + k]) : x[r * in + k];
+        const float w = bf16_bits_to_float(panel[(k / 2) * 2 * PANEL_WIDTH + 2 * j + k % 2]);
+        sum = std::fma(a, w, sum);
+      }
+      y[r * outs + j] = sum;
+    }
+}
+
+#if defined(__AVX512F__)
+// y[r, :cols] = x[r, :] . panel for ROWS rows of fp32 x, widening the bf16 weights.
+template <int ROWS>
+void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, float* y,
+                           int64_t outs, int64_t cols) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const int64_t pairs = (in + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;  // two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
+    const int64_t k = 2 * kp;
+    {  // input k: the low halves, shifted into place
+      const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+      const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * in + k]);
+        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      }
+    }
+    if (k + 1 < in) {  // input k + 1: the high halves, masked
+      const __m512 w0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+      const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * in + k + 1]);
+        acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      }
+    }
+  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// y[r, :cols] = xb[r, :] . panel for ROWS rows of bf16 x (pairs of inputs as one int32).
+template <int ROWS>
+void panel_tile_bf16_dot(const uint32_t* xb, const uint16_t* panel, int64_t pairs, float* y,
+                         int64_t outs, int64_t cols) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(xb[r * pairs + kp]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
+}
+#endif
+
+}  // namespace
+
+// Which bf16 modes run vectorised here: (fp32 activations: AVX-512F; bf16 activations:
+// AVX512_BF16). Without, the plain loops: right, but slower than the fp32 panels.
+std::tuple<bool, bool> panel_bf16_vectorised() {
+#if defined(__AVX512F__)
+  constexpr bool widen = true;
+#else
+  constexpr bool widen = false;
+#endif
+#if defined(__AVX512BF16__)
+  constexpr bool dot = true;
+#else
+  constexpr bool dot = false;
+#endif
+  return {widen && !g_force_plain_loops, dot && !g_force_plain_loops};
+}
+
+void set_force_plain_loops(bool force) { g_force_plain_loops = force; }
+
+namespace {
+
+template <int... R>
+void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const uint16_t* xb,
+                        const uint16_t* panel, int64_t in, float* y, int64_t outs,
+                        int64_t cols, std::integer_sequence<int, R...>) {
+  const int64_t pairs = (in + 1) / 2;
+  if (g_force_plain_loops) {
+    panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+    return;
+  }
+  if (bf16_activations) {
+#if defined(__AVX512BF16__)
+    const auto* xp = reinterpret_cast<const uint32_t*>(xb);
+    ((rows == R + 1 ? (panel_tile_bf16_dot<R + 1>(xp, panel, pairs, y, outs, cols), 0) : 0),
+     ...);
+#else
+    panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+#endif
+    return;
+  }
+#if defined(__AVX512F__)
+  ((rows == R + 1 ? (panel_tile_bf16_widen<R + 1>(x, panel, in, y, outs, cols), 0) : 0), ...);
+#else
+  panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);
+#endif
+}
+
+}  // namespace
+
+// y (T, out) = x (T, in) @ W^T, W given as pack_panels_bf16(W (out, in)); x fp32, rounded
+// to bf16 first when bf16_activations.
+torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                                bool bf16_activations) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
+              "panels must be bfloat16 on the CPU");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
+  TORCH_CHECK(panels.size(1) == pairs16, "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+  torch::Tensor xb;  // (T, 2 * pairs) bf16, the odd input's partner zero
+  if (bf16_activations) {
+    xb = torch::zeros({tokens, 2 * pairs}, x.options().dtype(torch::kBFloat16));
+    xb.narrow(1, 0, in).copy_(x);  // round to nearest even
+  }
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* xbp =
+      bf16_activations ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  for_each_panel_tile(tokens, num_panels, out_features,
+                      [&](int64_t p, int64_t row, int rows, int64_t cols) {
+    panel_tile_bf16_of(rows, bf16_activations, xp + row * in,
+                       xbp ? xbp + row * 2 * pairs : nullptr,
+                       pp + p * pairs16 * 2 * PANEL_WIDTH, in,
+                       yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
+                       std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+  });
+  return y;
+}
+
+}  // namespace slotserve::kernels

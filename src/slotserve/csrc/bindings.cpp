@@ -1,0 +1,45 @@
+// The Python module: every kernel entry point (ops.h) and the decode stack's classes
+// (decode_stack.h). The only file that includes <torch/extension.h> (pybind11 and Python).
+
+#include <torch/extension.h>
+
+#include "decode_stack.h"
+#include "ops.h"
+
+using namespace slotserve::kernels;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate-up output");
+  m.def("rotary_", &rotary_, "rotate-half RoPE in place");
+  m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
+  m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
+  m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
+  m.def("panel_linear_vectorised", &panel_linear_vectorised,
+        "whether panel_linear runs vectorised (AVX-512)");
+  m.def("pack_panels_bf16", &pack_panels_bf16,
+        "fp32 weights (out, in) rounded to bf16, as panels for panel_linear_bf16");
+  m.def("panel_linear_bf16", &panel_linear_bf16,
+        "x @ W^T, W as pack_panels_bf16(W), fp32 accumulation; activations fp32 or rounded "
+        "to bf16", py::arg("x"), py::arg("panels"), py::arg("out_features"),
+        py::arg("bf16_activations") = false);
+  m.def("panel_linear_bf16_amx", &panel_linear_bf16_amx,
+        "x @ W^T on AMX-BF16, W as pack_panels_bf16(W), x rounded to bf16, fp32 sums");
+  m.def("amx_bf16_usable", &amx_bf16_usable, "whether panel_linear_bf16_amx runs here");
+  m.def("panel_bf16_vectorised", &panel_bf16_vectorised,
+        "(fp32-activation mode, bf16-activation mode) run vectorised (AVX-512F, AVX512_BF16)");
+  m.def("set_force_plain_loops", &set_force_plain_loops,
+        "tests: run the bf16 panel kernels' plain-loop fallbacks even where vectorised");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence over its paged K/V context");
+  py::class_<LinearWeights>(m, "LinearWeights");
+  m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
+        py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
+        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "all decoder layers and the final norm of an all-decode iteration");
+}

@@ -1,0 +1,65 @@
+// Fused CPU kernels: each replaces several small eager torch ops (or, for the matmuls, a
+// slower torch kernel). The torch code in slotserve/model/layers.py,
+// slotserve/attention/torch_paged.py and slotserve/model/linear_kernels.py stays the
+// reference: tests/model/test_fused_ops.py, tests/unit/test_paged_attention.py,
+// tests/model/test_linear_kernels.py and tests/model/test_bf16_kernels.py check every kernel
+// against it.
+//
+// One file per kernel family, compiled together into one extension by model/cpu_ops.py:
+//   common.h            this file: the checks and small math every family uses
+//   ops.h               the kernel entry points, as the other files and the bindings call them
+//   fused_ops.cpp       RMSNorm, SiLU * up, RoPE
+//   paged_attention.cpp storing new K/V in the paged cache, decode attention over it
+//   int8_linear.cpp     int8 weights x int16 activations
+//   panels.h            the weight-panel layout shared by the three panel matmuls
+//   panel_linear.cpp    fp32 weight panels
+//   bf16_panels.cpp     bf16 weight panels (fp32 or bf16 activations)
+//   bf16_amx.cpp        bf16 weight panels on AMX tiles (many rows)
+//   decode_stack.h/.cpp every decoder layer of an all-decode iteration in one call
+//   bindings.cpp        the Python module
+//
+// Plain loops, fp32 accumulation; `#pragma omp simd` lets the compiler vectorise the
+// reductions (no -ffast-math: it would flush denormals for the whole process).
+// NOTE: the kernel files include <torch/types.h>, not <torch/extension.h> (which only
+// bindings.cpp needs): parsing the full header took most of each file's compile time.
+#pragma once
+
+#include <torch/types.h>
+
+#include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace slotserve::kernels {
+
+inline void check_cpu_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+}
+
+// exp(x) in a form the compiler vectorises (std::exp stays a scalar libm call without
+// -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
+// (relative error below 2e-7), times 2^n built in the exponent bits.
+inline float vec_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts (Cody-Waite)
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r / 720)))));
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace slotserve::kernels

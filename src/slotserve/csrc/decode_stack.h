@@ -1,0 +1,69 @@
+// ---- the decode stack: every decoder layer of an all-decode iteration in one call -----
+// At batch 1 a step's kernels are short (a few us each) and the Python around them (module
+// calls, views, ~15 calls per layer) cost 2-3 ms of a 10-25 ms step. For an iteration of
+// decodes only, DecodeStack runs the same kernels in the same order as
+// slotserve/model/llama.py's LlamaDecoderLayer, from C++, with the GIL released: the CPU's
+// counterpart of replaying a captured CUDA graph. Prefills and mixed batches stay in Python.
+// The classes here (bindings.cpp exposes them), their code in decode_stack.cpp.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace slotserve::kernels {
+
+// One linear layer's weights, in whichever form its kernel (model/linear_kernels.py) keeps.
+struct LinearWeights {
+  enum class Kind { kPlain, kMkl, kInt8, kPanel, kPanelBf16, kPanelBf16Dot };
+  Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
+              // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W);
+              // panel_bf16 (fp32 activations), panel_bf16_dot (bf16 activations):
+              // a = pack_panels_bf16(W)
+  torch::Tensor a, b;
+  c10::optional<torch::Tensor> bias;
+  int64_t out_features;  // panels only (the last panel may be padded)
+  int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never)
+
+  torch::Tensor operator()(const torch::Tensor& x) const;  // (T, in) -> (T, out)
+};
+
+LinearWeights make_linear(const std::string& kind, torch::Tensor a,
+                          c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
+                          int64_t out_features, int64_t amx_min_rows);
+
+struct DecoderLayerWeights {
+  torch::Tensor input_norm, post_attention_norm;  // (H,)
+  LinearWeights qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+              double scale, torch::Tensor final_norm)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        scale_(scale), final_norm_(final_norm) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                 const LinearWeights& qkv, const LinearWeights& o,
+                 const LinearWeights& gate_up, const LinearWeights& down) {
+    layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down});
+  }
+
+  // x (D, H): the embeddings of D decode tokens, one per sequence; cos, sin (D, hd/2);
+  // caches: k and v of each layer in turn; slot_mapping (D,); block_tables (D, maxb);
+  // context_lens (D,) -> the final norm of the last hidden state (D, H).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor context_lens) const;
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
+}  // namespace slotserve::kernels

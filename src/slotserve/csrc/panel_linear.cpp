@@ -1,0 +1,98 @@
+// ---- fp32 linear over weight panels ---------------------------------------------------
+// pack_panels and panel_linear; the layout, and why, in panels.h.
+
+#include "ops.h"
+#include "panels.h"
+
+#include <utility>
+
+namespace slotserve::kernels {
+
+// weight (out, in) -> panels (ceil(out / 32), in, 32), the last one padded with zeros.
+torch::Tensor pack_panels(torch::Tensor weight) {
+  check_cpu_float(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
+  const int64_t outs = weight.size(0), in = weight.size(1);
+  const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
+  auto padded = torch::zeros({panels * PANEL_WIDTH, in}, weight.options());
+  padded.narrow(0, 0, outs).copy_(weight);
+  return padded.view({panels, PANEL_WIDTH, in}).transpose(1, 2).contiguous();
+}
+
+namespace {
+
+// y[r, :cols] = x[r, :] . panel for ROWS rows of x (row stride in), y's row stride outs.
+template <int ROWS>
+void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
+                int64_t cols) {
+#if defined(__AVX512F__)
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const float* w = panel + k * PANEL_WIDTH;  // input k's 32 weights: two cache lines
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * in + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+    }
+  }
+  store_panel_tile<ROWS>(acc, y, outs, cols);
+#else
+  // The same sums in the same order, without AVX-512 (fma keeps each step's rounding).
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < in; ++k)
+        sum = std::fma(x[r * in + k], panel[k * PANEL_WIDTH + j], sum);
+      y[r * outs + j] = sum;
+    }
+#endif
+}
+
+template <int... R>
+void panel_tile_of(int rows, const float* x, const float* panel, int64_t in, float* y,
+                   int64_t outs, int64_t cols, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? (panel_tile<R + 1>(x, panel, in, y, outs, cols), 0) : 0), ...);
+}
+
+}  // namespace
+
+// Whether panel_tile runs its AVX-512 code (else the plain loops: right, but slower than
+// MKL's GEMM, so model/linear_kernels.py then picks MKL).
+bool panel_linear_vectorised() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y (T, out) = x (T, in) @ W^T, W given as pack_panels(W (out, in)).
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features) {
+  check_cpu_float(x, "x");
+  check_cpu_float(panels, "panels");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels");
+  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == in, "x and panels disagree on in_features");
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+  auto y = torch::empty({tokens, out_features}, x.options());
+  if (tokens == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for_each_panel_tile(tokens, num_panels, out_features,
+                      [&](int64_t p, int64_t row, int rows, int64_t cols) {
+    panel_tile_of(rows, xp + row * in, pp + p * in * PANEL_WIDTH, in,
+                  yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
+                  std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+  });
+  return y;
+}
+
+}  // namespace slotserve::kernels

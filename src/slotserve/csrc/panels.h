@@ -1,0 +1,68 @@
+// The weight-panel layout shared by panel_linear.cpp, bf16_panels.cpp and bf16_amx.cpp,
+// and the loops that walk it.
+//
+// A decode step multiplies 1-64 rows by skinny matrices (576 wide for SmolLM2-135M). MKL's
+// packed GEMM took 1.1-1.9x its 1-row time at 2-16 rows, where a step should still cost
+// one read of the weights (benchmarks/PERF.md: W's matmul bound). Here the weights
+// are kept in panels of 32 output columns, each panel k-major (row k holds the panel's 32
+// weights of input k), and a micro-tile of up to 12 rows of x keeps 12 x 32 outputs in
+// registers while it walks the panel: the weights stream from memory once per call (the
+// later tiles of a panel find it in L2), with software prefetch far ahead.
+//
+// NOTE: every output is the same sum in the same order (input 0, 1, 2, ... fused into one
+// accumulator) whatever the number of rows or which tile a row falls in: a row's result
+// does not depend on the batch it is in, to the last bit (tests/model/test_linear_kernels.py).
+#pragma once
+
+#include "common.h"
+
+namespace slotserve::kernels {
+
+constexpr int64_t PANEL_WIDTH = 32;  // outputs per panel: two 16-float vectors
+constexpr int PANEL_TILE_ROWS = 12;  // 12 rows x 2 vectors = 24 accumulators
+constexpr int64_t PANEL_PREFETCH_BYTES = 8192;  // 8 KB ahead: 4 KB was slower at 4-16 rows
+
+// tile(panel, first row, rows, cols) for every panel (in parallel) and every tile of rows.
+// NOTE: the rows go in tiles as even as possible (64 rows: 11 11 11 11 10 10, not
+// 12 x 5 + 4), and a panel's tiles in row order, whatever the thread.
+template <typename Tile>
+void for_each_panel_tile(int64_t tokens, int64_t num_panels, int64_t out_features,
+                         const Tile& tile) {
+  if (tokens == 0) return;
+  const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+  const int64_t base = tokens / tiles, extra = tokens % tiles;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
+      for (int64_t t = 0, row = 0; t < tiles; ++t) {
+        const int rows = int(base + (t < extra ? 1 : 0));
+        tile(p, row, rows, cols);
+        row += rows;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// Store a tile's ROWS x 2 accumulators into y (row stride outs), only its first cols outputs.
+template <int ROWS>
+inline void store_panel_tile(__m512 (&acc)[ROWS][2], float* y, int64_t outs, int64_t cols) {
+  const __mmask16 low = cols >= 16 ? 0xFFFF : __mmask16((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : __mmask16((1u << (cols - 16)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + r * outs, low, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * outs + 16, high, acc[r][1]);
+  }
+}
+#endif
+
+// Input pairs of a panel: ceil(in / 2), rounded up to 16 (the AMX kernel's tile of pairs;
+// the other kernels stop at the last real pair).
+inline int64_t padded_pairs(int64_t in) { return ((in + 1) / 2 + 15) / 16 * 16; }
+
+// NOTE: set by a test (set_force_plain_loops) to run the plain-loop fallbacks of the bf16
+// kernels on a CPU that has the instructions: the path a CPU without them takes. Defined
+// in bf16_panels.cpp, read there and in bf16_amx.cpp.
+extern bool g_force_plain_loops;
+
+}  // namespace slotserve::kernels
