@@ -38,13 +38,15 @@ def row(label: str, r: BenchResult) -> dict:
     return {"label": label, "tpot_p50_ms": r.tpot_ms.p50, "tpot_p99_ms": r.tpot_ms.p99,
             "tpot_p99_over_p50": r.tpot_ms.p99 / r.tpot_ms.p50,
             "output_tok_s": r.output_throughput, "ttft_p50_ms": r.ttft_ms.p50,
-            "ttft_p99_ms": r.ttft_ms.p99, "duration_s": r.duration_s, "iterations": r.iterations}
+            "ttft_p99_ms": r.ttft_ms.p99, "itl_p99_ms": r.itl_ms.p99, "duration_s": r.duration_s,
+            "iterations": r.iterations}
 
 
 def print_row(d: dict) -> None:
     print(f"{d['label']:<28} TPOT p50 {d['tpot_p50_ms']:7.1f}  p99 {d['tpot_p99_ms']:7.1f}  "
           f"p99/p50 {d['tpot_p99_over_p50']:5.2f}  out tok/s {d['output_tok_s']:7.1f}  "
           f"TTFT p50 {d['ttft_p50_ms']:7.1f}  p99 {d['ttft_p99_ms']:7.1f}  "
+          f"ITL p99 {d['itl_p99_ms']:7.1f}  "
           f"iters {d['iterations']}", flush=True)
 
 
@@ -66,7 +68,7 @@ def simulate(caps: list[int | None], profile: str | None) -> list[dict]:
     return rows
 
 
-def engine(caps: list[int | None], rounds: int) -> list[dict]:
+def engine(caps: list[int | None], rounds: int, out: str | None = None) -> list[dict]:
     from slotserve.lab.bench import EngineTarget, run_bench
 
     target = EngineTarget.load(max_num_batched_tokens=512, max_model_len=1024, max_num_seqs=64)
@@ -79,7 +81,14 @@ def engine(caps: list[int | None], rounds: int) -> list[dict]:
                                sampling=BenchSampling(), label=label)
             rows.append(row(label, result))
             print_row(rows[-1])
+            if out:  # NOTE: after every run, so an interrupted comparison keeps its rows
+                write_rows(out, rows)
     return rows
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def main() -> None:
@@ -95,10 +104,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the rows as JSON")
     args = p.parse_args()
     caps = parse_caps(args.caps)
-    rows = simulate(caps, args.profile) if args.simulate else engine(caps, args.rounds)
+    rows = simulate(caps, args.profile) if args.simulate else engine(caps, args.rounds, args.out)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(args.out, rows)
         print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -166,9 +166,10 @@ class CacheConfig:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
 
-# NOTE: measured on W (64 chat prompts at t=0, 64 slots, budget 512): see
-# SchedulerConfig.max_prefill_tokens_while_decoding and docs/ARCHITECTURE.md.
-DEFAULT_PREFILL_TOKENS_WHILE_DECODING: int | None = 128
+# NOTE: off by default, by measurement (benchmarks/stall_free.py; docs/ARCHITECTURE.md has the
+# figures): on W (64 chat prompts at t=0, 64 slots, budget 512) a cap did not lower TPOT
+# p99 / p50 on the engine, and in replay only small caps did, at a cost in tok/s and TTFT.
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,9 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: most prompt tokens (prefill chunks) an iteration that
         also runs decodes may take, so admitting many prompts at once does not stall the
         running requests' decodes (stall-free batching, as Sarathi-Serve); an iteration with
-        nothing to decode prefills at the whole budget. None: no cap.
+        nothing to decode prefills at the whole budget. It bounds the time between two tokens;
+        a request's mean TPOT gains only while the prompts' work is large next to its decodes.
+        None: no cap.
     max_model_len: longest sequence (prompt + output) a request may reach.
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
