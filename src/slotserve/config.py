@@ -166,12 +166,24 @@ class CacheConfig:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
 
+# NOTE: off by default, by measurement (benchmarks/stall_free.py; docs/ARCHITECTURE.md has the
+# figures): on W (64 chat prompts at t=0, 64 slots, budget 512) a cap did not lower TPOT
+# p99 / p50 on the engine, and in replay only small caps did, at a cost in tok/s and TTFT.
+DEFAULT_PREFILL_TOKENS_WHILE_DECODING: int | None = None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Iteration scheduler limits.
 
     max_num_seqs: slots in the running batch.
     max_num_batched_tokens: token budget of one iteration (prefill chunks + decodes).
+    max_prefill_tokens_while_decoding: most prompt tokens (prefill chunks) an iteration that
+        also runs decodes may take, so admitting many prompts at once does not stall the
+        running requests' decodes (stall-free batching, as Sarathi-Serve); an iteration with
+        nothing to decode prefills at the whole budget. It bounds the time between two tokens;
+        a request's mean TPOT gains only while the prompts' work is large next to its decodes.
+        None: no cap.
     max_model_len: longest sequence (prompt + output) a request may reach.
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
@@ -194,6 +206,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int = 4096
     policy: Policy = Policy.CONTINUOUS
     # NOTE: no engine flag: `slotserve serve` has its own --max-waiting (only it enforces it).
@@ -211,6 +224,10 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError("max_prefill_tokens_while_decoding must be an integer >= 1 or "
+                             f"None, got {cap!r}")
         object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
         object.__setattr__(self, "scheduling_policy", _member(
             SchedulingPolicy, "scheduling_policy", self.scheduling_policy))

@@ -74,6 +74,7 @@ def test_chat_keeps_its_one_slot_default():
      {"quantization": "int8", "kernels": "mkl", "seed": 3}),
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
     (["--max-waiting", "5"], {"max_waiting": 5}),  # serve's own flag, a scheduler setting
+    (["--max-prefill-tokens-while-decoding", "32"], {"max_prefill_tokens_while_decoding": 32}),
 ])
 def test_engine_flags_keep_their_names_and_meanings(flags, expected):
     """The flags README.md lists, each landing in its EngineConfig field."""
@@ -90,6 +91,8 @@ def test_engine_flags_keep_their_names_and_meanings(flags, expected):
     (["bench", "--block-size", "0"], "--block-size"),
     (["generate", "hi", "--kv-cache-memory", "0"], "--kv-cache-memory"),  # memory_bytes
     (["serve", "--device", "cuda", "--quantization", "int8"], "--quantization"),
+    (["serve", "--max-prefill-tokens-while-decoding", "0"],
+     "--max-prefill-tokens-while-decoding"),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:

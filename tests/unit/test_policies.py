@@ -99,6 +99,10 @@ def run_to_end(sched: Scheduler, max_steps: int = 5_000) -> list[str]:
     ({"tenant_weights": 3}, "tenant_weights"),
     ({"fair_input_weight": -1}, "fair_input_weight"),
     ({"fair_input_weight": 0, "fair_output_weight": 0}, "fair_input_weight"),
+    ({"max_prefill_tokens_while_decoding": 0}, "max_prefill_tokens_while_decoding"),
+    ({"max_prefill_tokens_while_decoding": -3}, "max_prefill_tokens_while_decoding"),
+    ({"max_prefill_tokens_while_decoding": 1.5}, "max_prefill_tokens_while_decoding"),
+    ({"max_prefill_tokens_while_decoding": True}, "max_prefill_tokens_while_decoding"),
 ])
 def test_invalid_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -292,6 +296,25 @@ def test_stall_free_prefill_cap_keeps_the_tpot_slo():
     assert chunks == [8, 8, 8, 8, 8]
     run_to_end(sched)
     assert d1.met_tpot_slo and d2.met_tpot_slo
+
+
+@pytest.mark.parametrize("cap, slo_tpot_ms, chunk", [
+    (4, 10, 4),  # the general cap is the tighter: it holds under deadline too
+    (8, 6, 4),  # the SLO's: 6 ms at 1 ms per token, less the 2 decodes
+    (None, 10, 8),  # the SLO's alone
+])
+def test_deadline_takes_the_tighter_of_the_general_and_the_slo_cap(cap, slo_tpot_ms, chunk):
+    sched = make_scheduler(scheduling_policy="deadline", max_num_batched_tokens=64,
+                           slo_tpot_ms=slo_tpot_ms, max_prefill_tokens_while_decoding=cap)
+    sched.cost.observe(1000, 1000 * PER_TOKEN_S)
+    add(sched, "d1", 4, 30), add(sched, "d2", 4, 30)
+    step(sched)
+    long = add(sched, "long", 40, 2)
+    chunks = []
+    while long.times.first_token is None:
+        plan, _ = step(sched)
+        chunks += [s.num_tokens for s in plan.seqs if s.request_id == "long"]
+    assert chunks == [chunk] * (40 // chunk)
 
 
 def test_stall_free_cap_still_makes_progress():

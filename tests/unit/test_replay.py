@@ -124,6 +124,8 @@ CASES = {
                         num_blocks=8), dict(count=10, long=True)),
     "arrivals": (dict(policy="continuous", max_num_seqs=3, max_num_batched_tokens=16),
                  dict(count=9, arrivals=[0, 0, 1.5, 2, 2, 7, 30, 30.5, 31])),
+    "stall-free": (dict(policy="continuous", max_num_seqs=4, max_num_batched_tokens=32,
+                        max_prefill_tokens_while_decoding=6), dict(count=10)),
 }
 
 
@@ -141,6 +143,10 @@ def test_engine_with_the_fake_runner_takes_the_same_decisions(tiny_llama, case):
     assert [_decisions(p) for p in sim.plans] == [_decisions(p) for p in engine_plans]
     if case == "preemption":
         assert sim.preemptions > 0
+    if case == "stall-free":  # the cap binds: iterations with decodes and a 6-token prefill
+        mixed = [sum(s.num_tokens for s in p.seqs if s.kind == "prefill")
+                 for p in sim.plans if any(s.kind == "decode" for s in p.seqs)]
+        assert max(mixed) == 6 and mixed.count(6) > 1
     if case == "shared-prefix":
         assert any(s.start_pos > 0 and s.kind == "prefill" and s.start_pos % 16 == 0
                    for p in sim.plans for s in p.seqs if s.num_output_tokens == 0)

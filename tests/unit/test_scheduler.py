@@ -38,10 +38,17 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return plan
 
 
+def prefill_tokens(plan: SchedulerOutput) -> int:
+    return sum(s.num_tokens for s in plan.seqs if s.kind == "prefill")
+
+
 def check_plan(sched: Scheduler, plan: SchedulerOutput) -> None:
     cfg = sched.config
     assert len(sched.running) <= cfg.max_num_seqs
     assert plan.num_batched_tokens <= cfg.max_num_batched_tokens
+    cap = cfg.max_prefill_tokens_while_decoding
+    if cap is not None and any(s.kind == "decode" for s in plan.seqs):
+        assert prefill_tokens(plan) <= cap, "prefill past the cap while requests decode"
     tables = [b for s in plan.seqs for b in s.block_table]
     assert len(tables) == len(set(tables)), "a block is in two requests' tables"
     for seq in plan.seqs:
@@ -83,6 +90,62 @@ def test_long_prompt_is_chunked():
     plans = run_to_end(sched)
     assert [p.seqs[0].num_tokens for p in plans[:4]] == [8, 8, 8, 6]
     assert [p.seqs[0].sample for p in plans[:4]] == [False, False, False, True]
+
+
+# ---------------------------------------------------------------- stall-free batching
+def test_prefill_is_capped_while_requests_decode():
+    sched = make_scheduler(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64,
+                           max_prefill_tokens_while_decoding=8)
+    for i in range(2):
+        sched.add_request(make_request(f"d{i}", 6, 40))
+    assert prefill_tokens(step(sched)) == 12  # nothing decodes yet: both prompts at once
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", 30, 2))
+    for _ in range(10):
+        plan = step(sched)
+        kinds = sorted(s.kind for s in plan.seqs)
+        assert kinds.count("decode") >= 2 and prefill_tokens(plan) == 8, kinds
+    assert all(s.kind == "decode" for s in plan.seqs if s.request_id.startswith("d"))
+
+
+def test_full_budget_when_nothing_decodes():
+    sched = make_scheduler(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64,
+                           max_prefill_tokens_while_decoding=8)
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", 30, 3))
+    first, second = step(sched), step(sched)
+    assert prefill_tokens(first) == 64  # p0, p1 whole, p2 a 4-token chunk
+    # p0 and p1 decode now: p2's rest and p3 share the capped 8 tokens.
+    assert [s.kind for s in second.seqs].count("decode") == 2
+    assert prefill_tokens(second) == 8
+    run_to_end(sched)
+
+
+def test_capped_long_prompt_is_not_starved():
+    # Decoding requests keep arriving: the long prompt still gets the cap every iteration,
+    # before any newcomer (FCFS), and finishes its prefill in ceil(100 / 8) iterations.
+    sched = make_scheduler(num_blocks=400, max_num_seqs=16, max_num_batched_tokens=64,
+                           max_prefill_tokens_while_decoding=8)
+    sched.add_request(make_request("d", 4, 200))
+    step(sched)
+    long = make_request("long", 100, 2)
+    sched.add_request(long)
+    chunks = []
+    for i in range(13):
+        sched.add_request(make_request(f"new{i}", 3, 50))
+        plan = step(sched)
+        chunks += [s.num_tokens for s in plan.seqs if s.request_id == "long"]
+    assert chunks == [8] * 12 + [4] and long.output_token_ids
+    run_to_end(sched)
+
+
+def test_no_cap_prefills_at_the_whole_budget():
+    sched = make_scheduler(num_blocks=200, max_num_batched_tokens=64,
+                           max_prefill_tokens_while_decoding=None)
+    sched.add_request(make_request("d", 4, 40))
+    step(sched)
+    sched.add_request(make_request("p", 100, 2))
+    assert prefill_tokens(step(sched)) == 63  # the budget less d's decode
 
 
 def test_static_never_admits_mid_flight():
@@ -170,11 +233,13 @@ def test_output_capped_by_pool_size():
     budget=st.integers(1, 40),
     num_blocks=st.integers(6, 40),
     n=st.integers(1, 12),
+    cap=st.one_of(st.none(), st.integers(1, 40)),
 )
-def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_blocks, n):
+def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_blocks, n, cap):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=slots,
-                           max_num_batched_tokens=budget, policy=policy)
+                           max_num_batched_tokens=budget, policy=policy,
+                           max_prefill_tokens_while_decoding=cap)
     pending = [(rng.randint(0, 30), make_request(f"r{i}", rng.randint(1, 20),
                                                  rng.randint(1, 20))) for i in range(n)]
     pending.sort(key=lambda x: x[0])

@@ -20,7 +20,8 @@ deadline  least TTFT slack first: slack = arrival + slo_ttft - now - estimated p
           longer meet their deadline come last (or, with slo_reject, are rejected). A preempted
           request that already has its first token goes first (its TTFT is history).
           Stall-free chunking: while requests decode, the prefill tokens of an iteration are
-          capped so the estimated iteration time stays under the tightest running TPOT SLO.
+          capped (further than every policy's max_prefill_tokens_while_decoding) so the
+          estimated iteration time stays under the tightest running TPOT SLO.
 fair      Virtual Token Counters (VTC, Sheng et al., OSDI'24): each tenant's counter grows by
           (w_in x prompt tokens processed + w_out x tokens generated) / tenant weight as the
           tokens are processed; admission picks the backlogged tenant with the smallest
@@ -29,7 +30,10 @@ fair      Virtual Token Counters (VTC, Sheng et al., OSDI'24): each tenant's cou
           the backlogged tenants (those with a request waiting; none: of those with a
           request running), so time spent asking for less than its share banks no credit.
 
-Every policy keeps the per-tenant counters (tokens served, virtual counter) for metrics.
+Every policy keeps the per-tenant counters (tokens served, virtual counter) for metrics, and
+caps an iteration's prefill tokens at max_prefill_tokens_while_decoding while requests decode
+(stall-free batching; `deadline` may cap further, never less): one allowance, which the
+scheduler spends on prefill chunks in its usual order.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ from dataclasses import dataclass
 
 from slotserve.config import SchedulerConfig
 from slotserve.request import Request
+
+
+def decodes_now(request: Request) -> bool:
+    """Whether a running request's next tokens are a decode (it has its first token and
+    only its last sampled token is pending), not a prefill chunk."""
+    return request.times.first_token is not None and request.num_pending_tokens <= 1
 
 
 class CostModel:
@@ -213,8 +223,17 @@ class QueuePolicy:
         return []
 
     def prefill_allowance(self, running: list[Request], now: float) -> int | None:
-        """Most prefill tokens this iteration may take (None: no limit)."""
-        return None
+        """Most prefill tokens this iteration may take (None: no limit).
+
+        Stall-free batching: while a running request decodes, the iteration's prefill
+        chunks are capped at max_prefill_tokens_while_decoding, so its time (and hence the
+        decodes' inter-token time) stays bounded however many prompts wait; with nothing to
+        decode, prefill takes the whole budget. NOTE: the cap is >= 1, so a prompt being
+        prefilled always progresses (the scheduler gives the cap to running requests first).
+        """
+        if not any(decodes_now(r) for r in running):
+            return None
+        return self.config.max_prefill_tokens_while_decoding
 
     def should_reject(self, request: Request, now: float) -> bool:
         """Whether a waiting request is to be finished as FINISHED_REJECTED now."""
@@ -292,8 +311,15 @@ class DeadlinePolicy(QueuePolicy):
         return min(waiting, key=lambda r: self.key(r, now))
 
     def prefill_allowance(self, running: list[Request], now: float) -> int | None:
-        decoding = [r for r in running if r.times.first_token is not None
-                    and r.num_pending_tokens <= 1 and r.slo_tpot_ms is not None]
+        """The general cap (QueuePolicy's), tightened so the estimated iteration time stays
+        within the tightest TPOT SLO of the requests decoding (may be 0: prefill then waits
+        for an iteration without decodes)."""
+        caps = [super().prefill_allowance(running, now), self._slo_prefill_allowance(running)]
+        caps = [cap for cap in caps if cap is not None]
+        return min(caps) if caps else None
+
+    def _slo_prefill_allowance(self, running: list[Request]) -> int | None:
+        decoding = [r for r in running if decodes_now(r) and r.slo_tpot_ms is not None]
         if not decoding:
             return None
         tightest = min(r.slo_tpot_ms for r in decoding) / 1000.0

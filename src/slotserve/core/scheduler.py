@@ -4,7 +4,9 @@ One token-budget loop, no prefill/decode phases (as vLLM v1): running requests f
 decode token or their next prefill chunk), then waiting ones while slots, budget and KV
 blocks allow. Preemption by recompute frees blocks when a running request needs one and none
 is free. The scheduling policy (core/queue_policy.py: fcfs, priority, deadline, fair) picks
-the order of both loops, the preemption victim, and caps an iteration's prefill tokens.
+the order of both loops, the preemption victim, and caps an iteration's prefill tokens
+while requests decode (stall-free batching: `max_prefill_tokens_while_decoding`, tightened
+by `deadline` for TPOT SLOs), so admitting many prompts at once does not stall decodes.
 
 Prefix caching: a request starts after the longest prefix of full blocks found in the KV
 cache, so only its uncached tokens take budget. A request whose next block is being computed

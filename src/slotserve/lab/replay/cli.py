@@ -19,7 +19,8 @@ from slotserve.lab.replay.inputs import (
 )
 from slotserve.lab.replay.simulator import ReplayResult, ReplaySettings, replay
 
-REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "block_size",
+REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_while_decoding",
+               "num_blocks", "block_size",
                "max_model_len", "enable_prefix_caching", "rate_scale", "request_rate",
                "profile", "save_trace")
 
@@ -51,6 +52,9 @@ def _add_settings_args(g) -> None:
                    help="slots (default: the trace's, else 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one iteration (default 512)")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                   help="prefill tokens of an iteration that also runs decodes at most "
+                   f"(default {ReplaySettings().max_prefill_tokens_while_decoding})")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool in blocks (default: the trace's, else enough for every slot)")
     g.add_argument("--block-size", type=int, default=None, help="default 16")
@@ -119,6 +123,8 @@ def settings_from_args(args: argparse.Namespace, info: dict) -> ReplaySettings:
         (info.get("trace_policy") or defaults.policy),
         max_num_seqs=seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding
+        or defaults.max_prefill_tokens_while_decoding,
         max_model_len=args.max_model_len or defaults.max_model_len,
         block_size=args.block_size or defaults.block_size, num_blocks=num_blocks,
         enable_prefix_caching=defaults.enable_prefix_caching
@@ -284,8 +290,9 @@ def verify(winner, workload, slo, args: argparse.Namespace) -> None:
     s = winner.settings
     target = EngineTarget.load(
         args.model, policy=s.policy, max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-        block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=s.max_prefill_tokens_while_decoding,
+        max_model_len=s.max_model_len, block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
         enable_prefix_caching=s.enable_prefix_caching, seed=args.seed)
     timed = with_poisson_arrivals(workload, winner.rate, args.seed)
     print(f"verifying: {len(timed)} requests at {timed.params['request_rate']} req/s on the "

@@ -19,7 +19,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.config import (
+    DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
+    CacheConfig,
+    SchedulerConfig,
+)
 from slotserve.core.kv_manager import KVCacheManager, cdiv
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
@@ -71,15 +75,17 @@ class ReplaySettings:
     policy: str = "continuous"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int = 4096
     block_size: int = 16
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, policy=self.policy)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+            max_model_len=self.max_model_len, policy=self.policy)
 
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
