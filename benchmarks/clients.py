@@ -83,6 +83,8 @@ class ClientResult:
     gap_p50_ms: float | None  # every gap between two tokens (None: the tool keeps no gaps)
     output_tok_s: float | None
     command: list[str]
+    ttft_mean_ms: float | None = None  # the means, to set beside the server's own
+    itl_mean_ms: float | None = None
     wall_s: float = 0.0
     server: dict | None = None  # what the server counted during the run (/metrics deltas)
     error_messages: list[str] | None = None
@@ -168,7 +170,7 @@ def aiperf_command(exe: str, url: str, model: str, tokenizer_dir: Path, workload
                    out_dir: Path) -> list[str]:
     extra = {"ignore_eos": True, "min_tokens": workload.output_tokens, "temperature": 0}
     return [exe, "profile", "--model", model, "--url", url, "--endpoint-type", "chat",
-            "--streaming", "--tokenizer", str(tokenizer_dir),
+            "--streaming", "--tokenizer", str(tokenizer_dir), "--use-server-token-count",
             "--prompt-input-tokens-mean", str(workload.input_tokens),
             "--prompt-input-tokens-stddev", "0",
             "--prompt-output-tokens-mean", str(workload.output_tokens),
@@ -244,6 +246,7 @@ def parse_bench(path: Path, command: list[str]) -> ClientResult:
     return ClientResult("slotserve bench", run["completed"], run["failed"],
                         run["ttft_ms"]["p50"], run["ttft_ms"]["p99"], run["tpot_ms"]["p50"],
                         run["itl_ms"]["p50"], run["output_throughput"], command,
+                        run["ttft_ms"]["mean"], run["tpot_ms"]["mean"],
                         error_messages=run["errors"] or None)
 
 
@@ -256,8 +259,9 @@ def parse_aiperf(folder: Path, command: list[str]) -> ClientResult:
     return ClientResult("aiperf", ok, errors, run["time_to_first_token"]["p50"],
                         run["time_to_first_token"]["p99"], run["inter_token_latency"]["p50"],
                         run["inter_chunk_latency"]["p50"], run["output_token_throughput"]["avg"],
-                        command, error_messages=[str(e) for e in run.get("error_summary") or []]
-                        or None)
+                        command, run["time_to_first_token"]["avg"],
+                        run["inter_token_latency"]["avg"],
+                        error_messages=[str(e) for e in run.get("error_summary") or []] or None)
 
 
 def parse_guidellm(path: Path, command: list[str]) -> ClientResult:
@@ -269,16 +273,23 @@ def parse_guidellm(path: Path, command: list[str]) -> ClientResult:
     def p(name: str, q: str) -> float:
         return metrics[name]["successful"]["percentiles"][q]
 
+    def mean(name: str) -> float:
+        return metrics[name]["successful"]["mean"]
+
     errored = [r.get("info", {}).get("error") for r in run["requests"].get("errored") or []]
     return ClientResult("guidellm", totals["successful"],
                         totals["errored"] + totals["incomplete"],
                         p("time_to_first_token_ms", "p50"), p("time_to_first_token_ms", "p99"),
                         p("inter_token_latency_ms", "p50"), None,
                         metrics["output_tokens_per_second"]["successful"]["mean"], command,
+                        mean("time_to_first_token_ms"), mean("inter_token_latency_ms"),
                         error_messages=[str(e) for e in errored] or None)
 
 
 # -- the run ---------------------------------------------------------------------------------
+
+
+CLIENT_FIELDS = set(ClientResult.__dataclass_fields__)
 
 
 @dataclass
@@ -334,6 +345,19 @@ def ratios(result: ClientResult, baseline: ClientResult) -> dict[str, float | No
     return out
 
 
+def server_ratios(result: ClientResult) -> dict[str, float | None]:
+    """The client's means over the server's own for the same requests (drift-free: both
+    measured the same run): mean TTFT, and mean ITL (each request's mean gap) over the
+    server's mean TPOT (the same definition)."""
+    server = result.server or {}
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    return {"ttft": over(result.ttft_mean_ms, server.get("ttft_mean_ms")),
+            "itl": over(result.itl_mean_ms, server.get("tpot_mean_ms"))}
+
+
 def table(results: list[ClientResult]) -> str:
     """The side-by-side table (markdown), ratios to the same round's slotserve bench."""
     head = ("| tool | ok / errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | gap p50 ms "
@@ -350,13 +374,16 @@ def table(results: list[ClientResult]) -> str:
 
 
 def ratio_table(results: list[ClientResult]) -> str:
-    rows = ["| tool / slotserve bench | TTFT p50 | TTFT p99 | ITL p50 | gap p50 | output tok/s |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    baseline = next(r for r in results if r.tool == "slotserve bench")
+    """Ratios to slotserve bench, and each client's own figures over the server's."""
+    rows = ["| tool / slotserve bench | TTFT p50 | TTFT p99 | ITL p50 | gap p50 | output tok/s "
+            "| client / server means: TTFT, ITL |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    baseline = _bench(results)
     for r in results:
-        if r is not baseline:
-            rows.append(f"| {r.tool} | " + " | ".join(
-                _fmt(v, "x{:.2f}") for v in ratios(r, baseline).values()) + " |")
+        own = " | ".join(_fmt(v, "x{:.2f}") for v in ratios(r, baseline).values())
+        if r is baseline:
+            own = " | ".join(["-"] * len(METRICS))
+        vs_server = ", ".join(_fmt(v, "x{:.2f}") for v in server_ratios(r).values())
+        rows.append(f"| {r.tool} | {own} | {vs_server} |")
     return "\n".join(rows)
 
 
@@ -372,8 +399,10 @@ def median_over_rounds(rounds: list[list[ClientResult]]) -> list[ClientResult]:
         medians = {m: _median([getattr(r, m) for r in runs]) for m in METRICS}
         server = {k: _median([(r.server or {}).get(k) for r in runs])
                   for k in ("ttft_mean_ms", "tpot_mean_ms")}
+        means = {m: _median([getattr(r, m) for r in runs])
+                 for m in ("ttft_mean_ms", "itl_mean_ms")}
         out.append(ClientResult(tool, sum(r.ok for r in runs), sum(r.errors for r in runs),
-                                **medians, command=runs[0].command, server=server))
+                                **medians, command=runs[0].command, server=server, **means))
     return out
 
 
@@ -412,15 +441,34 @@ def main(argv: list[str] | None = None) -> None:
                    help="the tokenizer, each client's exports and logs, the server's log")
     p.add_argument("--timeout", type=float, default=900.0, help="per client run (s)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--render", type=Path, default=None, metavar="RESULTS.json",
+                   help="run nothing: print the tables of a results file and rewrite its "
+                        "derived fields (ratios, medians)")
     args = p.parse_args(argv)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        rounds = [[ClientResult(**{k: v for k, v in r.items() if k in CLIENT_FIELDS})
+                   for r in results] for results in report["rounds"]]
+        write_report(report, rounds, args.render)
+        return
     tools = args.tools.split(",")
     if "slotserve bench" not in tools or not set(tools) <= set(TOOLS):
         p.error(f"--tools: some of {', '.join(TOOLS)}, slotserve bench among them")
     workload = Workload(args.requests, args.input_tokens, args.output_tokens, args.slots)
+    flags = [*cli_flags(max_num_seqs=workload.slots), "--no-enable-prefix-caching"]
+    rounds, load = run_all(args, tools, workload, flags)
+    report = {"workload": asdict(workload), "server_flags": flags,
+              "command": "python -m benchmarks.clients " + " ".join(argv or sys.argv[1:]),
+              "versions": tool_versions(args.aiperf, args.guidellm), "load_average": load}
+    write_report(report, rounds, args.out)
+
+
+def run_all(args, tools: list[str], workload: Workload,
+            flags: list[str]) -> tuple[list[list[ClientResult]], dict]:
+    """Start the server, warm it up, run the rounds; the results and the load averages."""
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = write_hf_tokenizer(args.work_dir / "tokenizer")
-    server = ServerProcess.launch(args.work_dir / "server.log", *cli_flags(
-        max_num_seqs=workload.slots), "--no-enable-prefix-caching")
+    server = ServerProcess.launch(args.work_dir / "server.log", *flags)
     try:
         server.wait_ready()
         model = json.loads(_get(server.url + "/v1/models"))["data"][0]["id"]
@@ -434,26 +482,28 @@ def main(argv: list[str] | None = None) -> None:
         load_after = os.getloadavg()
     finally:
         server.stop()
+    return rounds, {"before": load_before, "after": load_after}
+
+
+def write_report(report: dict, rounds: list[list[ClientResult]], out: Path | None) -> None:
+    """Print the tables; with `out`, write `report` with the rounds and what derives from
+    them (ratios to slotserve bench, client / server, medians over rounds)."""
     for index, results in enumerate(rounds):
         print(f"\nround {index + 1}\n{table(results)}\n\n{ratio_table(results)}")
+    report["rounds"] = [[_entry(r, results) for r in results] for results in rounds]
     if len(rounds) > 1:
         medians = median_over_rounds(rounds)
         print(f"\nmedian of {len(rounds)} rounds\n{table(medians)}\n\n{ratio_table(medians)}")
-    print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_after}")
-    if args.out:
-        report = {"workload": asdict(workload), "server_flags": cli_flags(
-                      max_num_seqs=workload.slots) + ["--no-enable-prefix-caching"],
-                  "command": "python -m benchmarks.clients " + " ".join(argv or sys.argv[1:]),
-                  "versions": tool_versions(args.aiperf, args.guidellm),
-                  "load_average": {"before": load_before, "after": load_after},
-                  "rounds": [[{**asdict(r), "ratios_to_bench": ratios(r, _bench(results))}
-                              for r in results] for results in rounds]}
-        if len(rounds) > 1:
-            medians = median_over_rounds(rounds)
-            report["median_over_rounds"] = [
-                {**asdict(r), "ratios_to_bench": ratios(r, _bench(medians))} for r in medians]
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        report["median_over_rounds"] = [_entry(r, medians) for r in medians]
+    print(f"\nload average (1, 5, 15 min): {report['load_average']}")
+    if out:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+def _entry(result: ClientResult, results: list[ClientResult]) -> dict:
+    return {**asdict(result), "ratios_to_bench": ratios(result, _bench(results)),
+            "over_server": server_ratios(result)}
 
 
 def _bench(results: list[ClientResult]) -> ClientResult:

@@ -59,7 +59,7 @@ def test_bench_workload_prompts_have_the_asked_length_and_differ(hf_dir, tmp_pat
 
 
 def _stat(p50: float, p99: float) -> dict:
-    return {"unit": "ms", "avg": p50, "p50": p50, "p99": p99}
+    return {"unit": "ms", "avg": p50 + 1, "p50": p50, "p99": p99}
 
 
 def test_parse_aiperf_reads_its_summary_export(tmp_path):
@@ -73,10 +73,11 @@ def test_parse_aiperf_reads_its_summary_export(tmp_path):
     r = parse_aiperf(tmp_path, ["aiperf"])
     assert (r.ok, r.errors, r.ttft_p50_ms, r.ttft_p99_ms) == (24, 2, 100.0, 300.0)
     assert (r.itl_p50_ms, r.gap_p50_ms, r.output_tok_s) == (20.0, 18.0, 55.5)
+    assert (r.ttft_mean_ms, r.itl_mean_ms) == (101.0, 21.0)
 
 
 def _dist(p50: float, p99: float) -> dict:
-    return {"successful": {"mean": p50, "percentiles": {"p50": p50, "p99": p99}}}
+    return {"successful": {"mean": p50 + 2, "percentiles": {"p50": p50, "p99": p99}}}
 
 
 def test_parse_guidellm_reads_its_json_report(tmp_path):
@@ -89,7 +90,8 @@ def test_parse_guidellm_reads_its_json_report(tmp_path):
     (tmp_path / "g.json").write_text(json.dumps(report))
     r = parse_guidellm(tmp_path / "g.json", ["guidellm"])
     assert (r.ok, r.errors, r.ttft_p50_ms, r.ttft_p99_ms) == (23, 1, 110.0, 310.0)
-    assert (r.itl_p50_ms, r.gap_p50_ms, r.output_tok_s) == (21.0, None, 50.0)
+    assert (r.itl_p50_ms, r.gap_p50_ms, r.output_tok_s) == (21.0, None, 52.0)
+    assert (r.ttft_mean_ms, r.itl_mean_ms) == (112.0, 23.0)
     assert r.error_messages == ["HTTP 503"]
 
 
