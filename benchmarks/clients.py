@@ -1,16 +1,15 @@
-"""Third-party clients against `slotserve serve` (issue 20): NVIDIA's aiperf, vLLM's guidellm
-and `slotserve bench`, one server, one workload, side by side.
+"""Third-party clients against `slotserve serve` (issue 20): NVIDIA's aiperf, guidellm
+(vllm-project) and `slotserve bench`, one server, one workload, side by side.
 
-    PYTHONPATH=src nice -n 19 python -m benchmarks.clients \\
-        --aiperf /tmp/clients/aiperf/bin/aiperf --guidellm /tmp/clients/guidellm/bin/guidellm \\
-        --out benchmarks/results/clients.json
+    PYTHONPATH=src nice -n 19 python -m benchmarks.clients --rounds 3 \\
+        --out benchmarks/results/clients.json  # --aiperf / --guidellm: where the clients are
 
 The clients live in their own virtual environments (they pin their own transformers, pydantic
 and aiohttp), never slotserve's:
 
-    python3 -m venv /tmp/clients/aiperf && /tmp/clients/aiperf/bin/pip install torch==2.13.0 aiperf
-    python3 -m venv /tmp/clients/guidellm && /tmp/clients/guidellm/bin/pip install \\
-        torch==2.13.0 guidellm
+    for tool in aiperf guidellm; do python3 -m venv /tmp/clients/$tool &&
+        /tmp/clients/$tool/bin/pip install torch==2.13.0 && /tmp/clients/$tool/bin/pip install $tool
+    done
 
 (torch first: its CPU build; otherwise pip pulls CUDA's.) Both need the model's tokenizer as a
 Hugging Face directory: `write_hf_tokenizer` writes the embedded model's (`Tokenizer.save`'s
@@ -23,14 +22,30 @@ concurrency = the request count), to a server with `--slots` slots (max_num_seqs
 caching off (the clients' prompts share no prefix, and a rerun of the same prompts must not
 hit the cache). `slotserve bench` has no closed-loop concurrency, hence "all at once" for
 every client: the server's slots, not the clients, bound what runs together. The server's
-own counters (/metrics: prompt and generation tokens, requests finished) are read before
-and after each client, so the table shows what each one actually sent.
+own counters (/metrics: prompt and generation tokens, requests finished, and its TTFT and
+TPOT histograms) are read before and after each client: what each one actually sent, and
+the server's own mean TTFT / TPOT of those requests, against which each client's means are
+set (client / server: free of the host's drift between runs). 24 requests on 8 slots run in
+three waves, so TTFT p50 falls inside the middle wave, not on a wave's edge.
 
 The clients run one after another against one server (after a short warm-up run), in the
 order given; `--rounds N` repeats them, reversing the order every other round. Each
 client's own export is parsed (aiperf: profile_export_aiperf.json; guidellm: its JSON
 report; slotserve bench: --out JSON) for: requests ok / errors, TTFT p50 / p99, ITL p50,
-output tok/s, and their ratios to slotserve bench.
+gap p50, output tok/s, and their ratios to slotserve bench. The definitions, as each tool
+computes them:
+- TTFT: request sent -> first chunk with text (all three; slotserve sends the role chunk
+  with the first token, so no client sees an early empty chunk).
+- ITL: each request's (latency - TTFT) / (output tokens - 1), the first token excluded:
+  aiperf's inter_token_latency, guidellm's inter_token_latency_ms (one sample per gap, so
+  token-weighted; equal lengths here), slotserve bench's TPOT. Not guidellm's "TPOT",
+  which is latency / output tokens (TTFT included).
+- gap: every gap between two text chunks: aiperf's inter_chunk_latency, slotserve bench's
+  ITL; guidellm keeps no single gaps.
+- output tok/s: output tokens / the run's span (first request sent -> last answer).
+aiperf is told --use-server-token-count: its token counts come from the server's usage,
+as slotserve bench's do (by default it re-tokenizes the answer text, which drops the EOS
+tokens that ignore_eos lets through and skip_special_tokens hides).
 """
 
 from __future__ import annotations
