@@ -54,6 +54,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -324,7 +325,8 @@ class Setup:
 def run_client(tool: str, setup: Setup, tag: str) -> ClientResult:
     """Run one client against the server; its result, with the server's counts meanwhile."""
     folder = setup.work / f"{tag}-{tool.replace(' ', '-')}"
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # NOTE: never parse an earlier run's export
+    folder.mkdir(parents=True)
     if tool == "slotserve bench":
         workload_file = bench_workload(folder / "workload.jsonl", setup.tokenizer_dir,
                                        setup.workload)
