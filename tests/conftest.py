@@ -35,7 +35,7 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):
     return model.eval()
 
 
-def tiny_engine(hf_model, kernel_set=None, **kwargs) -> LLMEngine:
+def tiny_engine(hf_model, *, kernel_set=None, **kwargs) -> LLMEngine:
     """An LLMEngine on the HF model's weights; kwargs as engine_config's (kernel_set: the
     engine's KernelSet instead of the one they resolve to).
 
