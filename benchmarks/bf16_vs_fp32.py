@@ -29,11 +29,12 @@ from benchmarks.perf import PREFILL_CHUNK, workload_w
 from slotserve.lab.bench import BenchSampling, EngineTarget, run_bench, write_report
 from slotserve.lab.workload import generate_workload
 from slotserve.model.cpu_ops import load_cpu_ops
-from slotserve.model.linear_kernels import Bf16PanelLinear, swap_linear_kernels
+from slotserve.model.kernels import resolve_kernels
+from slotserve.model.linear_kernels import Bf16PanelLinear
 from slotserve.model.registry import build_model
 
 MATMUL_ROWS = (1, 4, 16, 64, PREFILL_CHUNK)
-ENGINES = {"fp32": {}, "bf16": {"quantization": "bf16"}}
+ENGINES = {"fp32": {"quantization": "none"}, "bf16": {"quantization": "bf16"}}
 
 
 class OneDnnBf16Linear:
@@ -51,14 +52,12 @@ def model_linears(target: EngineTarget, variant: str) -> tuple[list, object]:
     """The decoder's linears (in order) and the LM head, with `variant`'s kernels."""
     from slotserve.model.layers import Linear
 
-    model = build_model(target.model_config)
-    model.load_hf_weights(target.weights)
-    model.eval()
-    if variant == "fp32":
-        swap_linear_kernels(model)
-    elif variant == "bf16":
-        swap_linear_kernels(model, quantization="bf16")
+    if variant in ENGINES:  # the engine's own KernelSet for these weights
+        model = build_model(target.model_config, resolve_kernels(**ENGINES[variant]))
+        model.load_hf_weights(target.weights)
     else:
+        model = build_model(target.model_config)
+        model.load_hf_weights(target.weights)
         factory = {"bf16 dot": functools.partial(Bf16PanelLinear, ops=load_cpu_ops(),
                                                  bf16_activations=True),
                    "bf16 widen": functools.partial(Bf16PanelLinear, ops=load_cpu_ops()),

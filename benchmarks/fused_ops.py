@@ -17,29 +17,30 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 
 from benchmarks.profile_step import fill, time_steps
 from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.bench import write_report
 from slotserve.loader import load_model
-from slotserve.model.cpu_ops import set_cpu_ops
+from slotserve.model.kernels import kernels_for
 
 VARIANTS = ("stack", "python layers", "torch ops")
 
 
-def make_engine(loaded, batch: int, quantization: str | None, variant: str = "stack"
+def make_engine(loaded, batch: int, quantization: str, variant: str = "stack"
                 ) -> LLMEngine:
-    engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 24 + 16,
-                                     max_num_batched_tokens=2048, quantization=quantization),
-                       loaded.config, loaded.weights, loaded.tokenizer)
-    assert engine.runner.fused_cpu_ops, "the fused kernels did not build"
+    config = engine_config(max_num_seqs=batch, num_blocks=batch * 24 + 16,
+                           max_num_batched_tokens=2048, quantization=quantization)
+    kernels = kernels_for(config)
+    assert kernels.fused_layers, "the fused kernels did not build"
     if variant == "python layers":
-        engine.runner.model.decode_stack = None
+        kernels = replace(kernels, decode_stack=False)
     elif variant == "torch ops":  # the torch ops back (and decode groups as torch's)
-        set_cpu_ops(engine.runner.model, None)
-        engine.runner.fused_cpu_ops = False
-    return engine
+        kernels = replace(kernels, decode_stack=False, fused_layers=False)
+    return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer,
+                     kernel_set=kernels)
 
 
 def compare(loaded, batch: int, quantization: str | None, rounds: int, steps: int) -> dict:
@@ -72,8 +73,7 @@ def main() -> None:
     rows = []
     for quantization in args.quantization:
         for batch in args.batch:
-            row = compare(loaded, batch, None if quantization == "none" else quantization,
-                          args.rounds, args.steps)
+            row = compare(loaded, batch, quantization, args.rounds, args.steps)
             med, speedup = row["median_ms"], row["speedup_median"]
             print(f"{quantization:5s} batch {batch:3d}: "
                   + ", ".join(f"{name} {med[name]:6.1f} ms" for name in VARIANTS)

@@ -26,8 +26,10 @@ from slotserve.lab.workload import generate_workload
 from slotserve.loader import load_model
 from slotserve.sampling import SamplingParams
 
-KERNELS = {"fp32 reference": dict(kernels="reference"), "fp32 auto": dict(),
-           "fp32 mkl": dict(kernels="mkl"),
+# NOTE: fp32 pinned (quantization="none"): the default "auto" is bf16 on AVX512_BF16 CPUs.
+KERNELS = {"fp32 reference": dict(kernels="reference", quantization="none"),
+           "fp32 auto": dict(quantization="none"),
+           "fp32 mkl": dict(kernels="mkl", quantization="none"),
            "int8": dict(quantization="int8"),  # int16 activations, the fused CPU kernel
            "int8 reference": dict(kernels="reference", quantization="int8"),  # bf16, torch's
            "bf16": dict(quantization="bf16")}  # bf16 weight panels, fp32 activations

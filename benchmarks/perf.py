@@ -108,12 +108,11 @@ def measure_matmul_ms(target: EngineTarget, repeats: int = 5, kernels: str = "au
     ms: the decoder layers' linears, and the LM head apart (it runs only for the tokens
     sampled). {"layers": {rows: ms}, "lm_head": {rows: ms}}.
     """
-    from slotserve.model.linear_kernels import swap_linear_kernels
+    from slotserve.model.kernels import resolve_kernels
     from slotserve.model.registry import build_model
 
-    model = build_model(target.model_config)
+    model = build_model(target.model_config, resolve_kernels(kernels, quantization="none"))
     model.load_hf_weights(target.weights)
-    swap_linear_kernels(model.eval(), kernels=kernels)
     linears = [linear for layer in model.layers for linear in
                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj)]
@@ -220,7 +219,7 @@ def batch1_runs(target: EngineTarget, server_bin: str | None, models: dict[str, 
     how close a later round came to its own.
     """
     w = generate_workload(1, prompts="chat", output_len=128, seed=0)
-    systems = {"slotserve fp32": target.configured(max_num_seqs=1),
+    systems = {"slotserve fp32": target.configured(max_num_seqs=1, quantization="none"),
                "slotserve int8": target.configured(max_num_seqs=1, quantization="int8")}
     for name, path in (models.items() if server_bin else ()):
         systems[f"llama.cpp server {name}"] = path

@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
 from slotserve import SamplingParams
-from slotserve.config import KERNELS, engine_config
+from slotserve.config import KERNELS, QUANTIZATIONS, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import load_model
+from slotserve.model.kernels import kernels_for
 from slotserve.runner import model_runner
 
 GROUPS = {
@@ -165,7 +167,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=100, help="decode from this context length")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernels", default="auto", choices=list(KERNELS))
-    p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--quantization", default="none", choices=list(QUANTIZATIONS))
     p.add_argument("--wall", action="store_true",
                    help="instead of the profiler: each part's median wall time (engine, "
                         "inputs, decode stack, LM head, sampling, ...) over the timed steps")
@@ -180,12 +182,14 @@ def main() -> None:
           f"kernels {args.kernels}, quantization {args.quantization}, "
           f"{'Python layers' if args.python_layers else 'decode stack'}")
     for batch in args.batch:
-        engine = LLMEngine(engine_config(max_num_seqs=batch, num_blocks=batch * 16 + 16,
-                                         max_num_batched_tokens=2048, kernels=args.kernels,
-                                         quantization=args.quantization),
-                           loaded.config, loaded.weights, loaded.tokenizer)
+        config = engine_config(max_num_seqs=batch, num_blocks=batch * 16 + 16,
+                               max_num_batched_tokens=2048, kernels=args.kernels,
+                               quantization=args.quantization)
+        kernels = kernels_for(config)
         if args.python_layers:
-            engine.runner.model.decode_stack = None
+            kernels = replace(kernels, decode_stack=False)
+        engine = LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer,
+                           kernel_set=kernels)
         fill(engine, batch, args.context)
         if args.wall:
             timers = PartTimers(engine)

@@ -35,12 +35,19 @@ def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):
     return model.eval()
 
 
-def tiny_engine(hf_model, **kwargs) -> LLMEngine:
-    """An LLMEngine on the HF model's weights; kwargs as engine_config's."""
+def tiny_engine(hf_model, *, kernel_set=None, **kwargs) -> LLMEngine:
+    """An LLMEngine on the HF model's weights; kwargs as engine_config's (kernel_set: the
+    engine's KernelSet instead of the one they resolve to).
+
+    NOTE: fp32 weights unless asked otherwise (not the default quantization="auto"): these
+    engines are compared with HF transformers and with each other to the last bit.
+    """
     cfg = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     kwargs.setdefault("max_model_len", 512)
-    return LLMEngine(engine_config(**kwargs), cfg, weights, tokenizer=None)
+    kwargs.setdefault("quantization", "none")
+    return LLMEngine(engine_config(**kwargs), cfg, weights, tokenizer=None,
+                     kernel_set=kernel_set)
 
 
 def tiny_llm(hf_model, **kwargs) -> LLM:
@@ -71,8 +78,9 @@ def tiny_qwen2():
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    """The embedded SmolLM2-135M-Instruct through the offline API (small KV pool)."""
-    return LLM(num_blocks=256, max_num_seqs=16)
+    """The embedded SmolLM2-135M-Instruct through the offline API (small KV pool), fp32:
+    compared with HF transformers."""
+    return LLM(num_blocks=256, max_num_seqs=16, quantization="none")
 
 
 @pytest.fixture(scope="session")

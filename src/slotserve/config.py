@@ -291,6 +291,11 @@ def _tenant_weight_pairs(weights: Any) -> tuple[tuple[str, float], ...]:
 
 
 
+# NOTE: the one line that picks the default weights: "auto" (bf16 where the CPU has
+# AVX512_BF16, model/kernels.py) or "none" (fp32 everywhere).
+DEFAULT_QUANTIZATION = "auto"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the model weights.
@@ -302,10 +307,12 @@ class EngineConfig:
         the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
         MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
         reference: plain torch ops everywhere.
-    quantization: int8: int8 weight-only linear layers on the CPU; bf16: the linear layers'
-        weights stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU;
-        NOTE: not dtype=bfloat16, which runs the whole model in bf16). Both opt-in; greedy
-        agreement with fp32 in benchmarks/PERF.md.
+    quantization: the linear layers' weights. auto: bf16 where the CPU has AVX512_BF16 and
+        the fused kernels built with it (faster, 99.8% greedy agreement with fp32), else
+        none; none: fp32 weights, the reference the tests compare against; bf16: weights
+        stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU; NOTE: not
+        dtype=bfloat16, which runs the whole model in bf16); int8: int8 weight-only linear
+        layers on the CPU. Greedy agreement with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
     """
@@ -314,7 +321,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     kernels: Literal["auto", "mkl", "reference"] = "auto"
-    quantization: Literal["int8", "bf16"] | None = None
+    quantization: Literal["auto", "none", "bf16", "int8"] = DEFAULT_QUANTIZATION
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -323,15 +330,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.quantization not in (None, "int8", "bf16"):
-            raise ValueError("quantization must be None, 'int8' or 'bf16', "
+        if self.quantization is None:  # NOTE: None, the fp32 spelling before "auto" existed
+            object.__setattr__(self, "quantization", "none")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
-        if self.quantization and not self.device.startswith("cpu"):
+        if self.quantization in ("bf16", "int8") and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
                              f"got device {self.device!r}")
 
 
 KERNELS: tuple[str, ...] = typing.get_args(typing.get_type_hints(EngineConfig)["kernels"])
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(
+    typing.get_type_hints(EngineConfig)["quantization"])
 
 
 def _member(enum_type: type[enum.Enum], name: str, value: Any) -> Any:

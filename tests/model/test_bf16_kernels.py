@@ -20,12 +20,12 @@ import torch
 from slotserve import SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.model import linear_kernels
+from slotserve.model.kernels import resolve_kernels
 from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     Bf16PanelLinear,
     Bf16RoundedLinear,
     bf16_round,
-    swap_linear_kernels,
 )
 from tests.conftest import random_prompts, tiny_engine, tiny_hf_model, tiny_llm
 from tests.model.test_decode_stack import run_comparing_stack_and_python
@@ -236,9 +236,8 @@ def test_bf16_greedy_matches_hf_over_rounded_weights(monkeypatch, kind, kernels)
 def test_bf16_quantization_settings_are_checked(tiny_llama):
     with pytest.raises(ValueError, match="CPU"):
         EngineConfig(device="cuda", quantization="bf16")
-    model = tiny_engine(tiny_llama, kernels="reference").runner.model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="bf16"):
-        swap_linear_kernels(model, quantization="bf16")
+        resolve_kernels(quantization="bf16", dtype="bfloat16")
 
 
 def test_bf16_greedy_agreement_on_smollm2():
@@ -257,6 +256,7 @@ def test_bf16_greedy_agreement_on_smollm2():
         config = engine_config(max_num_seqs=8, num_blocks=128, **kwargs)
         return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer)
 
-    agreement = greedy_agreement(engine(), engine(quantization="bf16"), prompts, 32)
+    agreement = greedy_agreement(engine(quantization="none"), engine(quantization="bf16"),
+                                 prompts, 32)
     assert agreement.tokens == 6 * 32
     assert agreement.teacher_forced >= 0.97, agreement

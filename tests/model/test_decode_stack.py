@@ -6,12 +6,13 @@ It runs the decoder layers of all-decode iterations in one call; whole models ag
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from slotserve import SamplingParams
 from slotserve.model import linear_kernels
-from slotserve.model.cpu_ops import set_cpu_ops
 from tests.conftest import random_prompts, tiny_engine, tiny_hf_model
 
 
@@ -69,11 +70,15 @@ def test_stack_follows_the_kernel_choice(cpu_ops):
     hf = tiny_hf_model()
     fused, reference = tiny_engine(hf), tiny_engine(hf, kernels="reference")
     assert reference.runner.model.decode_stack is None
-    model = fused.runner.model
-    set_cpu_ops(model, None)
-    assert model.decode_stack is None and model.layers[0].mlp.ops is None
-    set_cpu_ops(model, cpu_ops)
-    assert model.decode_stack is not None
+    assert fused.runner.model.decode_stack is not None
+    # a KernelSet without the stack (benchmarks/fused_ops.py's "python layers")...
+    no_stack = replace(fused.runner.kernels, decode_stack=False)
+    python_layers = tiny_engine(hf, kernel_set=no_stack).runner.model
+    assert python_layers.decode_stack is None and python_layers.layers[0].mlp.ops is cpu_ops
+    # ...and without the fused layer ops ("torch ops"): the linears keep their kernel
+    torch_ops = tiny_engine(hf, kernel_set=replace(no_stack, fused_layers=False)).runner
+    assert torch_ops.model.decode_stack is None and torch_ops.model.layers[0].mlp.ops is None
+    assert not torch_ops.fused_cpu_ops and torch_ops.kernels.linear == fused.runner.kernels.linear
 
 
 def test_linear_weights_reject_bad_kinds(cpu_ops):

@@ -7,6 +7,7 @@ import torch
 
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.model.kernels import resolve_kernels
 from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     Int8WeightOnlyLinear,
@@ -14,7 +15,6 @@ from slotserve.model.linear_kernels import (
     PanelLinear,
     mkl_packed_available,
     panel_kernel_available,
-    swap_linear_kernels,
 )
 from tests.conftest import tiny_engine
 
@@ -164,10 +164,9 @@ def test_reference_kernels_keep_plain_torch(tiny_llama):
                if isinstance(m, Linear))
 
 
-def test_swap_refuses_int8_off_fp32_cpu(tiny_llama):
-    model = tiny_engine(tiny_llama, kernels="reference").runner.model.to(torch.bfloat16)
+def test_int8_refused_off_fp32_cpu():
     with pytest.raises(ValueError, match="int8"):
-        swap_linear_kernels(model, quantization="int8")
+        resolve_kernels(quantization="int8", dtype="bfloat16")
 
 
 @pytest.mark.parametrize("field,value", [("quantization", "int4"), ("kernels", "fast")])
@@ -192,6 +191,7 @@ def test_int8_greedy_agreement_on_smollm2():
         return LLMEngine(engine_config(max_num_seqs=8, num_blocks=128, **kwargs),
                          loaded.config, loaded.weights, loaded.tokenizer)
 
-    agreement = greedy_agreement(engine(), engine(quantization="int8"), prompts, 32)
+    agreement = greedy_agreement(engine(quantization="none"), engine(quantization="int8"),
+                                 prompts, 32)
     assert agreement.tokens == 6 * 32
     assert agreement.teacher_forced >= 0.95, agreement

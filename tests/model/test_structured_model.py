@@ -109,7 +109,8 @@ def test_preemption_gives_the_same_constrained_output(smollm2_llm):
                for who in ("a person", "a teacher", "an old sailor")]
     expected = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, json_params())]
     # 42 prompt + up to 20 output tokens each, in 4-token blocks: two running need 30 of 26
-    small = LLM(num_blocks=26, block_size=4, max_num_seqs=3, enable_prefix_caching=False)
+    small = LLM(num_blocks=26, block_size=4, max_num_seqs=3, enable_prefix_caching=False,
+                quantization="none")  # as smollm2_llm
     outs = small.generate(prompts, json_params())
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected

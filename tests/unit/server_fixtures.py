@@ -34,9 +34,13 @@ def tiny_tokenizer(add_bos_token: bool = True, template: str = BOS_TEMPLATE) -> 
 
 
 def text_engine(hf_model, tokenizer: Tokenizer | None = None, **kwargs) -> LLMEngine:
-    """An LLMEngine on the tiny HF model's weights with `tokenizer` (default tiny_tokenizer)."""
+    """An LLMEngine on the tiny HF model's weights with `tokenizer` (default tiny_tokenizer).
+
+    NOTE: fp32 weights unless asked otherwise: outputs are compared across paths.
+    """
     cfg = ModelConfig.from_hf_dict(hf_model.config.to_dict())
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     kwargs.setdefault("max_model_len", 512)
+    kwargs.setdefault("quantization", "none")
     return LLMEngine(engine_config(**kwargs), cfg, weights,
                      tokenizer=tokenizer or tiny_tokenizer())

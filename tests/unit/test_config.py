@@ -15,6 +15,7 @@ import pytest
 import slotserve
 from slotserve.cli import build_parser, main
 from slotserve.config import (
+    DEFAULT_QUANTIZATION,
     CacheConfig,
     EngineConfig,
     FinishReason,
@@ -48,6 +49,7 @@ def test_engine_config_llm_and_serve_build_the_same_engine(monkeypatch):
     assert (reference.scheduler.max_num_seqs, reference.scheduler.max_num_batched_tokens,
             reference.scheduler.max_model_len) == (32, 512, 4096)
     assert reference.scheduler == SchedulerConfig() and reference.cache == CacheConfig()
+    assert reference.quantization == DEFAULT_QUANTIZATION  # one constant: "auto" or "none"
     assert engine_config() == reference
     assert captured_engine_config(monkeypatch, slotserve.LLM) == reference
     serve_args = build_parser().parse_args(["serve"])
@@ -55,6 +57,13 @@ def test_engine_config_llm_and_serve_build_the_same_engine(monkeypatch):
     assert captured_engine_config(monkeypatch, lambda: build_engine(serve_args)) == reference
     for argv in (["generate", "hi"], ["bench"]):
         assert engine_config_from_args(build_parser().parse_args(argv)) == reference
+
+
+@pytest.mark.parametrize("weights", ["auto", "none", "bf16", "int8"])
+def test_every_quantization_is_one_flag_away(weights):
+    args = build_parser().parse_args(["serve", "--quantization", weights])
+    assert engine_config_from_args(args) == engine_config(quantization=weights)
+    assert engine_config(quantization=weights).quantization == weights
 
 
 def test_chat_keeps_its_one_slot_default():
@@ -73,6 +82,7 @@ def test_chat_keeps_its_one_slot_default():
     (["--quantization", "int8", "--kernels", "mkl", "--seed", "3"],
      {"quantization": "int8", "kernels": "mkl", "seed": 3}),
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--quantization", "bf16"], {"quantization": "bf16"}),
     (["--max-waiting", "5"], {"max_waiting": 5}),  # serve's own flag, a scheduler setting
     (["--max-prefill-tokens-while-decoding", "32"], {"max_prefill_tokens_while_decoding": 32}),
 ])

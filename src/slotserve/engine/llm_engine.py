@@ -40,6 +40,7 @@ from slotserve.engine.events import EngineSnapshot, FinishedCompletion, Iteratio
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slotserve.engine.snapshot import build_snapshot
 from slotserve.engine.trace import TraceRecorder
+from slotserve.model.kernels import KernelSet, kernels_for
 from slotserve.request import Request, RequestStatus
 from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
 from slotserve.sampling import SamplingParams
@@ -85,7 +86,9 @@ class LLMEngine:
     """Continuous batching over a paged KV cache, driven one `step()` at a time."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict,
-                 tokenizer=None) -> None:
+                 tokenizer=None, *, kernel_set: KernelSet | None = None) -> None:
+        """kernel_set: the kernels the model runs; default: resolved from `config` once
+        (model/kernels.py). Benchmarks pass another to compare kernels."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -94,7 +97,7 @@ class LLMEngine:
                                         config.dtype)
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
-                                  kernels=config.kernels, quantization=config.quantization)
+                                  kernels=kernel_set or kernels_for(config))
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)

@@ -174,31 +174,3 @@ def on_cpu_fp32(model) -> bool:
 
     param = next(model.parameters())
     return param.device.type == "cpu" and param.dtype == torch.float32
-
-
-def set_cpu_ops(model, ops) -> None:
-    """Hand `ops` (or None: the torch ops) to every module of the model that takes them.
-
-    A model with a `decode_stack` also gets the C++ stack of its layers (or loses it).
-    """
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
-    if hasattr(model, "decode_stack"):
-        model.decode_stack = None if ops is None else model.build_decode_stack(ops)
-
-
-def use_cpu_ops(model, kernels: str = "auto") -> bool:
-    """Give the model's norms, MLPs and attention the fused kernels where they apply.
-
-    They apply unless kernels="reference", to a float32 model on the CPU (int8 weight-only
-    models included: their activations are float32). Returns whether the model now uses them.
-    """
-    if kernels == "reference" or not on_cpu_fp32(model):
-        return False
-    ops = load_cpu_ops()
-    if ops is None:
-        return False
-    set_cpu_ops(model, ops)
-    return True
-

@@ -8,11 +8,11 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
-        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
+        self.ops = ops  # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         if self.ops is not None:
@@ -74,7 +74,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.kernel = None  # a linear_kernels callable, once swap_linear_kernels ran
+        self.kernel = None  # a linear_kernels callable, once the weights are loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         if self.kernel is not None:
@@ -103,12 +103,12 @@ class Linear(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, ops=None) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
-        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
+        self.ops = ops  # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         gate_up = self.gate_up_proj(x)  # (T, 2I)

@@ -1,4 +1,6 @@
-"""Faster kernels for the model's Linear layers, swapped in after the weights are loaded.
+"""Faster kernels for the model's Linear layers, swapped in as the weights are loaded.
+
+Which one a model runs is its KernelSet's choice (model/kernels.py).
 
 The plain `x @ weight` of `layers.Linear` is the reference. A kernel here takes the layer's
 (in, out) weight once, keeps its own copy in the layout its library wants, and the layer
@@ -13,10 +15,11 @@ then calls it instead (the original weight is released: one copy in memory, not 
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
-- Bf16PanelLinear: opt-in `quantization="bf16"`. The weights rounded to bfloat16 once and
-  kept in bf16 panels (csrc/cpu_ops.cpp, `panel_linear_bf16`): half the fp32 panels' bytes,
-  widened to fp32 in registers, fp32 activations and accumulation; equal to the last bit to
-  the fp32 panels over the rounded weights. From 16 rows on, where AMX is usable, x is
+- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on CPUs with
+  AVX512_BF16. The weights rounded to bfloat16 once and kept in bf16 panels
+  (csrc/cpu_ops.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
+  registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
+  over the rounded weights. From 16 rows on, where AMX is usable, x is
   rounded to bf16 too and multiplied on AMX tiles (fp32 sums). Without the fused kernels
   (or with kernels="reference") Bf16RoundedLinear: the fp32 math over the rounded weights.
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
@@ -27,12 +30,10 @@ then calls it instead (the original weight is released: one copy in memory, not 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from slotserve.model.cpu_ops import load_cpu_ops, on_cpu_fp32
+from slotserve.model.cpu_ops import on_cpu_fp32
 
 # NOTE: MKL's packed layout depends on the batch size it was packed for; packed for 64
 # rows it ran every batch from 1 to 256 at least as fast as the plain matmul here.
@@ -209,51 +210,19 @@ class Int8WeightOnlyLinear:
         return ops.linear_weights("int8", self.qweight, self.scales_fp32, self.bias)
 
 
-def swap_linear_kernels(model: nn.Module, *, kernels: str = "auto",
-                        quantization: str | None = None) -> str:
-    """Give every Linear of `model` its fast kernel; returns the kernel's name.
+def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
+    """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py).
 
-    kernels="reference" keeps plain torch (the oracle), kernels="mkl" MKL's packed GEMM even
-    where the panel kernel runs. Quantization wins over kernels.
+    Called once, by the model as its weights are loaded (LlamaForCausalLM.load_hf_weights).
     """
     from slotserve.model.layers import Linear
 
-    factory, name = _choose(model, kernels, quantization)
+    factory = kernel_set.linear_factory()
     if factory is None:
-        return name
+        return
+    if not on_cpu_fp32(model):
+        raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the CPU "
+                         "in float32")
     for module in model.modules():
         if isinstance(module, Linear):
             module.use_kernel(factory(module.weight, module.bias))
-    return name
-
-
-def _choose(model: nn.Module, kernels: str, quantization: str | None):
-    cpu_fp32 = on_cpu_fp32(model)
-    if quantization == "bf16":
-        if not cpu_fp32:
-            raise ValueError("quantization='bf16' needs the model on the CPU in float32 "
-                             "(the weights are rounded to bf16, activations stay float32)")
-        ops = load_cpu_ops() if kernels != "reference" else None
-        if bf16_panel_kernel_available(ops):
-            if ops.amx_bf16_usable():
-                return (functools.partial(Bf16PanelLinear, ops=ops,
-                                          amx_min_rows=BF16_AMX_MIN_ROWS),
-                        f"bf16 weight panels, fp32 activations below {BF16_AMX_MIN_ROWS} "
-                        "rows, AMX from there (fused CPU kernels)")
-            return (functools.partial(Bf16PanelLinear, ops=ops),
-                    "bf16 weight panels, fp32 activations (fused CPU kernel)")
-        return Bf16RoundedLinear, "bf16-rounded weights (torch reference)"
-    if quantization == "int8":
-        if not cpu_fp32:
-            raise ValueError("quantization='int8' needs the model on the CPU in float32")
-        ops = load_cpu_ops() if kernels != "reference" else None
-        if ops is not None:
-            return (functools.partial(Int8WeightOnlyLinear, ops=ops),
-                    "int8 weights x int16 activations (fused CPU kernel)")
-        return Int8WeightOnlyLinear, "int8 weight-only (bf16 activations)"
-    ops = load_cpu_ops() if kernels == "auto" and cpu_fp32 else None
-    if panel_kernel_available(ops):
-        return functools.partial(PanelLinear, ops=ops), "fp32 weight panels (fused CPU kernel)"
-    if kernels != "reference" and cpu_fp32 and mkl_packed_available():
-        return MKLPackedLinear, "fp32 MKL packed GEMM"
-    return None, "torch reference"

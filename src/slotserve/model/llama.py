@@ -12,11 +12,13 @@ from torch import nn
 from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
+from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from slotserve.model.linear_kernels import swap_linear_kernels
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops=None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -26,7 +28,7 @@ class LlamaAttention(nn.Module):
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.scale = self.head_dim ** -0.5
-        self.ops = None  # the fused CPU kernels (model/cpu_ops.py), once use_cpu_ops ran
+        self.ops = ops  # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
 
     def forward(self, x: torch.Tensor, rope: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -47,12 +49,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops=None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops)
 
     def forward(self, x, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -60,22 +62,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(tokens) -> hidden states; compute_logits(selected hidden) -> logits."""
+    """forward(tokens) -> hidden states; compute_logits(selected hidden) -> logits.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    kernels: the KernelSet (model/kernels.py) it runs: its fused ops go to the norms, MLPs and
+    attention here; its linear kernels and decode stack are built by load_hf_weights.
+    """
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet = REFERENCE) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
+        ops = kernels.layer_ops
         # _weight given: nn.Embedding skips its random init (the weights are loaded next).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         # The C++ DecodeStack (csrc/cpu_ops.cpp) runs the layers of all-decode iterations in
-        # one call, once model/cpu_ops.py's set_cpu_ops built it; None: every layer in Python.
+        # one call, once load_hf_weights built it (kernels.decode_stack); None: every layer
+        # in Python.
         self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -112,7 +122,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter is set."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter is set.
+
+        Then the linear layers take the KernelSet's kernels (which keep their own copy of the
+        weights) and the decode stack is built. NOTE: once only, and after any `.to()`: a
+        layer with a kernel holds no weight parameter to load or move again.
+        """
         loaded = set()
         for name, tensor in fuse_hf_weights(weights, self.config).items():
             module_name, kind = name.rsplit(".", 1)
@@ -128,6 +143,9 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"weights missing: {sorted(missing)[:5]}")
+        swap_linear_kernels(self, self.kernels)
+        if self.kernels.decode_stack:
+            self.decode_stack = self.build_decode_stack(self.kernels.ops)
 
 
 def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig

@@ -5,14 +5,16 @@ from __future__ import annotations
 from torch import nn
 
 from slotserve.config import ModelConfig
+from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.llama import LlamaForCausalLM
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM,
                  "qwen2": LlamaForCausalLM, "smollm": LlamaForCausalLM}
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """An uninitialised model: every parameter is torch.empty, its weights are loaded next.
+def build_model(cfg: ModelConfig, kernels: KernelSet = REFERENCE) -> nn.Module:
+    """An uninitialised model running `kernels` (model/kernels.py): every parameter is
+    torch.empty, its weights are loaded next (load_hf_weights, which builds the kernels).
 
     NOTE: no random init and no meta device (its first use imports torch's meta kernels,
     about 2 s of start-up).
@@ -22,4 +24,4 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     except KeyError:
         raise ValueError(f"unsupported architecture {cfg.architecture!r}; "
                          f"supported: {sorted(ARCHITECTURES)}") from None
-    return cls(cfg)
+    return cls(cfg, kernels)

@@ -11,8 +11,7 @@ import torch
 from slotserve.attention.metadata import build_metadata
 from slotserve.config import CacheConfig, ModelConfig
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
-from slotserve.model.cpu_ops import use_cpu_ops
-from slotserve.model.linear_kernels import swap_linear_kernels
+from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
@@ -23,15 +22,7 @@ from slotserve.structured.grammar import (
     unpack_bitmask,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+__all__ = ["DTYPES", "ModelRunner", "kv_block_bytes", "resolve_dtype"]
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -42,33 +33,41 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 
 
 class ModelRunner:
-    """Owns the model weights, the preallocated KV pool and the sampler."""
+    """Owns the model weights, the preallocated KV pool and the sampler.
+
+    kernels: the KernelSet the model runs (model/kernels.py); default: resolved from
+    device and dtype with kernels="auto" and fp32 weights.
+    """
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  cache_config: CacheConfig, num_blocks: int, device: str = "cpu",
-                 dtype: str | None = None, seed: int = 0, *, kernels: str = "auto",
-                 quantization: str | None = None) -> None:
+                 dtype: str | None = None, seed: int = 0, *,
+                 kernels: KernelSet | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(device, dtype)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        self.model = build_model(model_config)
-        self.model.load_hf_weights(weights)
+        self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
+        self.model = build_model(model_config, self.kernels)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
-        self.linear_kernel = swap_linear_kernels(self.model, kernels=kernels,
-                                                 quantization=quantization)
-        self.fused_cpu_ops = use_cpu_ops(self.model, kernels)
-        if self.fused_cpu_ops:
-            self.linear_kernel += " + fused CPU ops"
-        if getattr(self.model, "decode_stack", None) is not None:
-            self.linear_kernel += " (decodes: one C++ call for all layers)"
+        self.model.load_hf_weights(weights)  # NOTE: after .to(): it builds the kernels
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed)
         # Structured outputs: the engine points this at its sequences' grammar matchers.
         self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
         self._mask_worker: ThreadPoolExecutor | None = None
+
+    @property
+    def linear_kernel(self) -> str:
+        """The linear layers' kernel, the fused ops and the decode stack, in words."""
+        return self.kernels.describe_linears()
+
+    @property
+    def fused_cpu_ops(self) -> bool:
+        """Whether norms, RoPE, KV writes and decode attention run the fused CPU kernels."""
+        return self.kernels.fused_layers
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """NOTE: preallocated once; blocks are only ever indexed, never reallocated.

@@ -309,9 +309,9 @@ def log_startup(engine, name: str, url: str) -> None:
     dtype = resolve_dtype(cfg.device, cfg.dtype)
     pool_bytes = kv.num_blocks * kv_block_bytes(mc, kv.block_size, dtype)
     sched = engine.scheduler.config
-    logger.info("model %s (%s, %.0fM parameters) on %s, %s, linear kernel: %s", name,
+    logger.info("model %s (%s, %.0fM parameters) on %s (%s), %s", name,
                 mc.name, mc.num_parameters / 1e6, cfg.device, str(dtype).removeprefix("torch."),
-                engine.runner.linear_kernel)
+                engine.runner.kernels.describe())
     logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB); policy %s, "
                 "%d slots, token budget %d, max_model_len %d", kv.num_blocks, kv.block_size,
                 kv.num_blocks * kv.block_size, pool_bytes / 2**20, sched.policy,

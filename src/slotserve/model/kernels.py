@@ -1,0 +1,205 @@
+"""KernelSet: which kernels a model runs, resolved once from the config and this machine.
+
+`resolve_kernels(config)` reads EngineConfig's device, dtype, kernels and quantization, the
+CPU's instructions and what the built extension (model/cpu_ops.py) supports, and returns a
+frozen KernelSet. The model builder takes it (`model/registry.build_model`): the norms, MLPs
+and attention get its fused ops when built, the linear layers their kernel and the model its
+C++ DecodeStack when the weights are loaded. Nothing changes a model's kernels afterwards; a
+benchmark that compares kernels builds one engine per KernelSet (`LLMEngine(kernel_set=...)`).
+
+`describe()` is the start-up line's text, e.g. "bf16 weights (auto: AVX512_BF16); linears:
+bf16 weight panels, ... + fused CPU ops (decodes: one C++ call for all layers)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slotserve.model import cpu_ops, linear_kernels
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# SLOTSERVE_NO_AVX512_BF16=1: the CPU is taken to lack AVX512_BF16, so quantization="auto"
+# picks fp32 (tests of the fallback, A/B runs).
+NO_BF16_ENV = "SLOTSERVE_NO_AVX512_BF16"
+
+# The linear layers' kernels: name -> what the start-up line says (bf16_panel: see below).
+LINEAR_KERNELS = {
+    "reference": "torch reference",
+    "panel": "fp32 weight panels (fused CPU kernel)",
+    "mkl": "fp32 MKL packed GEMM",
+    "bf16_panel": "bf16 weight panels, fp32 activations (fused CPU kernel)",
+    "bf16_rounded": "bf16-rounded weights (torch reference)",
+    "int8": "int8 weights x int16 activations (fused CPU kernel)",
+    "int8_torch": "int8 weight-only (bf16 activations)",
+}
+# Kernels that call the fused CPU kernels' module (KernelSet.ops must be set).
+LINEARS_ON_OPS = ("panel", "bf16_panel", "int8")
+
+
+def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
+    """The model's dtype: `dtype` by name, or float32 on the CPU and bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16 (`vdpbf16ps`): /proc/cpuinfo's flags, unless
+    SLOTSERVE_NO_AVX512_BF16=1 forces it off. False where /proc/cpuinfo cannot be read."""
+    if os.environ.get(NO_BF16_ENV, "0") not in ("", "0"):
+        return False
+    return "avx512_bf16" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The kernels of one model; the default is plain torch everywhere (the reference).
+
+    linear: the linear layers' kernel, a key of LINEAR_KERNELS.
+    ops: the fused CPU kernels' module (model/cpu_ops.py), or None.
+    fused_layers: norms, SiLU, RoPE, KV writes and decode attention through `ops`.
+    decode_stack: all-decode iterations through ops.DecodeStack (needs fused_layers).
+    amx_min_rows: bf16 panels: calls of this many rows or more run on AMX; 0: never.
+    weights: the linear layers' weights: "fp32", "bf16", "int8" or the model's dtype.
+    reason: how the weights were chosen ("auto: AVX512_BF16", "quantization=int8").
+    """
+
+    linear: str = "reference"
+    ops: Any = dataclasses.field(default=None, repr=False)
+    fused_layers: bool = False
+    decode_stack: bool = False
+    amx_min_rows: int = 0
+    weights: str = "fp32"
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.linear not in LINEAR_KERNELS:
+            raise ValueError(f"linear must be one of {sorted(LINEAR_KERNELS)}, "
+                             f"got {self.linear!r}")
+        if self.ops is None and (self.fused_layers or self.linear in LINEARS_ON_OPS):
+            raise ValueError(f"linear={self.linear!r} / fused_layers need the fused kernels")
+        if self.decode_stack and not self.fused_layers:
+            raise ValueError("decode_stack needs fused_layers (it runs the same kernels)")
+
+    @property
+    def layer_ops(self):
+        """The ops the norms, MLPs and attention call; None: torch's."""
+        return self.ops if self.fused_layers else None
+
+    def linear_factory(self):
+        """(weight (in, out), bias) -> the linear kernel; None for plain torch."""
+        lk, ops = linear_kernels, self.ops
+        return {
+            "reference": None,
+            "panel": functools.partial(lk.PanelLinear, ops=ops),
+            "mkl": lk.MKLPackedLinear,
+            "bf16_panel": functools.partial(lk.Bf16PanelLinear, ops=ops,
+                                            amx_min_rows=self.amx_min_rows),
+            "bf16_rounded": lk.Bf16RoundedLinear,
+            "int8": functools.partial(lk.Int8WeightOnlyLinear, ops=ops),
+            "int8_torch": lk.Int8WeightOnlyLinear,
+        }[self.linear]
+
+    def describe_linears(self) -> str:
+        """The linear kernel, the fused ops and the decode stack, in words."""
+        text = LINEAR_KERNELS[self.linear]
+        if self.linear == "bf16_panel" and self.amx_min_rows:
+            text = (f"bf16 weight panels, fp32 activations below {self.amx_min_rows} rows, "
+                    "AMX from there (fused CPU kernels)")
+        if self.fused_layers:
+            text += " + fused CPU ops"
+        if self.decode_stack:
+            text += " (decodes: one C++ call for all layers)"
+        return text
+
+    def describe(self) -> str:
+        """The start-up line's kernel text: the weights, why, and the kernels."""
+        why = f" ({self.reason})" if self.reason else ""
+        return f"{self.weights} weights{why}; linears: {self.describe_linears()}"
+
+
+REFERENCE = KernelSet()
+
+
+def kernels_for(config) -> KernelSet:
+    """The KernelSet of an EngineConfig (see resolve_kernels)."""
+    return resolve_kernels(config.kernels, config.quantization, config.device, config.dtype)
+
+
+def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
+                    device: str = "cpu", dtype: str | None = None) -> KernelSet:
+    """The fastest kernels verified against the reference that the settings allow here.
+
+    kernels: "reference" plain torch; "mkl" MKL's packed GEMM for fp32 linears; "auto" the
+    fp32 weight panels where the fused kernels run with AVX-512. quantization (wins over
+    kernels): "none"/None fp32, "bf16", "int8", or "auto": bf16 where the CPU has
+    AVX512_BF16 and the bf16 panel kernel is built vectorised, else fp32. The fused kernels
+    apply (kernels != "reference") to a float32 model on the CPU only.
+    """
+    model_dtype = resolve_dtype(device, dtype)
+    cpu_fp32 = torch.device(device).type == "cpu" and model_dtype == torch.float32
+    ops = cpu_ops.load_cpu_ops() if kernels != "reference" and cpu_fp32 else None
+    if quantization in ("bf16", "int8") and not cpu_fp32:
+        raise ValueError(f"quantization={quantization!r} needs the model on the CPU in "
+                         "float32 (the weights are quantized, activations stay float32)")
+    if quantization == "auto":
+        weights, reason = _auto_weights(kernels, cpu_fp32, ops)
+    else:
+        weights = "fp32" if quantization in ("none", None) else quantization
+        reason = f"quantization={quantization or 'none'}"
+    if not cpu_fp32:
+        weights = str(model_dtype).removeprefix("torch.")
+    fused = ops is not None
+    return KernelSet(_linear_kernel(weights, kernels, cpu_fp32, ops), ops, fused_layers=fused,
+                     decode_stack=fused, amx_min_rows=_amx_min_rows(weights, ops),
+                     weights=weights, reason=reason)
+
+
+def _auto_weights(kernels: str, cpu_fp32: bool, ops) -> tuple[str, str]:
+    """quantization="auto": ("bf16" or "fp32", why)."""
+    if not cpu_fp32:
+        return "fp32", "auto: the model is not float32 on the CPU"
+    if kernels != "auto":
+        return "fp32", f"auto: kernels={kernels}"
+    if not cpu_has_avx512_bf16():
+        return "fp32", "auto: no AVX512_BF16"
+    if not linear_kernels.bf16_panel_kernel_available(ops):
+        return "fp32", "auto: the fused bf16 kernels are not built"
+    return "bf16", "auto: AVX512_BF16"
+
+
+def _linear_kernel(weights: str, kernels: str, cpu_fp32: bool, ops) -> str:
+    if weights == "bf16":
+        return "bf16_panel" if linear_kernels.bf16_panel_kernel_available(ops) else "bf16_rounded"
+    if weights == "int8":
+        return "int8" if ops is not None else "int8_torch"
+    if kernels == "auto" and linear_kernels.panel_kernel_available(ops):
+        return "panel"
+    if kernels != "reference" and cpu_fp32 and linear_kernels.mkl_packed_available():
+        return "mkl"
+    return "reference"
+
+
+def _amx_min_rows(weights: str, ops) -> int:
+    """bf16 panels: from BF16_AMX_MIN_ROWS rows on AMX where the OS allows it."""
+    usable = (weights == "bf16" and linear_kernels.bf16_panel_kernel_available(ops)
+              and ops.amx_bf16_usable())
+    return linear_kernels.BF16_AMX_MIN_ROWS if usable else 0
