@@ -6,7 +6,7 @@ The plain `x @ weight` of `layers.Linear` is the reference. A kernel here takes 
 (in, out) weight once, keeps its own copy in the layout its library wants, and the layer
 then calls it instead (the original weight is released: one copy in memory, not two).
 
-- PanelLinear: fp32, the fused CPU kernel `panel_linear` (csrc/cpu_ops.cpp) over the
+- PanelLinear: fp32, the fused CPU kernel `panel_linear` (csrc/panel_linear.cpp) over the
   weights kept in panels of 32 output columns; the default where the kernels are built with
   AVX-512. Same math as the reference (fp32 accumulate), and a row's result does not depend
   on how many rows are multiplied with it. Up to 1.6x MKL's packed GEMM on the decode
@@ -17,7 +17,7 @@ then calls it instead (the original weight is released: one copy in memory, not 
   the decode step's skinny matmuls here (benchmarks/PERF.md).
 - Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on CPUs with
   AVX512_BF16. The weights rounded to bfloat16 once and kept in bf16 panels
-  (csrc/cpu_ops.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
+  (csrc/bf16_panels.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
   registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
   over the rounded weights. From 16 rows on, where AMX is usable, x is
   rounded to bf16 too and multiplied on AMX tiles (fp32 sums). Without the fused kernels

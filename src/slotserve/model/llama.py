@@ -83,7 +83,7 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        # The C++ DecodeStack (csrc/cpu_ops.cpp) runs the layers of all-decode iterations in
+        # The C++ DecodeStack (csrc/decode_stack.cpp) runs the layers of all-decode iterations in
         # one call, once load_hf_weights built it (kernels.decode_stack); None: every layer
         # in Python.
         self.decode_stack = None
