@@ -19,12 +19,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from slotserve.config import CacheConfig, SchedulerConfig
-from slotserve.core.kv_manager import KVCacheManager, cdiv
+from slotserve.config import CacheConfig, SchedulerConfig, check_policy_fields
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.trace import TraceRecorder
-from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
+from slotserve.lab.replay.runner import FILLER_TOKEN, VirtualEngineCore, default_num_blocks
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 
@@ -35,6 +34,8 @@ class ReplayRequest:
 
     prompt_token_ids: the real prompt (prefix caching then shares what a real run shares);
     None: `prompt_tokens` filler tokens under a per-request cache salt (nothing shared).
+    tenant, priority, slo_ttft_ms, slo_tpot_ms: its scheduling-policy fields, as the
+    request's (`slotserve.request.Request`); the SLOs None: the replay's defaults.
     """
 
     id: str
@@ -42,6 +43,10 @@ class ReplayRequest:
     output_tokens: int
     arrival: float = 0.0
     prompt_token_ids: tuple[int, ...] | None = None
+    tenant: str = "default"
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -58,6 +63,10 @@ class ReplayRequest:
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
             raise ValueError(f"prompt_token_ids has {len(self.prompt_token_ids)} tokens, "
                              f"prompt_tokens says {self.prompt_tokens} (request {self.id!r})")
+        try:
+            check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (request {self.id!r})") from None
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,15 @@ class ReplaySettings:
 
     num_blocks None: the engine's default when memory is plentiful, enough blocks for
     max_num_seqs sequences of max_model_len tokens.
+    scheduling_policy, slo_ttft_ms, slo_tpot_ms, slo_reject: as `SchedulerConfig`'s (the
+    queue order, the requests' default SLOs, and the deadline policy's rejection).
     """
 
     policy: str = "continuous"
+    scheduling_policy: str = "fcfs"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
@@ -79,12 +94,15 @@ class ReplaySettings:
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
-                               max_model_len=self.max_model_len, policy=self.policy)
+                               max_model_len=self.max_model_len, policy=self.policy,
+                               scheduling_policy=self.scheduling_policy,
+                               slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
+                               slo_reject=self.slo_reject)
 
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        return self.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return default_num_blocks(self.max_num_seqs, self.max_model_len, self.block_size)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
@@ -169,9 +187,8 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     if len(set(ids)) != len(ids):
         raise ValueError("request ids must be unique")
     cache = settings.cache_config()
-    kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-    scheduler = Scheduler(settings.scheduler_config(), kv)
-    runner = FakeRunner(cost_model, VirtualClock())
+    core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model)
+    scheduler, runner = core.scheduler, core.runner
     trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
@@ -185,15 +202,14 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
             if pending:
                 runner.clock.advance_to(pending[0].arrival)
             continue
-        plan = scheduler.schedule()
+        plan, updated = core.step()
         if plan.is_empty:
             if not pending:
                 raise RuntimeError(f"the scheduler planned nothing with "
                                    f"{len(scheduler.requests)} requests unfinished")
             runner.clock.advance_to(pending[0].arrival)
             continue
-        result = runner.execute(plan)
-        for request in scheduler.update(plan, result):
+        for request in updated:
             _on_token(request, runner.clock.now, scheduler, trace, outcomes)
         trace.record(plan, runner.last_start, runner.last_end)
         busy += len(plan.seqs)
@@ -223,7 +239,9 @@ def scheduler_request(request: ReplayRequest) -> Request:
         # NOTE: filler ids are identical across requests; the salt keeps them from sharing
         # cached blocks, which a real run's different prompts would not share either.
         ids, salt = [FILLER_TOKEN] * request.prompt_tokens, f"replay:{request.id}"
-    core = Request(request.id, ids, sampling_params_for(request))
+    core = Request(request.id, ids, sampling_params_for(request), priority=request.priority,
+                   tenant=request.tenant, slo_ttft_ms=request.slo_ttft_ms,
+                   slo_tpot_ms=request.slo_tpot_ms)
     core.cache_salt = salt
     core.times.arrival = float(request.arrival)
     return core
@@ -244,10 +262,14 @@ def _add_due(scheduler: Scheduler, trace: TraceRecorder, pending: deque, now: fl
 
 def _on_token(request: Request, now: float, scheduler: Scheduler, trace: TraceRecorder,
               outcomes: dict[str, RequestOutcome]) -> None:
+    """A request update() returned: it got a token, or it finished (maybe without one: the
+    deadline policy's slo_reject finishes a waiting request with an error)."""
     outcome = outcomes[request.request_id]
-    outcome.token_times.append(now)
+    if len(request.output_token_ids) > len(outcome.token_times):
+        outcome.token_times.append(now)
     if request.is_finished:
         outcome.finished = now
         outcome.finish_reason = request.finish_reason
+        outcome.error = request.error
         trace.request_finished(request.request_id, scheduler.iteration - 1,
                                request.finish_reason or "", len(request.output_token_ids))
