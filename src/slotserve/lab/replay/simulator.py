@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from slotserve.config import CacheConfig, SchedulerConfig, check_policy_fields
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
-from slotserve.engine.trace import TraceRecorder
+from slotserve.engine.trace import TraceRecorder, policy_fields_of
 from slotserve.lab.replay.runner import FILLER_TOKEN, VirtualEngineCore, default_num_blocks
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
@@ -251,13 +251,14 @@ def _add_due(scheduler: Scheduler, trace: TraceRecorder, pending: deque, now: fl
              outcomes: dict[str, RequestOutcome]) -> None:
     while pending and pending[0].arrival <= now:
         request = pending.popleft()
+        core = scheduler_request(request)
         try:
-            scheduler.add_request(scheduler_request(request))
+            scheduler.add_request(core)
         except ValueError as exc:
             outcomes[request.id].error = str(exc)
             continue
         trace.request_arrived(request.id, float(request.arrival), scheduler.iteration,
-                              request.prompt_tokens)
+                              request.prompt_tokens, policy_fields_of(core))
 
 
 def _on_token(request: Request, now: float, scheduler: Scheduler, trace: TraceRecorder,
