@@ -144,3 +144,34 @@ def test_cli_priority_replay_of_a_trace_with_priorities(tmp_path):
         main(["simulate", "--trace", str(trace), "--scheduling-policy", "nope"])
     assert main(["simulate", "--trace", str(trace), "--scheduling-policy", "fcfs",
                  "--slo-reject"]) == 2  # slo_reject needs deadline: a clear error
+
+
+def test_a_workload_carries_the_policy_fields_to_replay_and_bench(tmp_path):
+    from slotserve.lab.bench.stats import BenchSampling
+    from slotserve.lab.bench.targets import OpenAITarget
+    from slotserve.lab.replay import load_input
+    from slotserve.lab.workload import load_workload
+
+    path = tmp_path / "w.jsonl"
+    lines = [{"prompt": [5, 6, 7, 8], "max_tokens": 3, "priority": 4},
+             {"prompt": [5, 6, 7, 9], "max_tokens": 3, "tenant": "B", "priority": -1,
+              "slo_ttft_ms": 800}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests, _ = load_input(path)
+    assert [(r.tenant, r.priority, r.slo_ttft_ms) for r in requests] == [
+        ("default", 4, None), ("B", -1, 800)]
+    # The same fields go to the server a measurement runs on (the tenant as `user`).
+    workload = load_workload(path)
+    assert workload.requests[1].to_dict() == {**lines[1], "arrival": 0.0}
+    body = OpenAITarget("http://x")._payload("m", workload.requests[1], BenchSampling())
+    assert (body["user"], body["priority"], body["slo_ttft_ms"]) == ("B", -1, 800)
+    assert "user" not in OpenAITarget("http://x")._payload("m", workload.requests[0],
+                                                            BenchSampling())
+    saved = tmp_path / "s.json"
+    assert main(["simulate", "--trace", str(path), "--max-num-seqs", "1",
+                 "--scheduling-policy", "priority", "--save-trace", str(saved)]) == 0
+    first = {r["id"]: r["first_iteration"] for r in json.loads(saved.read_text())["requests"]}
+    assert first["1"] < first["0"]  # priority -1 before 4, though it came second
+    path.write_text(json.dumps({"prompt": [5], "max_tokens": 1, "priority": "high"}) + "\n")
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        load_workload(path)

@@ -7,7 +7,8 @@
   no output recorded (still running when the trace was taken) are skipped.
 - A workload (JSONL, `slotserve.lab.workload`): token-id prompts are used as they are; text
   and chat prompts are tokenized (with the chat template for messages), which needs the
-  model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default).
+  model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default); each
+  request's tenant, priority and SLOs as the workload gives them.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayReq
     for r in workload.requests:
         ids = _prompt_ids(r, tokenizer)
         requests.append(ReplayRequest(r.id, len(ids), r.max_tokens, float(r.arrival),
-                                      tuple(ids)))
+                                      tuple(ids), **r.policy_fields()))
     return requests
 
 
