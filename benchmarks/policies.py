@@ -56,11 +56,9 @@ from pathlib import Path
 import numpy as np
 
 from slotserve.config import EngineConfig, engine_config
-from slotserve.core.kv_manager import KVCacheManager, cdiv
-from slotserve.core.scheduler import Scheduler
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
 from slotserve.engine.outputs import RequestMetrics
-from slotserve.lab.replay import FakeRunner, VirtualClock, load_profile
+from slotserve.lab.replay import VirtualEngineCore, load_profile
 from slotserve.lab.workload import poisson_arrivals, random_token_prompts
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
@@ -106,17 +104,14 @@ class SimEngine:
     """
 
     def __init__(self, config: EngineConfig, cost_model) -> None:
-        sched, cache = config.scheduler, config.cache
-        # NOTE: as the engine's default when memory is plentiful: every slot can hold a
-        # max_model_len sequence (the benchmark's engines are sized the same way).
-        blocks = cache.num_blocks or sched.max_num_seqs * cdiv(sched.max_model_len,
-                                                                 cache.block_size)
-        self.clock = VirtualClock()
-        self.kv = KVCacheManager(blocks, cache.block_size, cache.enable_prefix_caching)
-        # NOTE: the scheduler reads the virtual clock, so SLO deadlines, slack and the
-        # deadline policy's learnt iteration time are all in simulated seconds.
-        self.scheduler = Scheduler(sched, self.kv, clock=lambda: self.clock.now)
-        self.runner = FakeRunner(cost_model, self.clock)
+        # NOTE: the replay simulator's core: the scheduler reads the virtual clock, so SLO
+        # deadlines, slack and the deadline policy's learnt iteration time are all in
+        # simulated seconds; a KV pool not given is the engine's default when memory is
+        # plentiful (every slot can hold a max_model_len sequence), as the benchmark's
+        # engines are sized.
+        self.core = VirtualEngineCore(config.scheduler, config.cache, cost_model)
+        self.clock, self.kv = self.core.clock, self.core.kv
+        self.scheduler, self.runner = self.core.scheduler, self.core.runner
 
     @property
     def scheduler_config(self):
@@ -140,14 +135,12 @@ class SimEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[SimOutput]:
-        plan = self.scheduler.schedule()
+        plan, updated = self.core.step()
         if plan.is_empty:
             raise RuntimeError(f"the scheduler planned nothing with "
                                f"{len(self.scheduler.requests)} requests unfinished")
-        result = self.runner.execute(plan)
         return [SimOutput(r.request_id, r.is_finished, r.finish_reason,
-                          list(r.output_token_ids), RequestMetrics.of(r))
-                for r in self.scheduler.update(plan, result)]
+                          list(r.output_token_ids), RequestMetrics.of(r)) for r in updated]
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -11,6 +11,11 @@ measured. Without --profile the script calibrates first (`slotserve calibrate`'s
 grid: random-token prompts, fixed batch and context grid) and saves the profile beside the
 report. NOTE: the measurement needs quiet cores; on a shared machine the measured side is
 noisy, and so is the profile.
+
+    python -m benchmarks.replay_accuracy --quick     # a smoke test of the whole path
+
+--quick: a tiny calibration grid and one tiny case (8 chat requests of 8 tokens, 4 slots),
+written to the temp folder unless --out is given; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +53,10 @@ FIELDS = (("wall s", "duration_s", None), ("out tok/s", "output_throughput", Non
           ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
           ("TPOT p50", "tpot_ms", "p50"), ("TPOT p99", "tpot_ms", "p99"))
 ENGINE = dict(max_num_batched_tokens=512, max_model_len=1024)
+DEFAULT_CASES = "w16,w64,w-online,knee"
+SMALL_GRID = CalibrationGrid(batch_sizes=(1, 8, 32), context_lens=(32, 128), chunk_sizes=(512,))
+QUICK_GRID = CalibrationGrid(batch_sizes=(1, 4), context_lens=(16, 48), chunk_sizes=(64,),
+                             decode_steps=2)
 
 
 def cases(names: list[str]) -> list[tuple[str, object, int]]:
@@ -62,8 +72,11 @@ def cases(names: list[str]) -> list[tuple[str, object, int]]:
         elif name == "knee":
             knee = generate_workload(64, prompts="chat", output_len=24, seed=0)
             out += [(f"knee, {n} slots", knee, n) for n in (1, 4, 16, 64)]
+        elif name == "quick":
+            out.append(("quick, 4 slots", generate_workload(8, prompts="chat", output_len=8,
+                                                            seed=0), 4))
         else:
-            raise SystemExit(f"unknown case {name!r} (w16, w64, w-online, knee)")
+            raise SystemExit(f"unknown case {name!r} (w16, w64, w-online, knee, quick)")
     return out
 
 
@@ -71,8 +84,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", help="a `slotserve calibrate` profile (default: calibrate now)")
-    p.add_argument("--cases", default="w16,w64,w-online,knee")
-    p.add_argument("--out", default="benchmarks/results/replay-accuracy.json")
+    p.add_argument("--cases", default=None, help=f"default {DEFAULT_CASES} (--quick: quick)")
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/replay-accuracy.json (--quick: in the "
+                        "temp folder)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for calibration and runs (default: one per core)")
     p.add_argument("--small-grid", action="store_true",
@@ -82,7 +97,14 @@ def main() -> None:
                         "instead of running it: re-predict on another profile")
     p.add_argument("--refit", action="store_true",
                    help="refit --profile from the samples it stores (the current fit method)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: tiny calibration grid, one tiny case (figures mean nothing)")
     args = p.parse_args()
+    if args.quick and args.small_grid:
+        p.error("--quick and --small-grid are two calibration grids: give one")
+    args.cases = args.cases or ("quick" if args.quick else DEFAULT_CASES)
+    args.out = args.out or (str(Path(tempfile.gettempdir()) / "replay-accuracy-quick.json")
+                            if args.quick else "benchmarks/results/replay-accuracy.json")
     target = EngineTarget.load(**ENGINE)
     if args.threads:
         torch.set_num_threads(args.threads)  # NOTE: after load, which sets one per core
@@ -92,8 +114,8 @@ def main() -> None:
             profile = refit(profile)
     else:
         print("calibrating ...", file=sys.stderr, flush=True)
-        grid = CalibrationGrid(batch_sizes=(1, 8, 32), context_lens=(32, 128),
-                               chunk_sizes=(512,)) if args.small_grid else CalibrationGrid()
+        grid = QUICK_GRID if args.quick else SMALL_GRID if args.small_grid \
+            else CalibrationGrid()
         profile, samples = calibrate(target.configured(), grid, log=print)
         print(model_text(profile, samples))
         profile.save(args.out.replace(".json", "-profile.json"))

@@ -59,9 +59,12 @@ def test_the_simulated_trace_loads_with_the_real_traces_loaders(real_and_simulat
 
 def test_the_simulated_trace_has_the_real_traces_fields(real_and_simulated):
     real, simulated = map(_load, real_and_simulated)
-    # The replay adds what it assumed (cost model, settings) and drops nothing.
+    # The replay adds what it assumed (its cost model) and drops nothing; both record the
+    # settings they ran with (the replay every one, the engine those beyond the header's).
     assert set(real) <= set(simulated)
-    assert set(simulated) - set(real) == {"cost_model", "settings"}
+    assert set(simulated) - set(real) == {"cost_model"}
+    assert set(real["settings"]) <= set(simulated["settings"])
+    assert real["settings"]["max_model_len"] == simulated["settings"]["max_model_len"] == 512
     assert {k: simulated[k] for k in ("version", "policy", "num_slots", "kv_blocks_total")} == \
         {k: real[k] for k in ("version", "policy", "num_slots", "kv_blocks_total")}
     assert [set(r) for r in simulated["requests"]] == [set(r) for r in real["requests"]]

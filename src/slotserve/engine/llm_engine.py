@@ -39,7 +39,7 @@ from slotserve.core.scheduler import Scheduler
 from slotserve.engine.events import EngineSnapshot, FinishedCompletion, IterationEvent
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slotserve.engine.snapshot import build_snapshot
-from slotserve.engine.trace import TraceRecorder
+from slotserve.engine.trace import TraceRecorder, policy_fields_of, trace_settings
 from slotserve.model.kernels import KernelSet, kernels_for
 from slotserve.request import Request, RequestStatus
 from slotserve.runner.model_runner import ModelRunner, kv_block_bytes, resolve_dtype
@@ -102,7 +102,8 @@ class LLMEngine:
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
-                                   config.trace_capacity)
+                                   config.trace_capacity,
+                                   settings=trace_settings(sched, config.cache))
         self.eos_token_ids = _eos_ids(model_config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner.grammar_of = self._grammar_of
@@ -241,7 +242,8 @@ class LLMEngine:
             req = seq.request
             self._sequences[req.request_id] = seq
             self.trace.request_arrived(req.request_id, req.times.arrival,
-                                       self.scheduler.iteration, req.num_prompt_tokens)
+                                       self.scheduler.iteration, req.num_prompt_tokens,
+                                       policy_fields_of(req))
         self._parents[request_id] = [s.request.request_id for s in children]
 
     def _unregister(self, request_id: str, children: list[_Sequence]) -> None:

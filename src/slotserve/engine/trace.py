@@ -24,7 +24,10 @@ class TraceRecorder:
     """The engine's trace; written in the engine thread, `export()` from any thread."""
 
     def __init__(self, num_slots: int, policy: str, kv_blocks_total: int,
-                 capacity: int = 4096) -> None:
+                 capacity: int = 4096, settings: dict | None = None) -> None:
+        """settings: the scheduling settings the run used (`trace_settings`), exported so a
+        replay of the trace runs with them."""
+        self.settings = dict(settings or {})
         self.num_slots = num_slots
         self.policy = policy
         self.kv_blocks_total = kv_blocks_total
@@ -40,13 +43,15 @@ class TraceRecorder:
         return round(t - self.t0, 6)
 
     def request_arrived(self, request_id: str, arrival: float, iteration: int,
-                        prompt_tokens: int) -> None:
+                        prompt_tokens: int, policy_fields: dict | None = None) -> None:
+        """policy_fields: the request's tenant, priority and SLOs (`policy_fields_of`), kept
+        in its record so a replay schedules it as the run did."""
         with self._lock:
             self.requests[request_id] = {
                 "id": request_id, "arrival": self._rel(arrival), "arrival_iteration": iteration,
                 "prompt_tokens": prompt_tokens, "output_tokens": 0, "cached_tokens": 0,
                 "first_iteration": None,
-                "finish_iteration": None, "finish_reason": None}
+                "finish_iteration": None, "finish_reason": None, **(policy_fields or {})}
             while len(self.requests) > self.capacity:
                 self.requests.popitem(last=False)
 
@@ -84,7 +89,8 @@ class TraceRecorder:
             return {"version": 1, "source": "engine", "policy": self.policy,
                     "num_slots": self.num_slots, "kv_blocks_total": self.kv_blocks_total,
                     "requests": [dict(r) for r in self.requests.values()],
-                    "iterations": list(self.iterations)}
+                    "iterations": list(self.iterations),
+                    **({"settings": dict(self.settings)} if self.settings else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.export()))
@@ -94,3 +100,25 @@ class TraceRecorder:
             self.iterations.clear()
             self.requests.clear()
             self.t0 = None
+
+
+POLICY_FIELDS = ("tenant", "priority", "slo_ttft_ms", "slo_tpot_ms")
+
+
+def policy_fields_of(request) -> dict:
+    """A core Request's scheduling-policy fields, as a trace's request record keeps them."""
+    return {name: getattr(request, name) for name in POLICY_FIELDS}
+
+
+TRACE_SETTINGS = ("max_num_batched_tokens", "max_prefill_tokens_while_decoding",
+                  "max_model_len", "scheduling_policy", "slo_ttft_ms", "slo_tpot_ms",
+                  "slo_reject")
+
+
+def trace_settings(scheduler_config, cache_config) -> dict:
+    """The settings a trace records beyond its slots, policy and KV pool (names as
+    `slotserve.lab.replay.ReplaySettings`'s)."""
+    settings = {name: getattr(scheduler_config, name) for name in TRACE_SETTINGS}
+    settings["scheduling_policy"] = str(settings["scheduling_policy"])
+    return {**settings, "block_size": cache_config.block_size,
+            "enable_prefix_caching": cache_config.enable_prefix_caching}

@@ -11,7 +11,9 @@ request a line::
 exact when the benchmark sets `ignore_eos` (it does by default). Optional fields: `"n": 4`
 (n completions of the prompt) and `"turns": [...]` (a multi-turn conversation: the follow-up
 user messages, or token-id lists for token-id prompts, each sent when the previous answer
-arrives; see `BenchRequest.next_turn`).
+arrives; see `BenchRequest.next_turn`), and the scheduling-policy fields of a request
+(`"tenant"`, `"priority"`, `"slo_ttft_ms"`, `"slo_tpot_ms"`: as the server's API takes them,
+the tenant as OpenAI's `user`).
 
 Workloads with shared prefixes (what prefix caching is for): `shared_prefix_workload` (many
 requests behind one long system prompt), `multi_turn_workload` (closed-loop conversations)
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
+from slotserve.config import check_policy_fields
 
 # Varied short chat prompts: questions, instructions, code, lists, rewriting.
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -60,6 +64,9 @@ CHAT_PROMPTS: tuple[str, ...] = (
 )
 
 
+POLICY_DEFAULTS = {"tenant": "default", "priority": 0, "slo_ttft_ms": None, "slo_tpot_ms": None}
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload: a prompt (text, token ids) or chat messages, a length, a time.
@@ -70,6 +77,8 @@ class BenchRequest:
         previous answer arrives, as the conversation so far + that answer + the turn
         (`next_turn`). User messages (str) for chat requests, token-id lists for token-id
         prompts. The first turn is `prompt` / `messages`.
+    tenant, priority, slo_ttft_ms, slo_tpot_ms: the request's scheduling-policy fields (the
+        engine's `add_request`, the API's `user`, `priority`, `slo_ttft_ms`, `slo_tpot_ms`).
     """
 
     id: str
@@ -79,6 +88,10 @@ class BenchRequest:
     arrival: float = 0.0
     n: int = 1
     turns: tuple = ()
+    tenant: str = "default"
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -95,6 +108,10 @@ class BenchRequest:
             raise ValueError(f"request {self.id!r}: 'n' must be an integer >= 1, got {self.n!r}")
         object.__setattr__(self, "turns", tuple(self.turns))
         self._check_turns()
+        try:
+            check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
+        except ValueError as exc:
+            raise ValueError(f"request {self.id!r}: {exc}") from None
 
     def _check_turns(self) -> None:
         if not self.turns:
@@ -108,6 +125,12 @@ class BenchRequest:
         if not all(isinstance(t, kind) and t for t in self.turns):
             what = "user messages (strings)" if kind is str else "token-id lists"
             raise ValueError(f"request {self.id!r}: 'turns' must be non-empty {what}")
+
+    def policy_fields(self, only_set: bool = False) -> dict:
+        """tenant, priority, slo_ttft_ms, slo_tpot_ms (the engine's add_request keywords);
+        only_set: those that differ from the defaults."""
+        return {k: getattr(self, k) for k, default in POLICY_DEFAULTS.items()
+                if not only_set or getattr(self, k) != default}
 
     @property
     def num_turns(self) -> int:
@@ -137,6 +160,7 @@ class BenchRequest:
             "prompt": self.prompt}
         extra = {"n": self.n} if self.n != 1 else {}
         extra |= {"turns": list(self.turns)} if self.turns else {}
+        extra |= self.policy_fields(only_set=True)
         return {**body, "max_tokens": self.max_tokens, "arrival": self.arrival, **extra}
 
 
@@ -448,7 +472,8 @@ def _parse_line(line: str, number: int, path: str | Path) -> BenchRequest:
         return BenchRequest(id=str(number - 1), max_tokens=item["max_tokens"],
                             prompt=item.get("prompt"), messages=item.get("messages"),
                             arrival=float(item.get("arrival", 0.0)), n=item.get("n", 1),
-                            turns=tuple(item.get("turns") or ()))
+                            turns=tuple(item.get("turns") or ()),
+                            **{k: item[k] for k in POLICY_DEFAULTS if k in item})
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}:{number}: {exc}") from None
 

@@ -146,7 +146,8 @@ def _add_due(engine, pending: deque, t0: float, sampling: BenchSampling) -> list
         try:
             # NOTE: arrival is the scheduled time, so a late add (the loop was inside a step)
             # still counts its wait in TTFT, as a server's queue would.
-            engine.add_request(request.id, prompt, params, arrival=t0 + request.arrival)
+            engine.add_request(request.id, prompt, params, arrival=t0 + request.arrival,
+                               **request.policy_fields())
         except ValueError as exc:
             rejected.append(RequestRecord(request.id, ok=False, error=str(exc)))
     return rejected
@@ -250,6 +251,12 @@ class OpenAITarget:
             body["ignore_eos"] = True  # vLLM, llama-server and slotserve accept it
         if request.n != 1:
             body["n"] = request.n
+        # Scheduling-policy fields only where the workload sets them (other servers may not
+        # take them); the tenant is OpenAI's `user`.
+        fields = request.policy_fields(only_set=True)
+        if "tenant" in fields:
+            fields["user"] = fields.pop("tenant")
+        body.update(fields)
         if self.endpoint == "chat":
             body["messages"] = request.messages or [{"role": "user", "content": request.prompt}]
         else:

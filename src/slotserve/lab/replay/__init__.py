@@ -23,7 +23,7 @@ from slotserve.lab.replay.inputs import (
     scale_rate,
     with_poisson,
 )
-from slotserve.lab.replay.runner import FakeRunner, VirtualClock
+from slotserve.lab.replay.runner import FakeRunner, VirtualClock, VirtualEngineCore
 from slotserve.lab.replay.simulator import (
     ReplayRequest,
     ReplayResult,
@@ -33,6 +33,7 @@ from slotserve.lab.replay.simulator import (
 )
 
 __all__ = ["FEATURES", "FakeRunner", "LinearCost", "ReplayRequest", "ReplayResult",
-           "ReplaySettings", "StepFeatures", "UnitCost", "VirtualClock", "load_input",
+           "ReplaySettings", "StepFeatures", "UnitCost", "VirtualClock", "VirtualEngineCore",
+           "load_input",
            "load_profile", "profile_from_dict", "replay", "requests_from_trace",
            "requests_from_workload", "scale_rate", "scheduler_request", "with_poisson"]

@@ -19,10 +19,16 @@ from slotserve.lab.replay.inputs import (
 )
 from slotserve.lab.replay.simulator import ReplayResult, ReplaySettings, replay
 
-REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_while_decoding",
-               "num_blocks", "block_size",
-               "max_model_len", "enable_prefix_caching", "rate_scale", "request_rate",
-               "profile", "save_trace")
+REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens",
+               "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
+               "max_model_len", "enable_prefix_caching", "scheduling_policy", "slo_ttft_ms",
+               "slo_tpot_ms", "slo_reject", "rate_scale", "request_rate", "profile",
+               "save_trace")
+# ReplaySettings fields a flag of the same name overrides (else the trace's, else default).
+SETTINGS_FLAGS = ("max_num_seqs", "max_num_batched_tokens",
+                  "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
+                  "max_model_len", "enable_prefix_caching", "scheduling_policy",
+                  "slo_ttft_ms", "slo_tpot_ms", "slo_reject")
 
 
 # ------------------------------------------------------------------ simulate --trace
@@ -48,19 +54,37 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_settings_args(g) -> None:
+    from slotserve.config import SchedulingPolicy
+
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="slots (default: the trace's, else 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one iteration (default 512)")
+                   help="token budget of one iteration (default: the trace's, else 512)")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prefill tokens of an iteration that also runs decodes at most "
-                   f"(default {ReplaySettings().max_prefill_tokens_while_decoding})")
+                   "(default: the trace's, else "
+                   f"{ReplaySettings().max_prefill_tokens_while_decoding})")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool in blocks (default: the trace's, else enough for every slot)")
-    g.add_argument("--block-size", type=int, default=None, help="default 16")
-    g.add_argument("--max-model-len", type=int, default=None, help="default 4096")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="default: the trace's, else 16")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the trace's, else 4096")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="prefix caching (default on, as the engine)")
+                   default=None, help="prefix caching (default: the trace's, else on)")
+    g.add_argument("--scheduling-policy", default=None,
+                   choices=[str(p) for p in SchedulingPolicy],
+                   help="queue order, as the engine's (default: the trace's, else fcfs); "
+                        "the requests' tenant, priority and SLOs come from the trace")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="default TTFT SLO of a request without its own (default: the "
+                        "trace's, else none)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="default TPOT SLO of a request without its own (default: the "
+                        "trace's, else none)")
+    g.add_argument("--slo-reject", action=argparse.BooleanOptionalAction, default=None,
+                   help="deadline: reject a waiting request that can no longer meet its TTFT "
+                        "SLO (default: the trace's, else off)")
 
 
 def replay_requested(args: argparse.Namespace) -> bool:
@@ -112,23 +136,18 @@ def run_replay(args: argparse.Namespace, write_charts) -> int:
 
 
 def settings_from_args(args: argparse.Namespace, info: dict) -> ReplaySettings:
-    """Flags first, then what the trace recorded, then the engine's defaults."""
-    defaults = ReplaySettings()
-    seqs = args.max_num_seqs or info.get("trace_num_slots") or defaults.max_num_seqs
-    num_blocks = args.num_blocks
-    if num_blocks is None and args.max_num_seqs is None:
-        num_blocks = info.get("trace_kv_blocks")
-    return ReplaySettings(
-        policy=args.policy if args.policy not in (None, "both") else
-        (info.get("trace_policy") or defaults.policy),
-        max_num_seqs=seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding
-        or defaults.max_prefill_tokens_while_decoding,
-        max_model_len=args.max_model_len or defaults.max_model_len,
-        block_size=args.block_size or defaults.block_size, num_blocks=num_blocks,
-        enable_prefix_caching=defaults.enable_prefix_caching
-        if args.enable_prefix_caching is None else args.enable_prefix_caching)
+    """Each setting: its flag if given, else what the trace recorded, else the engine's
+    default. NOTE: a flag overrides only its own setting (e.g. --max-num-seqs keeps the
+    trace's KV pool: the pool is the machine's memory, not a function of the slots)."""
+    recorded = {k: v for k, v in info.get("trace_settings", {}).items()
+                if k in SETTINGS_FLAGS and v is not None}
+    header = {"max_num_seqs": info.get("trace_num_slots"),
+              "num_blocks": info.get("trace_kv_blocks"), "policy": info.get("trace_policy")}
+    recorded |= {k: v for k, v in header.items() if v is not None}
+    flags = {k: getattr(args, k) for k in SETTINGS_FLAGS if getattr(args, k, None) is not None}
+    if args.policy not in (None, "both"):
+        flags["policy"] = args.policy
+    return ReplaySettings(**(recorded | flags))
 
 
 def _write_replay_outputs(args, results: list[ReplayResult], reports, ratios,

@@ -1,12 +1,14 @@
 """What a replay replays: a real run's trace, or a `slotserve bench` workload.
 
 - A trace (`TraceRecorder.export`, `slotserve bench --trace`, `slotserve serve --trace`):
-  each request's arrival (s), prompt length and recorded output length. Prompt token ids are
+  each request's arrival (s), prompt length and recorded output length, and its tenant,
+  priority and SLOs where the trace has them. Prompt token ids are
   not in a trace, so replayed prompts share no prefix (see `ReplayRequest`). Requests with
   no output recorded (still running when the trace was taken) are skipped.
 - A workload (JSONL, `slotserve.lab.workload`): token-id prompts are used as they are; text
   and chat prompts are tokenized (with the chat template for messages), which needs the
-  model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default).
+  model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default); each
+  request's tenant, priority and SLOs as the workload gives them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from slotserve.engine.trace import POLICY_FIELDS
 from slotserve.lab.replay.simulator import ReplayRequest
 from slotserve.lab.workload import Workload, load_workload, poisson_arrivals
 
@@ -33,8 +36,9 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
             if not output:
                 skipped += 1
                 continue
+            fields = {k: record[k] for k in POLICY_FIELDS if record.get(k) is not None}
             requests.append(ReplayRequest(str(record["id"]), int(record["prompt_tokens"]),
-                                          int(output), float(record["arrival"])))
+                                          int(output), float(record["arrival"]), **fields))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace: request {i}: {exc}") from None
     if not requests:
@@ -44,6 +48,9 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
             "trace_policy": trace.get("policy"), "trace_num_slots": trace.get("num_slots"),
             "trace_kv_blocks": trace.get("kv_blocks_total")}
+    # NOTE: a replay's own trace also records every setting it ran with.
+    if isinstance(trace.get("settings"), dict):
+        info["trace_settings"] = dict(trace["settings"])
     return requests, info
 
 
@@ -53,7 +60,7 @@ def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayReq
     for r in workload.requests:
         ids = _prompt_ids(r, tokenizer)
         requests.append(ReplayRequest(r.id, len(ids), r.max_tokens, float(r.arrival),
-                                      tuple(ids)))
+                                      tuple(ids), **r.policy_fields()))
     return requests
 
 

@@ -8,8 +8,12 @@ request ends exactly where it ended in the run being replayed.
 
 from __future__ import annotations
 
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.kv_manager import KVCacheManager, cdiv
 from slotserve.core.outputs import RunnerOutput, SchedulerOutput
+from slotserve.core.scheduler import Scheduler
 from slotserve.lab.replay.cost_model import StepFeatures
+from slotserve.request import Request
 
 FILLER_TOKEN = 3  # what the fake runner "samples" (never an EOS: requests ignore EOS anyway)
 
@@ -48,3 +52,42 @@ class FakeRunner:
         self.busy_seconds += seconds
         return RunnerOutput(sampled={seq.request_id: FILLER_TOKEN
                                      for seq in plan.seqs if seq.sample})
+
+
+def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The engine's KV pool when memory is plentiful: every slot can hold a max_model_len
+    sequence."""
+    return max_num_seqs * cdiv(max_model_len, block_size)
+
+
+class VirtualEngineCore:
+    """The real `Scheduler` and `KVCacheManager` of a config, run by a `FakeRunner` on one
+    `VirtualClock`: the piece the replay simulator and benchmarks/policies.py's SimEngine
+    share.
+
+    cache.num_blocks None: `default_num_blocks`.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache: CacheConfig,
+                 cost_model) -> None:
+        blocks = cache.num_blocks or default_num_blocks(
+            scheduler_config.max_num_seqs, scheduler_config.max_model_len, cache.block_size)
+        self.clock = VirtualClock()
+        self.kv = KVCacheManager(blocks, cache.block_size, cache.enable_prefix_caching)
+        # NOTE: the scheduler reads the virtual clock, never the wall clock: request times,
+        # SLO deadlines and slack, fair-share and the deadline policy's learnt iteration time
+        # are all in simulated seconds, the clock of the requests' (virtual) arrival times.
+        self.scheduler = Scheduler(scheduler_config, self.kv, clock=self.now)
+        self.runner = FakeRunner(cost_model, self.clock)
+
+    def now(self) -> float:
+        return self.clock.now
+
+    def step(self) -> tuple[SchedulerOutput, list[Request]]:
+        """Plan one iteration, "execute" it (the clock moves by its modelled time), apply it:
+        (the plan, the requests it updated). An empty plan executes nothing."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return plan, []
+        result = self.runner.execute(plan)
+        return plan, self.scheduler.update(plan, result)

@@ -23,12 +23,12 @@ from slotserve.config import (
     DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
     CacheConfig,
     SchedulerConfig,
+    check_policy_fields,
 )
-from slotserve.core.kv_manager import KVCacheManager, cdiv
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
-from slotserve.engine.trace import TraceRecorder
-from slotserve.lab.replay.runner import FILLER_TOKEN, FakeRunner, VirtualClock
+from slotserve.engine.trace import TraceRecorder, policy_fields_of
+from slotserve.lab.replay.runner import FILLER_TOKEN, VirtualEngineCore, default_num_blocks
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 
@@ -39,6 +39,8 @@ class ReplayRequest:
 
     prompt_token_ids: the real prompt (prefix caching then shares what a real run shares);
     None: `prompt_tokens` filler tokens under a per-request cache salt (nothing shared).
+    tenant, priority, slo_ttft_ms, slo_tpot_ms: its scheduling-policy fields, as the
+    request's (`slotserve.request.Request`); the SLOs None: the replay's defaults.
     """
 
     id: str
@@ -46,6 +48,10 @@ class ReplayRequest:
     output_tokens: int
     arrival: float = 0.0
     prompt_token_ids: tuple[int, ...] | None = None
+    tenant: str = "default"
+    priority: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -62,6 +68,10 @@ class ReplayRequest:
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
             raise ValueError(f"prompt_token_ids has {len(self.prompt_token_ids)} tokens, "
                              f"prompt_tokens says {self.prompt_tokens} (request {self.id!r})")
+        try:
+            check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (request {self.id!r})") from None
 
 
 @dataclass(frozen=True)
@@ -70,9 +80,15 @@ class ReplaySettings:
 
     num_blocks None: the engine's default when memory is plentiful, enough blocks for
     max_num_seqs sequences of max_model_len tokens.
+    scheduling_policy, slo_ttft_ms, slo_tpot_ms, slo_reject: as `SchedulerConfig`'s (the
+    queue order, the requests' default SLOs, and the deadline policy's rejection).
     """
 
     policy: str = "continuous"
+    scheduling_policy: str = "fcfs"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
@@ -85,12 +101,14 @@ class ReplaySettings:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-            max_model_len=self.max_model_len, policy=self.policy)
+            max_model_len=self.max_model_len, policy=self.policy,
+            scheduling_policy=self.scheduling_policy, slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms, slo_reject=self.slo_reject)
 
     def resolved_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        return self.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return default_num_blocks(self.max_num_seqs, self.max_model_len, self.block_size)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
@@ -175,9 +193,8 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     if len(set(ids)) != len(ids):
         raise ValueError("request ids must be unique")
     cache = settings.cache_config()
-    kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-    scheduler = Scheduler(settings.scheduler_config(), kv)
-    runner = FakeRunner(cost_model, VirtualClock())
+    core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model)
+    scheduler, runner = core.scheduler, core.runner
     trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
@@ -191,15 +208,14 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
             if pending:
                 runner.clock.advance_to(pending[0].arrival)
             continue
-        plan = scheduler.schedule()
+        plan, updated = core.step()
         if plan.is_empty:
             if not pending:
                 raise RuntimeError(f"the scheduler planned nothing with "
                                    f"{len(scheduler.requests)} requests unfinished")
             runner.clock.advance_to(pending[0].arrival)
             continue
-        result = runner.execute(plan)
-        for request in scheduler.update(plan, result):
+        for request in updated:
             _on_token(request, runner.clock.now, scheduler, trace, outcomes)
         trace.record(plan, runner.last_start, runner.last_end)
         busy += len(plan.seqs)
@@ -229,7 +245,9 @@ def scheduler_request(request: ReplayRequest) -> Request:
         # NOTE: filler ids are identical across requests; the salt keeps them from sharing
         # cached blocks, which a real run's different prompts would not share either.
         ids, salt = [FILLER_TOKEN] * request.prompt_tokens, f"replay:{request.id}"
-    core = Request(request.id, ids, sampling_params_for(request))
+    core = Request(request.id, ids, sampling_params_for(request), priority=request.priority,
+                   tenant=request.tenant, slo_ttft_ms=request.slo_ttft_ms,
+                   slo_tpot_ms=request.slo_tpot_ms)
     core.cache_salt = salt
     core.times.arrival = float(request.arrival)
     return core
@@ -239,21 +257,26 @@ def _add_due(scheduler: Scheduler, trace: TraceRecorder, pending: deque, now: fl
              outcomes: dict[str, RequestOutcome]) -> None:
     while pending and pending[0].arrival <= now:
         request = pending.popleft()
+        core = scheduler_request(request)
         try:
-            scheduler.add_request(scheduler_request(request))
+            scheduler.add_request(core)
         except ValueError as exc:
             outcomes[request.id].error = str(exc)
             continue
         trace.request_arrived(request.id, float(request.arrival), scheduler.iteration,
-                              request.prompt_tokens)
+                              request.prompt_tokens, policy_fields_of(core))
 
 
 def _on_token(request: Request, now: float, scheduler: Scheduler, trace: TraceRecorder,
               outcomes: dict[str, RequestOutcome]) -> None:
+    """A request update() returned: it got a token, or it finished (maybe without one: the
+    deadline policy's slo_reject finishes a waiting request with an error)."""
     outcome = outcomes[request.request_id]
-    outcome.token_times.append(now)
+    if len(request.output_token_ids) > len(outcome.token_times):
+        outcome.token_times.append(now)
     if request.is_finished:
         outcome.finished = now
         outcome.finish_reason = request.finish_reason
+        outcome.error = request.error
         trace.request_finished(request.request_id, scheduler.iteration - 1,
                                request.finish_reason or "", len(request.output_token_ids))
