@@ -183,7 +183,7 @@ def _tokenizer(model: str | None):
 # ------------------------------------------------------------------ calibrate
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     """`slotserve calibrate`: time real iterations, fit the replay's cost model."""
-    from slotserve.config import KERNELS
+    from slotserve.config import DEFAULT_QUANTIZATION, KERNELS, QUANTIZATIONS
 
     p = subparsers.add_parser(
         "calibrate", help="time real engine iterations and fit the simulator's cost model",
@@ -201,7 +201,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--kernels", default="auto", choices=list(KERNELS))
-    g.add_argument("--quantization", default=None, choices=["int8"])
+    g.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
+                   help=f"weights, as `slotserve serve`'s (default: {DEFAULT_QUANTIZATION})")
     g.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_calibrate)
     return p
