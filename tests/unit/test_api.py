@@ -108,9 +108,9 @@ def test_stream_with_continuous_usage(client):
 
 
 def test_unknown_fields_are_served_and_logged(client, monkeypatch, caplog):
-    from slotserve.server import protocol
+    from slotserve.server.protocol import IgnoredFields, request_model
 
-    monkeypatch.setattr(protocol, "IGNORED_FIELDS", protocol.IgnoredFields())
+    monkeypatch.setattr(request_model, "IGNORED_FIELDS", IgnoredFields())
     caplog.set_level("WARNING", logger="slotserve.server")
     r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=1, use_beam_search=False)
     assert r.status_code == 200, r.text
