@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.sampling import SamplingParams
+from slotserve.server.api import build_app
 from tests.conftest import tiny_engine
 from tests.unit.server_fixtures import text_engine
 
@@ -21,8 +22,6 @@ ENDPOINTS = [
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    from slotserve.server.api import build_app
-
     llm_engine = text_engine(tiny_llama, num_blocks=64, max_num_seqs=4)
     engine = AsyncEngine(llm_engine)
     engine.start()
