@@ -59,7 +59,7 @@ class Generation:
         self.finals: list[CompletionOutput] = []
 
     async def start(self, request: Request) -> RequestOutput:
-        """Admit the request and wait for its first output (see the module NOTE)."""
+        """Admit the request and wait for its first output (server/api.py's NOTE says why)."""
         try:
             first = await self._guarded(unless_disconnected(request, self._next()))
         except ClientGone:

@@ -39,7 +39,7 @@ class ServerLimits:
     body_timeout_s: a request body not complete this long after the request began gets 408.
     max_user_tenants: without API keys, a request's `user` field names its tenant (fair
     share, per-tenant metrics); the first this many distinct names get their own tenant,
-    later ones share OVERFLOW_TENANT ("other"). 0: the `user` field is ignored. NOTE: a
+    later ones share tenants.OVERFLOW_TENANT ("other"). 0: the `user` field is ignored. NOTE: a
     bound, as the scheduler and the metrics keep every tenant's state for good.
     """
 
