@@ -449,7 +449,7 @@ def check_greedy_reference(results: list[Result], references: list[dict]) -> tup
 
 
 # --------------------------------------------------------------------------- server side
-# `finished cmpl-<hex>[#i] [tenant T, X-Request-Id C]: ..., <reason>` (server/api.py) and
+# `finished cmpl-<hex>[#i] [tenant T, X-Request-Id C]: ..., <reason>` (server/generation.py) and
 # `aborted cmpl-<hex> [tenant T, X-Request-Id C]: ...`; groups: what, i, C, reason.
 LOG_LINE = re.compile(r"(finished|aborted) (?:chat)?cmpl-\S+?(?:#(\d+))? "
                       r"\[tenant [^,\]]+(?:, X-Request-Id (\S+?))?\]: .*?(\w+)?$")

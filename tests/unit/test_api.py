@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from slotserve.engine.async_engine import AsyncEngine
-from slotserve.server.api import ClientGone, _unless_disconnected, build_app
+from slotserve.server.api import build_app
+from slotserve.server.generation import ClientGone, unless_disconnected
 from tests.conftest import tiny_engine
 
 PROMPT = [5, 6, 7, 8]
@@ -108,9 +109,9 @@ def test_stream_with_continuous_usage(client):
 
 
 def test_unknown_fields_are_served_and_logged(client, monkeypatch, caplog):
-    from slotserve.server import protocol
+    from slotserve.server.protocol import IgnoredFields, request_model
 
-    monkeypatch.setattr(protocol, "IGNORED_FIELDS", protocol.IgnoredFields())
+    monkeypatch.setattr(request_model, "IGNORED_FIELDS", IgnoredFields())
     caplog.set_level("WARNING", logger="slotserve.server")
     r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=1, use_beam_search=False)
     assert r.status_code == 200, r.text
@@ -246,9 +247,9 @@ def test_disconnect_cancels_the_work():
 
     async def main():
         with pytest.raises(ClientGone):
-            await _unless_disconnected(FakeRequest(0.01), work())
+            await unless_disconnected(FakeRequest(0.01), work())
         assert cancelled.is_set()
-        assert await _unless_disconnected(FakeRequest(10), asyncio.sleep(0, "done")) == "done"
+        assert await unless_disconnected(FakeRequest(10), asyncio.sleep(0, "done")) == "done"
 
     asyncio.run(main())
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from slotserve.server import protocol as p
-from slotserve.server.protocol import APIError
+from slotserve.server.protocol import APIError, request_model
 
 
 def completion(**kwargs) -> p.CompletionRequest:
@@ -138,7 +138,7 @@ def ignored_lines(caplog) -> list[str]:
 def ignored(monkeypatch, caplog) -> p.IgnoredFields:
     """A fresh process-wide record of logged names (the real one remembers every test's)."""
     fresh = p.IgnoredFields(max_names=4, max_chars=8)
-    monkeypatch.setattr(p, "IGNORED_FIELDS", fresh)
+    monkeypatch.setattr(request_model, "IGNORED_FIELDS", fresh)  # where the models read it
     caplog.set_level("WARNING", logger="slotserve.server")
     return fresh
 

@@ -532,13 +532,13 @@ def test_the_server_maps_a_refused_sampled_token_to_400():
     """Past the probe (a later forced character), the engine's GrammarRejectedToken fails
     that completion alone; the server answers 400 unsupported_constraint, not 500."""
     from slotserve.engine.outputs import CompletionOutput
-    from slotserve.server.api import _Generation
+    from slotserve.server.generation import Generation
     from slotserve.server.protocol import APIError
 
     failed = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")
     with pytest.raises(APIError) as raised:
-        _Generation._check(None, failed, "GrammarRejectedToken: the grammar rejected ...")
+        Generation._check(None, failed, "GrammarRejectedToken: the grammar rejected ...")
     assert raised.value.status == 400 and raised.value.param == "structured_outputs"
     with pytest.raises(APIError) as raised:
-        _Generation._check(None, failed, "RuntimeError: boom")
+        Generation._check(None, failed, "RuntimeError: boom")
     assert raised.value.status == 500

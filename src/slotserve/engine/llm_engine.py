@@ -221,6 +221,9 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string if given")
         text, ids = self.tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # NOTE: SamplingParams: ints >= 0
+            raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         text = text if text is not None else prompt_text
         children = [self._new_sequence(request_id, i, text, ids, params, arrival)
                     for i in range(params.n)]

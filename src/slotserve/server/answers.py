@@ -1,0 +1,68 @@
+"""Whole (non-streamed) answers built from a request's finished completions, and the shape
+of a chat choice: its message (text or a forced tool call), finish reason and logprobs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from slotserve.engine.outputs import CompletionOutput
+from slotserve.sampling import SamplingParams
+from slotserve.server import protocol as p
+
+if TYPE_CHECKING:
+    from slotserve.server.generation import Generation
+
+
+def completion_response(stream: Generation, finals: list[CompletionOutput],
+                        params: SamplingParams, tokenizer, model_name: str
+                        ) -> p.CompletionResponse:
+    choices = [p.CompletionChoice(
+        index=c.index, text=c.text, finish_reason=c.finish_reason,
+        logprobs=None if params.logprobs is None else
+        p.completion_logprobs(tokenizer, c.token_ids, c.logprobs or []))
+        for c in finals]
+    return p.CompletionResponse(id=stream.request_id, model=model_name,
+                                choices=choices, usage=stream.usage(finals))
+
+
+def chat_response(stream: Generation, finals: list[CompletionOutput],
+                  body: p.ChatCompletionRequest, tokenizer, model_name: str
+                  ) -> p.ChatCompletionResponse:
+    plan = body.tool_plan()
+    choices = [p.ChatChoice(
+        index=c.index, message=assistant_message(c, plan),
+        finish_reason=chat_finish_reason(c, plan),
+        logprobs=chat_choice_logprobs(tokenizer, c.token_ids, c.logprobs, body))
+        for c in finals]
+    return p.ChatCompletionResponse(id=stream.request_id, model=model_name,
+                                    choices=choices, usage=stream.usage(finals))
+
+
+def chat_choice_logprobs(tokenizer, token_ids: list[int], logprobs,
+                         body: p.ChatCompletionRequest) -> p.ChatLogprobs | None:
+    """A chat choice's logprobs when the request asked for them (else None)."""
+    if not body.logprobs:
+        return None
+    return p.chat_logprobs(tokenizer, token_ids, logprobs or [], body.top_logprobs or 0)
+
+
+def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.AssistantMessage:
+    """The message of a finished choice: a tool call (content null) when the request forced
+    one and the output is a complete call, or a named function's arguments cut short (as
+    OpenAI answers with finish_reason "length"); its text otherwise."""
+    call = plan.call_of(c.text) if plan is not None else None
+    if call is None and plan is not None and plan.name is not None:
+        call = plan.name, c.text
+    if call is None:
+        return p.AssistantMessage(content=c.text)
+    name, arguments = call
+    return p.AssistantMessage(content=None, tool_calls=[p.ToolCall(
+        function=p.FunctionCall(name=name, arguments=arguments))])
+
+
+def chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | None:
+    """"tool_calls" for a complete forced call that ended by itself (OpenAI's reason)."""
+    if plan is not None and c.finish_reason == "stop" and plan.call_of(c.text) is not None:
+        return "tool_calls"
+    return c.finish_reason
+

@@ -1,0 +1,275 @@
+"""The request bodies: /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+and their conversion to the engine's SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from slotserve.sampling import SamplingParams
+from slotserve.server.protocol.errors import APIError, invalid_request
+from slotserve.server.protocol.request_model import RequestModel
+from slotserve.server.protocol.structured import StructuredFields, with_structured
+from slotserve.server.protocol.tools import (
+    NamedToolChoice,
+    ToolCallIn,
+    ToolDefinition,
+    ToolPlan,
+    tool_plan,
+)
+
+# Chat requests without max_tokens / max_completion_tokens generate up to this many tokens;
+# the engine also stops at the context limit (max_model_len), with finish_reason "length".
+DEFAULT_CHAT_MAX_TOKENS = 1024
+# Completions without max_tokens: 16, the OpenAI legacy default.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class StreamOptions(RequestModel):
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's, with
+    include_usage): every chunk also carries the usage so far."""
+
+    field_prefix = "stream_options."
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+PRIORITY_BOUND = 2**31 - 1  # |priority| at most this (vLLM's is an int32 in practice)
+MAX_USER_CHARS = 256  # OpenAI's `user` (a tenant name: a metrics label, a log field)
+
+
+class ModelNamed(RequestModel):
+    """A request that may name the model it is for."""
+
+    model: str | None = None  # None: the served model (vLLM's leniency)
+
+
+class CommonRequest(ModelNamed):
+    """Fields both generation endpoints share (vLLM's names for the extensions)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    min_p: float | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end a choice
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    min_tokens: int | None = None  # extension: no stop (EOS, stop strings) before this many
+    presence_penalty: float | None = None  # only 0 / absent
+    frequency_penalty: float | None = None  # only 0 / absent
+    logit_bias: dict[str, float] | None = None  # only empty / absent
+    # extension (vLLM's): requests with different salts never share prefix-cache blocks
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Scheduling (--scheduling-policy). priority: vLLM's, lower first (only `priority` and
+    # `fair`'s order within a tenant read it). slo_ttft_ms / slo_tpot_ms: extensions, this
+    # request's SLOs in milliseconds over the server's --slo-ttft-ms / --slo-tpot-ms.
+    # user: OpenAI's end-user id, the request's tenant when the server has no API keys.
+    priority: int = Field(default=0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
+    slo_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    slo_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:
+        self._reject_unsupported()
+        _check_cap(max_tokens, max_tokens_cap, renames.get("max_tokens", "max_tokens"))
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                min_tokens=0 if self.min_tokens is None else self.min_tokens,
+                logprobs=logprobs, n=1 if self.n is None else self.n)
+        except ValueError as exc:
+            raise invalid_request(str(exc), renames) from exc
+
+    def check_stop(self, max_strings: int | None, max_chars: int | None) -> None:
+        """APIError (400, param "stop") past the server's bounds on stop strings: their
+        count and each one's length (every generated token is matched against them, and the
+        stream holds back as much text as the longest one)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if max_strings is not None and len(stops) > max_strings:
+            raise APIError(f"stop: at most {max_strings} stop strings on this server "
+                           f"(--max-stop-strings), got {len(stops)}", param="stop",
+                           code="stop_limit_exceeded")
+        longest = max(map(len, stops), default=0)
+        if max_chars is not None and longest > max_chars:
+            raise APIError(f"stop: each stop string may have at most {max_chars} characters "
+                           f"on this server (--max-stop-chars), got one of {longest}",
+                           param="stop", code="stop_limit_exceeded")
+
+    def _reject_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"{name} is not supported (use 0 or leave it out)", param=name)
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every stream chunk carries the usage so far (include_usage and
+        continuous_usage_stats, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(CommonRequest, StructuredFields):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of one of those."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def engine_prompt(self) -> str | list[int]:
+        """The one prompt to run (batches of prompts are refused: send one request each)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError("a batch of prompts is not supported; send one prompt per "
+                               "request", param="prompt")
+            prompt = prompt[0]
+        return prompt
+
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field; max_tokens_cap: the server's
+        bound on max_tokens (it also caps the default)."""
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1, self.n):
+            raise APIError("best_of is not supported (leave it out or set it to n)",
+                           param="best_of")
+        max_tokens = self.max_tokens
+        if max_tokens is None or "max_tokens" not in self.model_fields_set:
+            max_tokens = _capped(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_cap)
+        params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
+        return with_structured(params, self.structured_spec()[0])
+
+
+class TextPart(RequestModel):
+    field_prefix = "messages.content."
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    field_prefix = "messages."
+    unused_fields = frozenset({"name"})  # NOTE: the chat template is given role and content
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+
+    def as_template_dict(self) -> dict[str, str]:
+        """{role, content} with text parts joined (what chat templates expect). An assistant
+        turn's tool calls, which templates without a tool format cannot show, are written
+        as the JSON the model was constrained to ({"name": ..., "arguments": {...}})."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        if self.tool_calls and not content:
+            content = "\n".join(call.as_text() for call in self.tool_calls)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(CommonRequest, StructuredFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field (as to CompletionRequest's)."""
+        spec, _ = self.structured_spec()
+        plan = self.tool_plan()
+        if plan is not None and spec is not None:
+            raise APIError("a tool call and response_format / structured_outputs cannot be "
+                           "asked together", param="tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        renames = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if self.max_completion_tokens
+                   is not None else "max_tokens"}
+        max_tokens = self.chat_max_tokens
+        if self.max_completion_tokens is None and self.max_tokens is None:
+            max_tokens = _capped(max_tokens, max_tokens_cap)
+        params = self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
+        return with_structured(params, plan.spec if plan is not None else spec)
+
+    def constraint_param(self) -> str | None:
+        """The request field whose constraint the output follows (for error messages)."""
+        if self.tool_plan() is not None:
+            return "tools"
+        return self.structured_spec()[1]
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The forced tool call, or None (see tools.tool_plan)."""
+        return tool_plan(self.tools, self.tool_choice)
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """max_completion_tokens, else max_tokens, else DEFAULT_CHAT_MAX_TOKENS."""
+        for value in (self.max_completion_tokens, self.max_tokens):
+            if value is not None:
+                return value
+        return DEFAULT_CHAT_MAX_TOKENS
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_dict() for m in self.messages]
+
+
+def _capped(default: int, cap: int | None) -> int:
+    return default if cap is None else min(default, cap)
+
+
+def _check_cap(max_tokens: int, cap: int | None, param: str) -> None:
+    """A max_tokens above the server's cap is refused (400), not silently lowered."""
+    if cap is not None and isinstance(max_tokens, int) and max_tokens > cap:
+        raise APIError(f"{param} must be at most {cap} on this server (--max-tokens-cap), "
+                       f"got {max_tokens}", param=param, code="max_tokens_exceeded")
+
+
+class TokenizeRequest(ModelNamed):
+    """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered with the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("send exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(ModelNamed):
+    """POST /detokenize (vLLM's)."""
+
+    tokens: list[int]
+

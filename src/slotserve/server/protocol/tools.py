@@ -1,0 +1,143 @@
+"""Tools in a chat request: the definitions, the forced tool_choice, the calls a client
+sends back, and the plan that constrains the output to a call."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from pydantic import Field
+
+from slotserve.server.protocol.errors import APIError
+from slotserve.server.protocol.request_model import RequestModel
+from slotserve.structured import StructuredOutputs
+
+
+class FunctionCallIn(RequestModel):
+    field_prefix = "messages.tool_calls.function."
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(RequestModel):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    field_prefix = "messages.tool_calls."
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def as_text(self) -> str:
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return json.dumps({"name": self.function.name, "arguments": arguments},
+                          ensure_ascii=False)
+
+
+class FunctionDefinition(RequestModel):
+    field_prefix = "tools.function."
+    unused_fields = frozenset({"description"})  # NOTE: only the parameters constrain the output
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    field_prefix = "tools."
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    field_prefix = "tool_choice.function."
+
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    field_prefix = "tool_choice."
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' is not supported for this model; use 'required' "
+                          "or a named function")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """How a request's tool call is produced: the output is constrained to `spec`.
+
+    name: the named function (tool_choice {"type": "function", ...}): the output is its
+    arguments. None (tool_choice "required"): the output is {"name": ..., "arguments": ...}
+    for one of the tools.
+    """
+
+    spec: StructuredOutputs
+    name: str | None
+
+    def call_of(self, text: str) -> tuple[str, str] | None:
+        """(function name, arguments as JSON text) of a finished output; None when the text
+        is not a complete call (the output was cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:  # NOTE: the text as generated (and as it was streamed)
+            return self.name, text
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        return value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)
+
+
+def _parameters(function: FunctionDefinition) -> dict:
+    """A function's argument schema (no `parameters`: any JSON object)."""
+    return function.parameters if function.parameters is not None else {"type": "object"}
+
+
+def tool_plan(tools: list[ToolDefinition] | None,
+              choice: str | NamedToolChoice | None) -> ToolPlan | None:
+    """The forced tool call, or None (no tools, or tool_choice "none"). APIError (400) for
+    tool_choice "auto" (this server has no tool-call parser for free text) and for a
+    tool_choice that names no tool."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):  # NOTE: OpenAI's default with tools is "auto"
+        raise APIError(AUTO_TOOLS_UNSUPPORTED, param="tool_choice")
+    functions = {tool.function.name: tool.function for tool in tools}
+    if len(functions) != len(tools):
+        raise APIError("tools: two tools have the same function name", param="tools")
+    if isinstance(choice, NamedToolChoice):
+        function = functions.get(choice.function.name)
+        if function is None:
+            raise APIError(f"tool_choice names the function {choice.function.name!r}, "
+                           f"which is not among the tools ({', '.join(functions)})",
+                           param="tool_choice")
+        return ToolPlan(_tool_spec(_parameters(function)), function.name)
+    calls = [{"type": "object", "properties": {"name": {"enum": [name]},
+                                               "arguments": _parameters(function)},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for name, function in functions.items()]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return ToolPlan(_tool_spec(schema), None)
+
+
+def _tool_spec(schema: dict) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(json=schema)
+    except ValueError as exc:
+        raise APIError(f"tools: a function's parameters are not a JSON schema: {exc}",
+                       param="tools") from exc

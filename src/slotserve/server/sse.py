@@ -1,0 +1,184 @@
+"""Streamed answers (server-sent events): the completion and chat chunks as OpenAI sends
+them, a forced tool call streamed as tool-call deltas, and the `data:` framing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi.responses import StreamingResponse
+
+from slotserve.engine.outputs import CompletionOutput, RequestOutput
+from slotserve.server import protocol as p
+from slotserve.server.answers import chat_choice_logprobs, chat_finish_reason
+from slotserve.server.protocol import APIError
+
+if TYPE_CHECKING:
+    from slotserve.server.generation import Generation
+
+
+async def completion_chunks(stream: Generation, first: RequestOutput, body: p.CompletionRequest,
+                            tokenizer, model_name: str) -> AsyncIterator[dict]:
+    """A completion's stream chunks (one per choice's new text, logprobs or finish; then
+    the usage when include_usage)."""
+    offsets: dict[int, int] = {}
+    async for c in stream.completions(first):
+        with_logprobs = body.logprobs is not None and c.delta_token_ids
+        if not (c.delta_text or with_logprobs or c.finished):
+            continue
+        logprobs = None
+        if body.logprobs is not None:
+            ids, lps = _delta_logprobs(c)
+            logprobs = p.completion_logprobs(tokenizer, ids, lps, offsets.get(c.index, 0))
+        offsets[c.index] = offsets.get(c.index, 0) + len(c.delta_text)
+        choice = p.CompletionChoice(index=c.index, text=c.delta_text, logprobs=logprobs,
+                                    finish_reason=c.finish_reason)
+        yield _chunk(p.CompletionResponse(id=stream.request_id, model=model_name,
+                                          choices=[choice],
+                                          usage=_running_usage(stream, body)),
+                     body.include_usage)
+    if body.include_usage:
+        yield p.CompletionResponse(id=stream.request_id, model=model_name, choices=[],
+                                   usage=stream.usage(stream.finals)).model_dump()
+
+
+async def chat_chunks(stream: Generation, first: RequestOutput, body: p.ChatCompletionRequest,
+                      tokenizer, model_name: str) -> AsyncIterator[dict]:
+    """A chat completion's stream chunks: each choice opens with the role, then its content
+    (or forced tool call) pieces and finish; then the usage when include_usage."""
+    def chunk(choice: p.ChatChunkChoice) -> dict:
+        return _chunk(p.ChatCompletionChunk(id=stream.request_id, model=model_name,
+                                            choices=[choice],
+                                            usage=_running_usage(stream, body)),
+                      body.include_usage)
+
+    for index in range(stream.params.n):  # OpenAI opens each choice with the role
+        yield chunk(p.ChatChunkChoice(index=index,
+                                      delta=p.DeltaMessage(role="assistant", content="")))
+    plan = body.tool_plan()
+    completions = stream.completions(first)
+    if plan is not None:
+        completions = _tool_call_deltas(completions, plan)
+    async for c in completions:
+        if isinstance(c, _ToolCallPiece):
+            ids, lps = _delta_logprobs(c.output)
+            yield chunk(c.choice(chat_choice_logprobs(tokenizer, ids, lps, body)))
+            continue
+        if c.delta_text or (body.logprobs and c.delta_token_ids):
+            ids, lps = _delta_logprobs(c)
+            logprobs = chat_choice_logprobs(tokenizer, ids, lps, body)
+            yield chunk(p.ChatChunkChoice(index=c.index,
+                                          delta=p.DeltaMessage(content=c.delta_text),
+                                          logprobs=logprobs))
+        if c.finished:
+            yield chunk(p.ChatChunkChoice(index=c.index, delta=p.DeltaMessage(),
+                                          finish_reason=c.finish_reason))
+    if body.include_usage:
+        yield p.ChatCompletionChunk(id=stream.request_id, model=model_name, choices=[],
+                                    usage=stream.usage(stream.finals)).model_dump()
+
+
+@dataclass
+class _ToolCallPiece:
+    """A streamed piece of a forced tool call: `delta` for one choice's call."""
+
+    output: CompletionOutput
+    delta: p.ToolCallDelta | None
+    finish_reason: str | None
+    content: str | None = None  # "required" cut short: the text, as the answer would carry
+
+    def choice(self, logprobs: p.ChatLogprobs | None) -> p.ChatChunkChoice:
+        tool_calls = [self.delta] if self.delta is not None else None
+        return p.ChatChunkChoice(index=self.output.index,
+                                 delta=p.DeltaMessage(content=self.content,
+                                                      tool_calls=tool_calls),
+                                 logprobs=logprobs, finish_reason=self.finish_reason)
+
+
+async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: p.ToolPlan
+                            ) -> AsyncIterator[_ToolCallPiece]:
+    """A forced tool call streamed as OpenAI streams one: a first delta with the call's id,
+    type and function name, then the arguments' text as it comes, then the finish reason.
+
+    Named function: the output is the arguments, streamed as generated. tool_choice
+    "required": the output is {"name": ..., "arguments": ...}, so each choice is held back
+    until it finishes, then sent whole (the name must be known first).
+    """
+    opened: set[int] = set()
+    async for c in completions:
+        first_piece = c.index not in opened
+        if plan.name is not None:
+            if first_piece:
+                opened.add(c.index)
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, id=p.new_id("call"), type="function",
+                    function=p.FunctionCall(name=plan.name, arguments="")), None)
+            if c.delta_text:
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, function=p.FunctionCall(arguments=c.delta_text)), None)
+        elif c.finished:
+            call = plan.call_of(c.text)
+            if call is not None:
+                yield _ToolCallPiece(c, p.ToolCallDelta(
+                    index=0, id=p.new_id("call"), type="function",
+                    function=p.FunctionCall(name=call[0], arguments=call[1])), None)
+            else:
+                yield _ToolCallPiece(c, None, None, content=c.text)
+        if c.finished:
+            yield _ToolCallPiece(c, None, chat_finish_reason(c, plan))
+
+
+def _running_usage(stream: Generation, body: p.CompletionRequest | p.ChatCompletionRequest
+                   ) -> p.UsageInfo | None:
+    """A content chunk's usage: the usage so far with continuous_usage_stats, else None."""
+    return stream.usage_so_far() if body.continuous_usage else None
+
+
+def _chunk(response, include_usage: bool) -> dict:
+    """A stream chunk as OpenAI sends them: deltas list only what they carry, and "usage"
+    is null in every chunk but the last when include_usage is set (absent otherwise; with
+    continuous_usage_stats every chunk carries the usage so far)."""
+    data = response.model_dump()
+    for choice in data["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if "tool_calls" in choice["delta"]:  # OpenAI's pieces carry only what is new
+                choice["delta"]["tool_calls"] = [_without_nulls(call) for call in
+                                                 choice["delta"]["tool_calls"]]
+    if not include_usage:
+        data.pop("usage", None)
+    return data
+
+
+def _without_nulls(value: dict) -> dict:
+    """`value` without its null entries, nested dicts included."""
+    return {k: _without_nulls(v) if isinstance(v, dict) else v for k, v in value.items()
+            if v is not None}
+
+
+def _delta_logprobs(c: CompletionOutput) -> tuple[list[int], list[dict[int, float]]]:
+    """The new tokens of an output and their logprobs (the output carries all so far)."""
+    ids = c.delta_token_ids
+    if not c.logprobs or not ids:
+        return ids, []
+    return ids, c.logprobs[len(c.token_ids) - len(ids):]
+
+
+def sse_response(chunks: AsyncIterator[dict], stream: Generation) -> StreamingResponse:
+    return StreamingResponse(_sse_lines(chunks, stream), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_lines(chunks: AsyncIterator[dict], stream: Generation) -> AsyncIterator[str]:
+    """`data: {json}` events, an error event if the generation fails, then `data: [DONE]`."""
+    try:
+        async for data in chunks:
+            yield f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    except APIError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    finally:
+        await chunks.aclose()
+        await stream.aclose()  # NOTE: aborts the request if the stream ended early
+    yield "data: [DONE]\n\n"
