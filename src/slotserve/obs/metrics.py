@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Summary, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -87,12 +87,15 @@ class ServerMetrics(EngineSubscriber):
                                "Arrival to first scheduled iteration.", REQUEST_BUCKETS)
 
     def _tenant_metrics(self, registry: CollectorRegistry) -> None:
-        self.tenant_ttft = Summary(PREFIX + "tenant_time_to_first_token_seconds",
-                                   "Time to first token, by tenant (sum and count).",
-                                   ["tenant"], registry=registry)
-        self.tenant_queue_time = Summary(PREFIX + "tenant_request_queue_time_seconds",
-                                         "Arrival to first scheduled iteration, by tenant "
-                                         "(sum and count).", ["tenant"], registry=registry)
+        # NOTE: histograms, not summaries: clients such as aiperf collect only histograms;
+        # the tenants are bounded (API keys, or ServerLimits.max_user_tenants `user` names).
+        self.tenant_ttft = Histogram(PREFIX + "tenant_time_to_first_token_seconds",
+                                     "Time to first token, by tenant.", ["tenant"],
+                                     buckets=TTFT_BUCKETS, registry=registry)
+        self.tenant_queue_time = Histogram(PREFIX + "tenant_request_queue_time_seconds",
+                                           "Arrival to first scheduled iteration, by tenant.",
+                                           ["tenant"], buckets=REQUEST_BUCKETS,
+                                           registry=registry)
         self.slo_met = Counter(PREFIX + "request_slo_met",
                                "Finished requests within both SLOs (goodput), by tenant.",
                                ["tenant"], registry=registry)
