@@ -9,6 +9,7 @@ cannot spell (a tuple, a dict). FLAG_OVERRIDES holds what differs from the rule.
 
     add_engine_args(parser)            # the flags, in an "engine" group
     engine_config_from_args(args)      # -> EngineConfig (nothing loaded)
+    build_engine(args)                 # -> LLMEngine (the model loaded)
     check_engine_args(parser, args)    # a bad value -> an argparse error naming the flag
 """
 
@@ -111,6 +112,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The EngineConfig the engine flags describe (ValueError naming the field if invalid)."""
     return engine_config(getattr(args, "model", None), **{**engine_kwargs(args), **overrides})
+
+
+def build_engine(args: argparse.Namespace, **overrides: Any):
+    """The LLMEngine the engine flags (and serve's --max-waiting) describe; loads the model."""
+    from slotserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_config(engine_config_from_args(args, **overrides))
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -217,3 +217,49 @@ def test_reset_through_the_async_engine(served):
 def test_reset_needs_a_running_engine(engine):
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(AsyncEngine(engine).reset_prefix_cache())
+
+
+def test_the_start_up_line_reads_the_snapshot(tiny_llama, caplog):
+    """`slotserve serve`'s start-up lines come from the snapshot alone: the same figures the
+    engine's parts give."""
+    import logging
+
+    from slotserve.runner.model_runner import kv_block_bytes
+    from slotserve.server.commands import log_startup
+
+    engine = tiny_engine(tiny_llama, scheduling_policy="fair", slo_ttft_ms=500.0,
+                         tenant_weights=(("a", 2.0),))
+    snap = engine.snapshot()
+    block_bytes = kv_block_bytes(engine.model_config, engine.kv.block_size, engine.runner.dtype)
+    assert snap.kv_block_bytes == block_bytes > 0
+    assert snap.kv_pool_bytes == engine.kv.num_blocks * block_bytes
+    assert snap.kernels == engine.runner.kernels.describe() and snap.kernels
+    assert snap.dtype == str(engine.runner.dtype).removeprefix("torch.")
+    assert (snap.device, snap.num_parameters) == (engine.config.device,
+                                                  engine.model_config.num_parameters)
+    assert (snap.slo_ttft_ms, snap.slo_tpot_ms, snap.slo_reject) == (500.0, None, False)
+    with caplog.at_level(logging.INFO, logger="slotserve.server"):
+        log_startup(snap, "tiny", "http://127.0.0.1:8000/v1")
+    text = caplog.text
+    assert f"on {snap.device} ({snap.dtype}), {snap.kernels}" in text
+    assert (f"KV pool: {snap.kv_blocks_total} blocks x {snap.block_size} tokens = "
+            f"{snap.kv_blocks_total * snap.block_size} tokens") in text
+    assert "scheduling policy fair; SLOs: TTFT 500.0 ms, TPOT None ms; 1 tenants weighted" in text
+    assert "serving tiny at http://127.0.0.1:8000/v1" in text
+
+
+def test_shutdown_writes_the_exported_trace(tiny_llama, tmp_path):
+    import json
+
+    from slotserve.server.commands import shutdown
+
+    engine = tiny_engine(tiny_llama)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    path = tmp_path / "trace.json"
+    shutdown(async_engine, str(path))
+    assert json.loads(path.read_text()) == engine.export_trace()
+    assert engine.export_trace()["iterations"]

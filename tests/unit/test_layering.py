@@ -27,14 +27,8 @@ ENGINE_READ_SIDE = {"slotserve.engine.events", "slotserve.engine.outputs"}
 ENGINE_FRONT = {"slotserve.engine.async_engine"}  # server/ only: the AsyncEngine it serves
 ENGINE_PARTS = {"scheduler", "scheduler_config", "kv", "runner", "trace", "stats"}
 
-# NOTE: server/commands.py belongs to the CLI work of issue 15.2 (another change); it still
-# builds and inspects the engine itself. Remove these entries when it reads the snapshot.
-ALLOWED_ENGINE_IMPORTS = {
-    "slotserve/server/commands.py": {"slotserve.engine.llm_engine"},
-}
-ALLOWED_PART_ACCESS = {
-    "slotserve/server/commands.py": {"kv", "runner", "scheduler", "trace", "engine.engine"},
-}
+ALLOWED_ENGINE_IMPORTS: dict[str, set[str]] = {}
+ALLOWED_PART_ACCESS: dict[str, set[str]] = {}
 ALLOWED_CLI_IMPORTERS: set[str] = set()  # cli.py imports the subcommands, never the reverse
 
 

@@ -111,6 +111,19 @@ class EngineSnapshot:
     scheduling_policy: str = "fcfs"
     tenants: tuple[TenantView, ...] = ()
     configured_tenants: tuple[str, ...] = ()  # named in SchedulerConfig.tenant_weights
+    slo_ttft_ms: float | None = None  # the scheduler's SLO targets (None: none)
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False  # requests whose SLO is unattainable are rejected
+    # the model and where it runs (the start-up line)
+    num_parameters: int = 0
+    device: str = ""
+    dtype: str = ""  # the KV cache's and activations' ("float32", "bfloat16", ...)
+    kernels: str = ""  # the KernelSet's describe()
+    kv_block_bytes: int = 0  # one block's K and V over every layer
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv_blocks_total * self.kv_block_bytes
 
     @property
     def kv_blocks_used(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from slotserve.engine.events import EngineSnapshot, SlotView, TenantView, build_block_map
+from slotserve.runner.model_runner import kv_block_bytes
 
 
 def build_snapshot(engine, include_blocks: bool = False) -> EngineSnapshot:
@@ -43,7 +44,19 @@ def build_snapshot(engine, include_blocks: bool = False) -> EngineSnapshot:
         finished_by_reason=tuple(sorted(stats.finished_by_reason.items())),
         block_map=block_map, scheduling_policy=str(sched.scheduling_policy),
         tenants=_tenants(sched.policy_state()),
-        configured_tenants=tuple(name for name, _ in config.tenant_weights))
+        configured_tenants=tuple(name for name, _ in config.tenant_weights),
+        slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms,
+        slo_reject=config.slo_reject, **_placement(engine))
+
+
+def _placement(engine) -> dict:
+    """The model's size, device, dtype, kernels and KV block bytes (the start-up line's)."""
+    runner = engine.runner
+    return dict(num_parameters=engine.model_config.num_parameters, device=engine.config.device,
+                dtype=str(runner.dtype).removeprefix("torch."),
+                kernels=runner.kernels.describe(),
+                kv_block_bytes=kv_block_bytes(engine.model_config, engine.kv.block_size,
+                                              runner.dtype))
 
 
 def _tenants(state: dict) -> tuple[TenantView, ...]:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
-from slotserve.engine_args import add_engine_args, engine_config_from_args, parse_size
+from slotserve.engine.events import EngineSnapshot
+from slotserve.engine_args import add_engine_args, build_engine, parse_size
 
 logger = logging.getLogger("slotserve.server")
 
@@ -185,14 +188,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)
-    engine = build_engine(args, tenant_weights=tenant_weights(policy))
-    name, aliases = served_model_names(engine.model_config.name, args.model,
-                                       args.served_model_name)
-    async_engine = AsyncEngine(engine)  # the waiting bound is in the engine config
+    async_engine = AsyncEngine(build_engine(args, tenant_weights=tenant_weights(policy)))
+    snapshot = async_engine.snapshot()  # NOTE: the waiting bound is in the engine config
+    name, aliases = served_model_names(snapshot.model, args.model, args.served_model_name)
     app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)
     host = listen_host(args, policy)
     logger.info("access: %s", policy.describe())
-    log_startup(engine, name, f"http://{host}:{args.port}/v1")
+    log_startup(snapshot, name, f"http://{host}:{args.port}/v1")
     # NOTE: a second signal makes uvicorn shut down at once and re-raise the signal with
     # the handler it found: make that one a clean exit, so the `finally` runs.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -268,16 +270,9 @@ def shutdown(async_engine, trace_path: str | None) -> None:
     async_engine.stop_accepting()
     async_engine.stop()
     if trace_path:
-        async_engine.engine.trace.save(trace_path)
+        Path(trace_path).write_text(json.dumps(async_engine.export_trace()))
         logger.info("trace written to %s", trace_path)
     logger.info("engine stopped")
-
-
-def build_engine(args: argparse.Namespace, **overrides):
-    """The LLMEngine the engine flags (and serve's --max-waiting) describe."""
-    from slotserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_config(engine_config_from_args(args, **overrides))
 
 
 def served_model_names(model_name: str, model_arg: str | None, override: str | None
@@ -301,25 +296,19 @@ def setup_logging(level: str = "info") -> None:
                         "%(message)s", datefmt="%H:%M:%S")
 
 
-def log_startup(engine, name: str, url: str) -> None:
+def log_startup(snap: EngineSnapshot, name: str, url: str) -> None:
     """Model, device, KV pool and URL: what an operator checks first."""
-    from slotserve.runner.model_runner import kv_block_bytes, resolve_dtype
-
-    mc, cfg, kv = engine.model_config, engine.config, engine.kv
-    dtype = resolve_dtype(cfg.device, cfg.dtype)
-    pool_bytes = kv.num_blocks * kv_block_bytes(mc, kv.block_size, dtype)
-    sched = engine.scheduler.config
-    logger.info("model %s (%s, %.0fM parameters) on %s (%s), %s", name,
-                mc.name, mc.num_parameters / 1e6, cfg.device, str(dtype).removeprefix("torch."),
-                engine.runner.kernels.describe())
+    logger.info("model %s (%s, %.0fM parameters) on %s (%s), %s", name, snap.model,
+                snap.num_parameters / 1e6, snap.device, snap.dtype, snap.kernels)
     logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB); policy %s, "
-                "%d slots, token budget %d, max_model_len %d", kv.num_blocks, kv.block_size,
-                kv.num_blocks * kv.block_size, pool_bytes / 2**20, sched.policy,
-                sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
+                "%d slots, token budget %d, max_model_len %d", snap.kv_blocks_total,
+                snap.block_size, snap.kv_blocks_total * snap.block_size,
+                snap.kv_pool_bytes / 2**20, snap.policy, snap.num_slots,
+                snap.max_num_batched_tokens, snap.max_model_len)
     logger.info("scheduling policy %s; SLOs: TTFT %s ms, TPOT %s ms%s; %d tenants weighted",
-                sched.scheduling_policy, sched.slo_ttft_ms, sched.slo_tpot_ms,
-                ", rejecting unattainable" if sched.slo_reject else "",
-                len(sched.tenant_weights))
+                snap.scheduling_policy, snap.slo_ttft_ms, snap.slo_tpot_ms,
+                ", rejecting unattainable" if snap.slo_reject else "",
+                len(snap.configured_tenants))
     logger.info("serving %s at %s", name, url)
 
 
