@@ -72,7 +72,8 @@ def eos_is_greedy_engine(hf_model, **kwargs) -> tuple[LLMEngine, int]:
     first = run(probe, SamplingParams(max_tokens=1, temperature=0))[0]
     cfg = ModelConfig.from_hf_dict({**hf_model.config.to_dict(), "eos_token_id": first})
     weights = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
-    engine = LLMEngine(engine_config(num_blocks=16, max_num_seqs=2, max_model_len=512), cfg,
+    engine = LLMEngine(engine_config(num_blocks=16, max_num_seqs=2, max_model_len=512,
+                                     quantization="none"), cfg,  # NOTE: as the probe: fp32
                        weights)
     return engine, first
 
