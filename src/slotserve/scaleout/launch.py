@@ -151,20 +151,8 @@ def build_front(handles: dict[str, object], policy: str, **router_kwargs):
 def serve_replicas(args: argparse.Namespace) -> int:
     """`slotserve serve --replicas N ...`: deploy, serve until SIGTERM / SIGINT, clean up."""
     import ray
-    import uvicorn
 
-    from slotserve.engine_args import engine_kwargs
-    from slotserve.scaleout.metrics import ReplicaSetMetrics
-    from slotserve.scaleout.replica import ReplicaSpec
-    from slotserve.server.api import build_app
-    from slotserve.server.commands import (
-        CLOSE_GRACE_S,
-        access_policy,
-        listen_host,
-        served_model_names,
-        server_limits,
-        setup_logging,
-    )
+    from slotserve.server.commands import access_policy, server_limits, setup_logging
 
     setup_logging(args.log_level)
     policy = access_policy(args)
@@ -174,31 +162,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
     except RayClusterError as exc:
         logger.error("%s", exc)
         return 2
-    threads = args.threads_per_replica or default_threads(args.replicas)
-    spec = ReplicaSpec(model=args.model, engine_kwargs=engine_kwargs(args), threads=threads,
-                       max_waiting=args.max_waiting)
-    logger.info("deploying %d replicas, %d threads each, router %s", args.replicas, threads,
-                args.router)
+    spec = _replica_spec(args)
     handles = {}
     try:
         handles = deploy_replicas(spec, args.replicas)
-        front = build_front(handles, args.router)
-        name, aliases = served_model_names(front.model_name, args.model,
-                                           args.served_model_name)
-        app = build_app(front, name, aliases=aliases, limits=limits, access=policy,
-                        metrics=ReplicaSetMetrics(front))
-        host = listen_host(args, policy)
-        logger.info("access: %s", policy.describe())
-        logger.info("serving %s from %d replicas at http://%s:%d/v1", name, args.replicas,
-                    host, args.port)
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-        config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=CLOSE_GRACE_S)
-        server = ReplicaServer(config, app.state.server, args.drain_timeout, front)
-        try:
-            server.run()
-        except KeyboardInterrupt:
-            pass
+        _serve_front(args, handles, policy, limits)
     finally:
         # NOTE: a local Ray goes with ray.shutdown() (its raylet may have had the terminal's
         # SIGINT already, and then Serve calls would hang); a cluster keeps running, so
@@ -208,6 +176,45 @@ def serve_replicas(args: argparse.Namespace) -> int:
         ray.shutdown()
         logger.info("replicas stopped")
     return 0
+
+
+def _replica_spec(args: argparse.Namespace):
+    """The ReplicaSpec every replica of `serve --replicas` is deployed from."""
+    from slotserve.engine_args import engine_kwargs
+    from slotserve.scaleout.replica import ReplicaSpec
+
+    threads = args.threads_per_replica or default_threads(args.replicas)
+    spec = ReplicaSpec(model=args.model, engine_kwargs=engine_kwargs(args), threads=threads,
+                       max_waiting=args.max_waiting)
+    logger.info("deploying %d replicas, %d threads each, router %s", args.replicas, threads,
+                args.router)
+    return spec
+
+
+def _serve_front(args: argparse.Namespace, handles: dict, policy, limits) -> None:
+    """Serve the OpenAI API over the deployed replicas until SIGTERM / SIGINT."""
+    import uvicorn
+
+    from slotserve.scaleout.metrics import ReplicaSetMetrics
+    from slotserve.server.api import build_app
+    from slotserve.server.commands import CLOSE_GRACE_S, listen_host, served_model_names
+
+    front = build_front(handles, args.router)
+    name, aliases = served_model_names(front.model_name, args.model, args.served_model_name)
+    app = build_app(front, name, aliases=aliases, limits=limits, access=policy,
+                    metrics=ReplicaSetMetrics(front))
+    host = listen_host(args, policy)
+    logger.info("access: %s", policy.describe())
+    logger.info("serving %s from %d replicas at http://%s:%d/v1", name, args.replicas,
+                host, args.port)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+    server = ReplicaServer(config, app.state.server, args.drain_timeout, front)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
 
 
 def _draining_server_class():

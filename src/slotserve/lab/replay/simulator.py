@@ -194,7 +194,6 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
         raise ValueError("request ids must be unique")
     cache = settings.cache_config()
     core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model)
-    scheduler, runner = core.scheduler, core.runner
     trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
@@ -202,34 +201,54 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     plans: list[SchedulerOutput] = []
     busy = 0
-    while pending or scheduler.has_unfinished():
-        _add_due(scheduler, trace, pending, runner.clock.now, outcomes)
-        if not scheduler.has_unfinished():
-            if pending:
-                runner.clock.advance_to(pending[0].arrival)
+    while pending or core.scheduler.has_unfinished():
+        plan = _next_iteration(core, trace, pending, outcomes)
+        if plan is None:
             continue
-        plan, updated = core.step()
-        if plan.is_empty:
-            if not pending:
-                raise RuntimeError(f"the scheduler planned nothing with "
-                                   f"{len(scheduler.requests)} requests unfinished")
-            runner.clock.advance_to(pending[0].arrival)
-            continue
-        for request in updated:
-            _on_token(request, runner.clock.now, scheduler, trace, outcomes)
-        trace.record(plan, runner.last_start, runner.last_end)
         busy += len(plan.seqs)
         if keep_plans:
             plans.append(plan)
         if check:
-            scheduler.check_integrity()
+            core.scheduler.check_integrity()
+    return _result(core, trace, settings, cost_model, outcomes, busy, workload,
+                   plans if keep_plans else None)
+
+
+def _next_iteration(core: VirtualEngineCore, trace: TraceRecorder, pending: deque,
+                    outcomes: dict[str, RequestOutcome]) -> SchedulerOutput | None:
+    """Add the requests due now and run one scheduler iteration on the virtual clock.
+
+    None when there was nothing to run: the clock moved on to the next arrival instead.
+    """
+    scheduler, runner = core.scheduler, core.runner
+    _add_due(scheduler, trace, pending, runner.clock.now, outcomes)
+    if not scheduler.has_unfinished():
+        if pending:
+            runner.clock.advance_to(pending[0].arrival)
+        return None
+    plan, updated = core.step()
+    if plan.is_empty:
+        if not pending:
+            raise RuntimeError(f"the scheduler planned nothing with "
+                               f"{len(scheduler.requests)} requests unfinished")
+        runner.clock.advance_to(pending[0].arrival)
+        return None
+    for request in updated:
+        _on_token(request, runner.clock.now, scheduler, trace, outcomes)
+    trace.record(plan, runner.last_start, runner.last_end)
+    return plan
+
+
+def _result(core: VirtualEngineCore, trace: TraceRecorder, settings: ReplaySettings, cost_model,
+            outcomes: dict[str, RequestOutcome], busy: int, workload: dict | None,
+            plans: list[SchedulerOutput] | None) -> ReplayResult:
+    """The ReplayResult of a finished run: its trace, the outcomes, the clock's end."""
     exported = trace.export()
     exported.update(source="replay", cost_model=cost_model.describe(),
                     settings=asdict(settings))
-    return ReplayResult(exported, list(outcomes.values()), runner.clock.now,
-                        len(exported["iterations"]), busy, scheduler.num_preemptions, settings,
-                        cost_model.describe(), dict(workload or {}),
-                        plans if keep_plans else None)
+    return ReplayResult(exported, list(outcomes.values()), core.runner.clock.now,
+                        len(exported["iterations"]), busy, core.scheduler.num_preemptions,
+                        settings, cost_model.describe(), dict(workload or {}), plans)
 
 
 def sampling_params_for(request: ReplayRequest) -> SamplingParams:
