@@ -157,7 +157,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     from slotserve.scaleout.metrics import ReplicaSetMetrics
     from slotserve.scaleout.replica import ReplicaSpec
     from slotserve.server.api import build_app
-    from slotserve.server.commands import (
+    from slotserve.server.startup import (
         CLOSE_GRACE_S,
         access_policy,
         listen_host,
@@ -211,7 +211,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 
 def _draining_server_class():
-    from slotserve.server.commands import DrainingServer
+    from slotserve.server.startup import DrainingServer
 
     return DrainingServer
 
