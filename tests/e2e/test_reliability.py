@@ -30,7 +30,7 @@ from slotserve import SamplingParams
 from slotserve.cli import build_parser
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.server.api import ServerLimits, build_app
-from slotserve.server.commands import server_limits
+from slotserve.server.startup import server_limits
 from tests.conftest import tiny_engine, tiny_llm
 from tests.e2e.conftest import MODEL_NAME, cli_flags, free_port, launch_server
 

@@ -42,7 +42,7 @@ def captured_engine_config(monkeypatch, build) -> EngineConfig:
 
 
 def test_engine_config_llm_and_serve_build_the_same_engine(monkeypatch):
-    from slotserve.server.commands import build_engine
+    from slotserve.engine_args import build_engine
 
     reference = EngineConfig()
     # NOTE: `make serve`'s defaults (the CLI's) are the one set.

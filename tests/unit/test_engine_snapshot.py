@@ -225,7 +225,7 @@ def test_the_start_up_line_reads_the_snapshot(tiny_llama, caplog):
     import logging
 
     from slotserve.runner.model_runner import kv_block_bytes
-    from slotserve.server.commands import log_startup
+    from slotserve.server.startup import log_startup
 
     engine = tiny_engine(tiny_llama, scheduling_policy="fair", slo_ttft_ms=500.0,
                          tenant_weights=(("a", 2.0),))
@@ -251,7 +251,7 @@ def test_the_start_up_line_reads_the_snapshot(tiny_llama, caplog):
 def test_shutdown_writes_the_exported_trace(tiny_llama, tmp_path):
     import json
 
-    from slotserve.server.commands import shutdown
+    from slotserve.server.startup import shutdown
 
     engine = tiny_engine(tiny_llama)
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))

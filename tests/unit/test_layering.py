@@ -4,6 +4,8 @@
 - obs/ and server/ read the engine only through its read side: of engine/ they import the
   boundary modules (events, outputs) and the AsyncEngine front, and they never touch the
   engine's parts (`.scheduler`, `.kv`, `.runner`, `.trace`, `.stats`, `x.engine.engine`);
+- commands/ (one module per subcommand) is the top layer: it may import anything below it,
+  nothing imports it except cli.py, and no module outside it defines a subcommand;
 - nothing imports cli.py.
 
 ALLOWED_* below list the known violations by file, each with the work that removes it; a
@@ -21,7 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "slotserve"
 
 ABOVE_CORE = ("engine", "server", "obs", "lab", "runner", "model", "loader", "attention",
-              "cli")
+              "commands", "cli")
 # What obs/ and server/ may import from engine/.
 ENGINE_READ_SIDE = {"slotserve.engine.events", "slotserve.engine.outputs"}
 ENGINE_FRONT = {"slotserve.engine.async_engine"}  # server/ only: the AsyncEngine it serves
@@ -30,6 +32,7 @@ ENGINE_PARTS = {"scheduler", "scheduler_config", "kv", "runner", "trace", "stats
 ALLOWED_ENGINE_IMPORTS: dict[str, set[str]] = {}
 ALLOWED_PART_ACCESS: dict[str, set[str]] = {}
 ALLOWED_CLI_IMPORTERS: set[str] = set()  # cli.py imports the subcommands, never the reverse
+COMMANDS = "slotserve.commands"
 
 
 def module_name(path: Path) -> str:
@@ -147,7 +150,7 @@ def test_obs_and_server_never_touch_the_engines_parts(module):
 def test_the_engine_does_not_import_the_layers_above_it():
     for module in modules_under("slotserve.engine"):
         above = {n for n in internal(GRAPH[module][2])
-                 if n.split(".")[1] in ("obs", "server", "lab", "cli")}
+                 if n.split(".")[1] in ("obs", "server", "lab", "commands", "cli")}
         assert not above, f"{module} imports {sorted(above)}"
 
 
@@ -165,6 +168,39 @@ def test_nothing_imports_cli():
     assert importers == ALLOWED_CLI_IMPORTERS
 
 
+def is_command(name: str) -> bool:
+    return name == COMMANDS or name.startswith(COMMANDS + ".")
+
+
+def test_only_cli_imports_the_commands():
+    """commands/ is the top layer: below cli.py, above everything else."""
+    importers = {path for module, (path, _, names) in GRAPH.items()
+                 if not is_command(module) and module != "slotserve.cli"
+                 and any(is_command(n) for n in names)}
+    assert importers == set()
+    assert {f"{COMMANDS}.serve", f"{COMMANDS}.bench"} <= GRAPH["slotserve.cli"][2]
+
+
+def subcommands_defined(tree: ast.AST) -> set[str]:
+    """The subcommands a module defines: the names of its `<x>.add_parser("name", ...)`."""
+    return {node.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_parser" and node.args
+            and isinstance(node.args[0], ast.Constant)}
+
+
+def test_each_subcommand_is_one_module_of_commands():
+    defined = {module: subcommands_defined(tree) for module, (_, tree, _) in GRAPH.items()}
+    outside = {m: names for m, names in defined.items() if names and not is_command(m)}
+    assert outside == {}, f"subcommands defined outside commands/: {outside}"
+    for module, names in defined.items():
+        if names:
+            assert names == {module.rsplit(".", 1)[1]}, f"{module} defines {sorted(names)}"
+    found = set().union(*defined.values())
+    assert found == {"serve", "generate", "chat", "bench", "simulate", "timeline",
+                     "calibrate", "plan"}
+
+
 def test_the_checks_catch_a_violation():
     """The detectors themselves: a made-up module that breaks each rule."""
     tree = ast.parse("import torch\nfrom slotserve.engine import llm_engine\n"
@@ -172,3 +208,5 @@ def test_the_checks_catch_a_violation():
                      "    return server.engine.engine.scheduler.kv, engine.trace\n")
     assert {"torch", "slotserve.engine.llm_engine"} <= imports_of(tree, "slotserve.obs.x")
     assert part_accesses(tree) == {"engine.engine", "scheduler", "trace"}
+    parser_tree = ast.parse("def add(subparsers):\n    subparsers.add_parser('serve')\n")
+    assert subcommands_defined(parser_tree) == {"serve"}

@@ -16,7 +16,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine_args import engine_config_from_args
 from slotserve.server.api import ServerLimits, build_app
 from slotserve.server.auth import AccessPolicy, Tenant
-from slotserve.server.commands import access_policy, server_limits, tenant_weights
+from slotserve.server.startup import access_policy, server_limits, tenant_weights
 from tests.unit.server_fixtures import text_engine
 
 PROMPT = [5, 6, 7, 8]

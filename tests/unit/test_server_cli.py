@@ -8,7 +8,7 @@ import pytest
 
 from slotserve.cli import build_parser
 from slotserve.server.chat import RemoteChat, api_base, run_chat
-from slotserve.server.commands import access_policy, listen_host, served_model_names
+from slotserve.server.startup import access_policy, listen_host, served_model_names
 
 
 def test_serve_flags():
@@ -153,6 +153,6 @@ def test_access_flags():
     policy = access_policy(args)
     assert [k for k, _ in policy.api_keys] == ["a", "b"] and policy.admin_key == "adm"
     assert not policy.admin_routes and not policy.admin_reachable
-    from slotserve.server.commands import server_limits
+    from slotserve.server.startup import server_limits
     limits = server_limits(args)
     assert (limits.max_stop_strings, limits.max_stop_chars) == (3, 9)

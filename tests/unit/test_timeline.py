@@ -13,7 +13,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from slotserve.lab.commands import add_simulate_parser, add_timeline_parser
+from slotserve.commands.simulate import add_simulate_parser
+from slotserve.commands.timeline import add_timeline_parser
 from slotserve.lab.simulate import SEED_TOY, simulate
 from slotserve.lab.timeline import (
     build_grid,

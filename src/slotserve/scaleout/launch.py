@@ -152,7 +152,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
     """`slotserve serve --replicas N ...`: deploy, serve until SIGTERM / SIGINT, clean up."""
     import ray
 
-    from slotserve.server.commands import access_policy, server_limits, setup_logging
+    from slotserve.server.startup import access_policy, server_limits, setup_logging
 
     setup_logging(args.log_level)
     policy = access_policy(args)
@@ -197,7 +197,7 @@ def _serve_front(args: argparse.Namespace, handles: dict, policy, limits) -> Non
 
     from slotserve.scaleout.metrics import ReplicaSetMetrics
     from slotserve.server.api import build_app
-    from slotserve.server.commands import CLOSE_GRACE_S, listen_host, served_model_names
+    from slotserve.server.startup import CLOSE_GRACE_S, listen_host, served_model_names
 
     front = build_front(handles, args.router)
     name, aliases = served_model_names(front.model_name, args.model, args.served_model_name)
@@ -218,7 +218,7 @@ def _serve_front(args: argparse.Namespace, handles: dict, policy, limits) -> Non
 
 
 def _draining_server_class():
-    from slotserve.server.commands import DrainingServer
+    from slotserve.server.startup import DrainingServer
 
     return DrainingServer
 

@@ -22,10 +22,9 @@ Metrics (as in the design's words; vLLM's benchmark_serving computes the same on
 
 Modules: `stats` (records, latency statistics, the summary), `targets` (engine and HTTP),
 `client` (the HTTP target's streaming client), `runner` (`run_bench`), `report` (tables,
-JSON reports, the knee plot) and `cli` (`slotserve bench`).
+JSON reports, the knee plot). The command itself is `slotserve.commands.bench`.
 """
 
-from slotserve.lab.bench.cli import SWEEPABLE, add_bench_parser, cmd_bench
 from slotserve.lab.bench.report import (
     format_detail,
     format_ratios,
@@ -47,8 +46,8 @@ from slotserve.lab.bench.stats import (
 from slotserve.lab.bench.targets import EngineTarget, OpenAITarget
 from slotserve.lab.workload import BenchRequest, Workload, generate_workload, load_workload
 
-__all__ = ["SWEEPABLE", "BenchRequest", "BenchResult", "BenchSampling", "EngineTarget",
+__all__ = ["BenchRequest", "BenchResult", "BenchSampling", "EngineTarget",
            "LatencyStats", "OpenAITarget", "RequestRecord", "RunStats", "Workload",
-           "add_bench_parser", "cmd_bench", "compare_ratios", "format_detail", "format_ratios",
+           "compare_ratios", "format_detail", "format_ratios",
            "format_table", "generate_workload", "load_workload", "machine_info", "plot_knee",
            "run_bench", "summarize", "write_report"]

@@ -1,4 +1,6 @@
-"""`slotserve serve` (the OpenAI API over HTTP) and `slotserve chat` (a terminal chat)."""
+"""Server start-up and shutdown, shared by `slotserve serve` (`slotserve.commands.serve`) and
+its Ray replicas (`slotserve.scaleout.launch`): the access policy, limits and listen address
+the flags describe, the served model names, the start-up log, the drain on SIGTERM / SIGINT."""
 
 from __future__ import annotations
 
@@ -6,17 +8,14 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import uvicorn
 
 from slotserve.engine.events import EngineSnapshot
-from slotserve.engine_args import add_engine_args, build_engine, parse_size
 
 logger = logging.getLogger("slotserve.server")
 
@@ -28,69 +27,6 @@ CLOSE_GRACE_S = 3
 # After a timed-out drain aborts what is left: how long the aborts have to reach the clients.
 ABORT_GRACE_S = 2.0
 DEFAULT_HOST = "127.0.0.1"
-
-
-# --------------------------------------------------------------------------- serve
-def add_serve_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat) over HTTP")
-    p.add_argument("--host", default=None,
-                   help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="bound on waiting requests; beyond it requests get 429 (default: none)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name of the API (default: from the model file or directory)")
-    p.add_argument("--trace", default=None, metavar="PATH",
-                   help="write the engine's iteration trace to this JSON file at shutdown")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM / SIGINT: refuse new requests (503) and let running ones "
-                        "finish for up to this long, then abort the rest and exit "
-                        "(default: 30; a second signal exits at once)")
-    p.add_argument("--max-tokens-cap", type=_positive_int, default=None, metavar="N",
-                   help="requests asking for more than N tokens (max_tokens) get 400; it also "
-                        "caps the default (default: no cap)")
-    p.add_argument("--max-body-bytes", type=_positive_size, default="1M",
-                   metavar="SIZE", help="larger request bodies get 413 (default: 1M)")
-    p.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
-                   help="HTTP requests served at once; beyond it 503, /health and /metrics "
-                        "excepted (default: no limit)")
-    p.add_argument("--max-stop-strings", type=_positive_int, default=64, metavar="N",
-                   help="requests with more than N stop strings get 400 (default: 64)")
-    p.add_argument("--max-stop-chars", type=_positive_int, default=512, metavar="N",
-                   help="requests with a stop string longer than N characters get 400 "
-                        "(default: 512)")
-    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                   help="a request body not complete S seconds after the request began gets "
-                        "408; only complete requests count against --max-connections "
-                        "(default: 30)")
-    add_access_args(p)
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(p)
-    from slotserve.scaleout.launch import add_replica_flags  # NOTE: imports no Ray
-
-    add_replica_flags(p)
-    p.set_defaults(func=cmd_serve)
-
-
-def add_access_args(p) -> None:
-    g = p.add_argument_group("access")
-    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="/v1 requests need 'Authorization: Bearer KEY' (repeatable; tenant "
-                        "'default'). Visible in the process list: prefer --api-keys-file")
-    g.add_argument("--api-keys-file", default=None, metavar="FILE",
-                   help="API keys, one 'KEY TENANT [WEIGHT]' per line (# comments)")
-    g.add_argument("--admin-key", default=None, metavar="KEY",
-                   help="the live view (/), /debug/* and /metrics need this key (Bearer, or "
-                        "HTTP Basic with it as the password); with API keys and no admin "
-                        "key they are off")
-    g.add_argument("--disable-admin-routes", action="store_true",
-                   help="the live view, /debug/* and /metrics answer 404")
-    g.add_argument("--max-user-tenants", type=_non_negative_int, default=1024, metavar="N",
-                   help="without API keys, a request's OpenAI `user` field names its tenant "
-                        "(--scheduling-policy fair, per-tenant metrics): the first N distinct "
-                        "names get their own, later ones share tenant 'other'; 0 ignores the "
-                        "field (default: 1024). With API keys the key's tenant counts")
 
 
 def access_policy(args: argparse.Namespace):
@@ -145,27 +81,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_size(text: str) -> int:
-    value = parse_size(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
-    return value
-
-
 def server_limits(args: argparse.Namespace):
     """The ServerLimits the limit flags describe."""
     from slotserve.server.api import ServerLimits
@@ -175,40 +90,6 @@ def server_limits(args: argparse.Namespace):
                         max_stop_strings=args.max_stop_strings,
                         max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout,
                         max_user_tenants=args.max_user_tenants)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from slotserve.engine.async_engine import AsyncEngine
-    from slotserve.server.api import build_app
-
-    if getattr(args, "replicas", None):  # Ray Serve replicas (slotserve.scaleout)
-        from slotserve.scaleout.launch import serve_replicas
-
-        return serve_replicas(args)
-    setup_logging(args.log_level)
-    policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
-    limits = server_limits(args)
-    async_engine = AsyncEngine(build_engine(args, tenant_weights=tenant_weights(policy)))
-    snapshot = async_engine.snapshot()  # NOTE: the waiting bound is in the engine config
-    name, aliases = served_model_names(snapshot.model, args.model, args.served_model_name)
-    app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)
-    host = listen_host(args, policy)
-    logger.info("access: %s", policy.describe())
-    log_startup(snapshot, name, f"http://{host}:{args.port}/v1")
-    # NOTE: a second signal makes uvicorn shut down at once and re-raise the signal with
-    # the handler it found: make that one a clean exit, so the `finally` runs.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=CLOSE_GRACE_S)
-    server = DrainingServer(config, app.state.server, args.drain_timeout)
-    async_engine.start()
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        shutdown(async_engine, args.trace)
-    return 0
 
 
 class DrainingServer(uvicorn.Server):
@@ -312,33 +193,3 @@ def log_startup(snap: EngineSnapshot, name: str, url: str) -> None:
     logger.info("serving %s at %s", name, url)
 
 
-# --------------------------------------------------------------------------- chat
-def add_chat_parser(subparsers) -> None:
-    p = subparsers.add_parser("chat", help="chat in the terminal (in-process, or with --url)")
-    p.add_argument("--url", default=None,
-                   help="a running slotserve / OpenAI-compatible server, e.g. "
-                        "http://127.0.0.1:8000 (default: an in-process engine)")
-    p.add_argument("--model-name", default=None,
-                   help="with --url: the model to ask for (default: the server's first)")
-    p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"),
-                   help="with --url: the server's API key (default: $SLOTSERVE_API_KEY)")
-    p.add_argument("--system", default=None, help="a system message")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
-    add_engine_args(p)
-    # One conversation needs one slot; this also keeps the default KV pool small.
-    p.set_defaults(func=cmd_chat, max_num_seqs=1)
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from slotserve.server.chat import LocalChat, RemoteChat, run_chat
-
-    if args.url:
-        backend = RemoteChat(args.url, args.model_name, api_key=args.api_key)
-    else:
-        print("loading the model...", flush=True)
-        backend = LocalChat(build_engine(args))
-    print(f"chatting with {backend.model_name} (/exit or Ctrl-D quits, /reset forgets)")
-    run_chat(backend, system=args.system, max_tokens=args.max_tokens,
-             temperature=args.temperature)
-    return 0
