@@ -138,3 +138,35 @@ def test_a_matcher_in_error_fails_only_its_request(smollm2_llm):
     assert "injected" in finals["broken"].error
     assert finals["healthy"].outputs[0].text in CHOICES
     engine.check_integrity()
+
+
+@pytest.mark.slow  # about 40 s on 2 idle cores: up to 400 tokens per schema on SmolLM2
+def test_20_random_schemas_through_the_embedded_model(smollm2_llm):
+    """20 random schemas (the generator of tests/unit/test_structured_api.py: objects,
+    arrays, enums, bounded integers and floats, strings) in one generate call, sampled at
+    temperature 1: 16 run at once and 4 wait for slots; every output is complete ("stop"
+    within the longest output its schema allows) and validates with jsonschema."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.unit.test_structured_api import _schemas, max_output_tokens
+
+    @settings(max_examples=1, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                     HealthCheck.data_too_large])
+    @given(batch=st.lists(_schemas(), min_size=20, max_size=20,
+                          unique_by=lambda schema: json.dumps(schema, sort_keys=True)))
+    def check(batch):
+        ids = prompt(smollm2_llm, "Describe a person as JSON.")
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_output_tokens(schema),
+                                 structured_outputs=StructuredOutputs(json=schema))
+                  for i, schema in enumerate(batch)]
+        outputs = smollm2_llm.generate([ids] * len(batch), params, use_tqdm=False)
+        for schema, output in zip(batch, outputs):
+            completion = output.outputs[0]
+            assert completion.finish_reason == "stop", (schema, completion.text)
+            jsonschema.validate(json.loads(completion.text), schema)
+        smollm2_llm.engine.check_integrity()
+
+    check()
