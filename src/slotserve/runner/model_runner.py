@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from slotserve.attention.metadata import build_metadata
-from slotserve.config import CacheConfig, ModelConfig
+from slotserve.config import CacheConfig, ModelConfig, SlotKind
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
@@ -120,7 +120,7 @@ class ModelRunner:
         caller (LLMEngine.score); the pass writes their K/V and nothing else.
         """
         seq = ScheduledSeq("__score__", list(token_ids), 0, list(block_table), True,
-                           SamplingParams(), 0, "prefill")
+                           SamplingParams(), 0, SlotKind.PREFILL)
         meta = build_metadata([seq], self.block_size, self.device)
         ids = torch.tensor(token_ids, device=self.device)
         positions = torch.arange(len(token_ids), device=self.device)

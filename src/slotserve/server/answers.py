@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from slotserve.config import FinishReason
 from slotserve.engine.outputs import CompletionOutput
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
@@ -62,7 +63,8 @@ def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.Assista
 
 def chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | None:
     """"tool_calls" for a complete forced call that ended by itself (OpenAI's reason)."""
-    if plan is not None and c.finish_reason == "stop" and plan.call_of(c.text) is not None:
+    ended_by_itself = c.finish_reason == FinishReason.STOP
+    if plan is not None and ended_by_itself and plan.call_of(c.text) is not None:
         return "tool_calls"
     return c.finish_reason
 

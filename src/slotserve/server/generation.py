@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from slotserve.config import FinishReason
 from slotserve.engine.async_engine import EngineClosedError, QueueFullError
 from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling import SamplingParams
@@ -125,7 +126,7 @@ class Generation:
     def _check_rejected(self, out: RequestOutput) -> None:
         """APIError 503 if the scheduler rejected the request (deadline policy, slo_reject:
         its first token could no longer come within its TTFT SLO)."""
-        if out.outputs[0].finish_reason != "rejected":
+        if out.outputs[0].finish_reason != FinishReason.REJECTED:
             return
         logger.info("rejected %s: %s", self.log_name, out.error or "SLO unattainable")
         raise APIError(f"the server cannot meet this request's latency objective now "
@@ -134,14 +135,15 @@ class Generation:
                        headers={"Retry-After": str(self.server.retry_after_s)})
 
     def _check(self, c: CompletionOutput, error: str | None = None) -> CompletionOutput:
-        if c.finish_reason == "error" and (error or "").startswith("GrammarRejectedToken"):
+        grammar_rejected = (error or "").startswith("GrammarRejectedToken")
+        if c.finish_reason == FinishReason.ERROR and grammar_rejected:
             # NOTE: the request's own constraint is one the grammar engine cannot follow
             raise APIError("the grammar engine could not follow this request's constraint "
                            f"({error}); try a simpler pattern", 400,
                            param="structured_outputs", code="unsupported_constraint")
-        if c.finish_reason == "error":
+        if c.finish_reason == FinishReason.ERROR:
             raise APIError("generation failed in the engine", 500, "server_error")
-        if c.finish_reason == "abort":
+        if c.finish_reason == FinishReason.ABORT:
             raise APIError("the request was aborted (the server is shutting down)", 503,
                            "service_unavailable")
         if c.finished:

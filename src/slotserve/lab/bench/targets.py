@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from slotserve.config import engine_config
+from slotserve.config import FinishReason, engine_config
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
 from slotserve.lab.bench.client import first_model, stream_request
 from slotserve.lab.bench.stats import BenchSampling, RequestRecord, RunStats
@@ -156,7 +156,8 @@ def _add_due(engine, pending: deque, t0: float, sampling: BenchSampling) -> list
 def _engine_record(out) -> RequestRecord:
     """One request's record: TTFT of its first completion, output tokens of all n."""
     m = out.metrics
-    ok = out.error is None and all(o.finish_reason in ("stop", "length") for o in out.outputs)
+    finished = (FinishReason.STOP, FinishReason.LENGTH)
+    ok = out.error is None and all(o.finish_reason in finished for o in out.outputs)
     error = out.error or (None if ok else f"finish_reason={out.finish_reason}")
     outputs = sum(len(o.token_ids) for o in out.outputs)
     return RequestRecord(out.request_id, ok, len(out.prompt_token_ids), outputs,

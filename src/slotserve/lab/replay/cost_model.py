@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from slotserve.config import SlotKind
 from slotserve.core.outputs import SchedulerOutput
 
 PROFILE_VERSION = 1
@@ -42,7 +43,7 @@ class StepFeatures:
         prefill = decode = pairs = sampled = 0
         for seq in plan.seqs:
             n, start = seq.num_tokens, seq.start_pos
-            if seq.kind == "decode":
+            if seq.kind == SlotKind.DECODE:
                 decode += 1
             else:
                 prefill += n

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from slotserve.config import (
     DEFAULT_PREFILL_TOKENS_WHILE_DECODING,
     CacheConfig,
+    Policy,
     SchedulerConfig,
     check_policy_fields,
 )
@@ -84,7 +85,7 @@ class ReplaySettings:
     queue order, the requests' default SLOs, and the deadline policy's rejection).
     """
 
-    policy: str = "continuous"
+    policy: str = Policy.CONTINUOUS
     scheduling_policy: str = "fcfs"
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
