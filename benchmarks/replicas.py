@@ -136,8 +136,8 @@ def replicas(args) -> dict:
 
         def counters() -> dict:
             snaps = [h.snapshot.remote().result() for h in handles.values()]
-            return {"hits": sum(s["prefix_cache_hits"] for s in snaps),
-                    "queries": sum(s["prefix_cache_queries"] for s in snaps)}
+            return {"hits": sum(s["engine"].prefix_cache_hits for s in snaps),
+                    "queries": sum(s["engine"].prefix_cache_queries for s in snaps)}
 
         front = build_front(handles, "round_robin")
         out["W"] = asyncio.run(run_w(front, args))
