@@ -282,6 +282,21 @@ def guided_regex_unfollowable(ctx):
 
 
 @status_of()
+def min_tokens_past_max(ctx):
+    return small(min_tokens=ATTACK_MAX_TOKENS + 1)
+
+
+@status_of()
+def stop_token_ids_past_vocab(ctx):
+    return small(stop_token_ids=[10**30, 2**40])
+
+
+@status_of()
+def continuous_usage_wrong_type(ctx):
+    return small(stream=True, stream_options={"continuous_usage_stats": "always"})
+
+
+@status_of()
 def json_schema_bad(ctx):
     return small(response_format={"type": "json_schema",
                                   "json_schema": {"name": "x", "schema": {"type": 7}}})
@@ -384,6 +399,9 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "an unparsable guided_regex": (guided_regex_bad, frozenset({400})),
     "a regex the grammar engine cannot follow": (guided_regex_unfollowable, frozenset({400})),
     "a malformed json_schema": (json_schema_bad, frozenset({400})),
+    "min_tokens above max_tokens": (min_tokens_past_max, frozenset({400})),
+    "stop_token_ids past the vocabulary": (stop_token_ids_past_vocab, frozenset({400})),
+    "continuous_usage_stats not a boolean": (continuous_usage_wrong_type, frozenset({400})),
     "no API key": (missing_key, frozenset({401})),
     "a wrong API key": (wrong_key, frozenset({401})),
     "/metrics with a non-admin key": (metrics_without_admin, frozenset({401})),
