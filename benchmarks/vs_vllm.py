@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -55,7 +56,7 @@ from slotserve.lab.bench import (
     run_bench,
     write_report,
 )
-from slotserve.lab.quality import greedy_agreement, teacher_forced_argmax
+from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
 from slotserve.lab.workload import generate_workload
 from tests.support.launch import ServerProcess, cli_flags, free_port
 
@@ -200,34 +201,24 @@ def summary_row(server: Server) -> dict:
 
 
 # --------------------------------------------------------------------------- quality
-def reference_continuations(target: EngineTarget) -> tuple[list[list[int]], list[list[int]]]:
-    """slotserve fp32's greedy continuations of the quality prompts (the reference)."""
-    loaded = _loaded(target)
-    prompts = chat_prompts(loaded.tokenizer, QUALITY_PROMPTS)
-    from slotserve.lab.quality import _greedy
-
-    reference = quality_engine(loaded, **SYSTEMS["slotserve fp32"][1])
-    return prompts, _greedy(reference, prompts, QUALITY_TOKENS)
-
-
-def slotserve_agreement(target: EngineTarget, flags: dict) -> float:
-    loaded = _loaded(target)
+def slotserve_quality(target: EngineTarget, names: list[str]) -> tuple[list, list, dict]:
+    """The quality prompts, slotserve fp32's greedy continuations of them (the reference),
+    and the teacher-forced agreement with them of the reference itself (1.0 unless scoring
+    differs from generating: the check that the measure lines up position by position)
+    and of each other slotserve system among `names`."""
+    loaded = SimpleNamespace(config=target.model_config, weights=target.weights,
+                             tokenizer=target.tokenizer)
     prompts = chat_prompts(loaded.tokenizer, QUALITY_PROMPTS)
     reference = quality_engine(loaded, **SYSTEMS["slotserve fp32"][1])
-    candidate = quality_engine(loaded, **flags)
-    return greedy_agreement(reference, candidate, prompts, QUALITY_TOKENS).teacher_forced
-
-
-def slotserve_self_check(target: EngineTarget, prompts, continuations) -> float:
-    """The reference's own teacher-forced agreement (1.0 unless scoring differs from
-    generating): the check that the API measure below lines up position by position."""
-    reference = quality_engine(_loaded(target), **SYSTEMS["slotserve fp32"][1])
-    hits = total = 0
-    for prompt, cont in zip(prompts, continuations):
-        predicted = teacher_forced_argmax(reference, prompt, cont)
-        hits += sum(int(p == c) for p, c in zip(predicted, cont))
-        total += len(cont)
-    return hits / total
+    continuations = greedy_continuations(reference, prompts, QUALITY_TOKENS)
+    quality = {"slotserve fp32 (self)": teacher_forced_agreement(reference, prompts,
+                                                                 continuations)}
+    for name in names:
+        kind, how = SYSTEMS[name]
+        if kind == "slotserve" and name != "slotserve fp32":
+            candidate = quality_engine(loaded, **how)
+            quality[name] = teacher_forced_agreement(candidate, prompts, continuations)
+    return prompts, continuations, quality
 
 
 def api_agreement(url: str, prompts, continuations) -> float:
@@ -246,13 +237,6 @@ def api_agreement(url: str, prompts, continuations) -> float:
                 hits += int(top == expected)
                 total += 1
     return hits / total
-
-
-def _loaded(target: EngineTarget):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(config=target.model_config, weights=target.weights,
-                           tokenizer=target.tokenizer)
 
 
 # --------------------------------------------------------------------------- report
@@ -340,12 +324,7 @@ def main() -> None:
 
     quality: dict[str, float] = {}
     if not args.no_quality:
-        prompts, continuations = reference_continuations(target)
-        quality["slotserve fp32 (self)"] = slotserve_self_check(target, prompts, continuations)
-        for name in names:
-            kind, how = SYSTEMS[name]
-            if kind == "slotserve" and name != "slotserve fp32":
-                quality[name] = slotserve_agreement(target, how)
+        prompts, continuations, quality = slotserve_quality(target, names)
     del target  # NOTE: the in-process weights are not needed past this point
 
     servers = [start(name) for name in names]

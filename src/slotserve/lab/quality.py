@@ -31,8 +31,8 @@ class Agreement:
 def greedy_agreement(reference: LLMEngine, candidate: LLMEngine, prompts: list[list[int]],
                      max_tokens: int) -> Agreement:
     """Compare greedy outputs of two engines on the same prompt token ids."""
-    ref_out = _greedy(reference, prompts, max_tokens)
-    cand_out = _greedy(candidate, prompts, max_tokens)
+    ref_out = greedy_continuations(reference, prompts, max_tokens)
+    cand_out = greedy_continuations(candidate, prompts, max_tokens)
     forced_hits = free_hits = total = 0
     first_divergence = []
     for prompt, ref, cand in zip(prompts, ref_out, cand_out):
@@ -47,12 +47,26 @@ def greedy_agreement(reference: LLMEngine, candidate: LLMEngine, prompts: list[l
                      float(first_divergence[len(first_divergence) // 2]))
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_continuations(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+                         ) -> list[list[int]]:
+    """Each prompt's greedy continuation of exactly max_tokens tokens (ignore_eos)."""
     from slotserve.engine.llm import LLM
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in LLM(engine=engine).generate(prompts, params,
                                                                  use_tqdm=False)]
+
+
+def teacher_forced_agreement(engine: LLMEngine, prompts: list[list[int]],
+                             continuations: list[list[int]]) -> float:
+    """Share of the continuations' tokens that are the engine's own greedy choice there,
+    reading prompt + continuation in one pass each (the teacher-forced measure above)."""
+    hits = total = 0
+    for prompt, continuation in zip(prompts, continuations):
+        predicted = teacher_forced_argmax(engine, prompt, continuation)
+        hits += sum(int(p == c) for p, c in zip(predicted, continuation))
+        total += len(continuation)
+    return hits / total
 
 
 def teacher_forced_argmax(engine: LLMEngine, prompt: list[int], continuation: list[int]
