@@ -102,10 +102,13 @@ def single_engine(args) -> dict:
     from slotserve.engine.llm import engine_config
     from slotserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_config(engine_config(args.model, **_engine_kwargs(args)))
-    torch.set_num_threads(2)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
+    def build() -> LLMEngine:
+        built = LLMEngine.from_config(engine_config(args.model, **_engine_kwargs(args)))
+        torch.set_num_threads(2)
+        return built
+
+    async_engine = AsyncEngine.launch(build)  # NOTE: built in its thread (launch's NOTE)
+    engine = async_engine.engine
 
     def counters() -> dict:
         return {"hits": engine.stats.prefix_cache_hits,

@@ -121,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)
-    async_engine = AsyncEngine(build_engine(args, tenant_weights=tenant_weights(policy)))
+    weights = tenant_weights(policy)
+    async_engine = AsyncEngine.launch(lambda: build_engine(args, tenant_weights=weights))
     snapshot = async_engine.snapshot()  # NOTE: the waiting bound is in the engine config
     name, aliases = served_model_names(snapshot.model, args.model, args.served_model_name)
     app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)
@@ -134,7 +135,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=CLOSE_GRACE_S)
     server = DrainingServer(config, app.state.server, args.drain_timeout)
-    async_engine.start()
     try:
         server.run()
     except KeyboardInterrupt:

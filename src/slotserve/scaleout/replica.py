@@ -45,17 +45,20 @@ class EngineReplica:
         kwargs = dict(spec.engine_kwargs)
         if spec.max_waiting is not None:
             kwargs["max_waiting"] = spec.max_waiting
-        engine = LLMEngine.from_config(engine_config(spec.model, **kwargs))
-        # NOTE: after from_config, which sets one thread per core the process may use.
-        torch.set_num_threads(spec.threads)
+        def build() -> LLMEngine:
+            engine = LLMEngine.from_config(engine_config(spec.model, **kwargs))
+            # NOTE: after from_config, which sets one thread per core the process may use.
+            torch.set_num_threads(spec.threads)
+            return engine
+
+        # NOTE: built in the engine thread, the only one that runs torch (launch's NOTE)
+        self.async_engine = AsyncEngine.launch(build)
         self.name = name
-        self.model_config = engine.model_config
-        self.async_engine = AsyncEngine(engine)
+        self.model_config = self.async_engine.engine.model_config
         self.metrics = ServerMetrics(self.async_engine)
         self.metrics.attach()
         self.tap = IterationTap(self.async_engine)
         self.tap.attach()
-        self.async_engine.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **request_fields):
