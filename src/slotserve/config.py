@@ -149,6 +149,9 @@ class CacheConfig:
         at what max_num_seqs full-length sequences can use.
     enable_prefix_caching: keep full blocks of computed K/V under a hash of their tokens (and
         everything before them) and share them with later requests with the same prefix.
+    kv_cache_dtype: the cached K/V's element type. auto: bfloat16 where the linear weights
+        are bf16 or int8 on the CPU (half the bytes decode attention reads; K/V rounded to
+        bf16 as stored), else the model's dtype (float32: the reference).
     """
 
     block_size: int = 16
@@ -156,8 +159,12 @@ class CacheConfig:
     # NOTE: flat name kv_cache_memory (engine_config's keyword and --kv-cache-memory).
     memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -340,6 +347,8 @@ class EngineConfig:
                              f"got device {self.device!r}")
 
 
+KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(
+    typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
 KERNELS: tuple[str, ...] = typing.get_args(typing.get_type_hints(EngineConfig)["kernels"])
 QUANTIZATIONS: tuple[str, ...] = typing.get_args(
     typing.get_type_hints(EngineConfig)["quantization"])

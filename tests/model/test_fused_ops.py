@@ -45,14 +45,19 @@ def test_rotary_in_place_rotates_only_the_view(cpu_ops):
     assert torch.equal(qkv[:, heads * head_dim:], untouched)
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp32-cache", "bf16-cache"])
 @pytest.mark.parametrize("seqs,max_len", [(1, 9), (1, 600), (7, 300)])
-def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
+def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len, kv_dtype):
     # (1, 9) runs on the calling thread, (7, 300) on the pool (SERIAL_POSITIONS in the .cpp),
     # one task per sequence over whole cached rows (the 1-sequence cases: one per KV head)
     gen = torch.Generator().manual_seed(seqs)
     block_size, num_blocks, num_kv_heads, group, head_dim = 16, 300, 2, 3, 32
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     lens = torch.randint(1, max_len + 1, (seqs,), generator=gen)
     lens[0] = max_len
     max_blocks = -(-max_len // block_size)
@@ -76,13 +81,17 @@ def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len):
     (128, 3, 2, 16, 6),   # head_dim 128: chunks of 2 + 1
     (128, 4, 1, 32, 2),   # blocks of 32
 ])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp32-cache", "bf16-cache"])
 def test_decode_attention_register_path_equals_torch(cpu_ops, head_dim, group, num_kv_heads,
-                                                     block_size, seqs):
+                                                     block_size, seqs, kv_dtype):
+    """The torch reference reads the same cached values (a bf16 cache widened exactly), so
+    a bf16 cache is held to fp32's tolerance too."""
     # head_dim 64 and 128 take the AVX-512 path where the CPU has it (the generic one if not)
     gen = torch.Generator().manual_seed(head_dim + group + seqs)
     num_blocks, max_len = 200, 150
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     lens = torch.randint(1, max_len + 1, (seqs,), generator=gen)
     lens[0] = max_len  # ends inside a block for every block size here
     max_blocks = -(-max_len // block_size)
@@ -94,6 +103,28 @@ def test_decode_attention_register_path_equals_torch(cpu_ops, head_dim, group, n
 
     expected = decode_attention(q, k_cache, v_cache, tables, mask, head_dim ** -0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_write_kv_into_a_bf16_cache_rounds_as_torch_does(cpu_ops):
+    """The fused store and torch's index_copy_ of .to(bfloat16) (round to nearest even) give
+    the same bits; k and v as the model passes them (views into a wider row)."""
+    from slotserve.attention.torch_paged import write_kv
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, nkv, hd = 7, 3, 64
+    qkv = torch.randn(tokens, (4 + 2 * nkv) * hd, generator=gen) * 5
+    k = qkv[:, 4 * hd:(4 + nkv) * hd].view(tokens, nkv, hd)
+    v = qkv[:, (4 + nkv) * hd:].view(tokens, nkv, hd)
+    slots = torch.tensor([5, 0, 17, 9, 30, 2, 11])
+    fused = [torch.zeros(8, 4, nkv, hd, dtype=torch.bfloat16) for _ in range(2)]
+    reference = [c.clone() for c in fused]
+
+    cpu_ops.write_kv_(*fused, k, v, slots)
+    write_kv(*reference, k, v, slots)
+
+    assert torch.equal(fused[0], reference[0]) and torch.equal(fused[1], reference[1])
+    assert torch.equal(fused[0].view(-1, nkv, hd)[slots], k.to(torch.bfloat16))
+    assert torch.count_nonzero(fused[1].view(-1, nkv, hd)[slots] - v.to(torch.bfloat16)) == 0
 
 
 def test_kernels_reject_bad_input(cpu_ops):
@@ -109,6 +140,13 @@ def test_kernels_reject_bad_input(cpu_ops):
     with pytest.raises(RuntimeError, match="block id out of range"):
         cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), k_cache, k_cache,
                                        torch.tensor([[0, 4]]), torch.tensor([3]), 1.0)
+    wide = k_cache.double()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_ops.write_kv_(wide, wide.clone(), torch.ones(1, 1, 8), torch.ones(1, 1, 8),
+                          torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):  # k and v caches differ
+        cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), k_cache, k_cache.bfloat16(),
+                                       torch.tensor([[0, 1]]), torch.tensor([3]), 1.0)
 
 
 def test_engine_uses_the_kernels_by_default_and_not_for_the_reference(cpu_ops):

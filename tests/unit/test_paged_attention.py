@@ -30,9 +30,13 @@ def dense_attention(q, k, v, start_pos: int, scale: float) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16],
+                         ids=["fp32-cache", "bf16-cache"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-ops"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, request):
+def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, kv_dtype,
+                                                request):
+    """A bf16 cache: dense attention over the K/V rounded to bf16 (as they are stored)."""
     ops = request.getfixturevalue("cpu_ops") if fused else None
     gen = torch.Generator().manual_seed(num_heads)
     head_dim, scale = 8, 8 ** -0.5
@@ -42,6 +46,7 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, 
     num_blocks = 120
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out of order
     seqs, full_k, full_v = [], [], []
     for i, (cached, new) in enumerate(shapes):
@@ -65,7 +70,8 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, 
 
     row = 0
     for i, (cached, new) in enumerate(shapes):
-        expected = dense_attention(q[row:row + new], full_k[i], full_v[i], cached, scale)
+        stored_k, stored_v = (full[i].to(kv_dtype).float() for full in (full_k, full_v))
+        expected = dense_attention(q[row:row + new], stored_k, stored_v, cached, scale)
         torch.testing.assert_close(out[row:row + new], expected, atol=1e-5, rtol=1e-4)
         row += new
     assert meta.num_decodes == 5 and len(meta.prefills) == 2

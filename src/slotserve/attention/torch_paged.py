@@ -14,15 +14,17 @@ from slotserve.attention.metadata import AttentionMetadata, DecodeGroup, Prefill
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, ops=None) -> None:
-    """Store the new tokens' K/V (T, nkv, hd) at their flat cache slots (T,).
+    """Store the new tokens' K/V (T, nkv, hd) at their flat cache slots (T,), in the cache's
+    dtype (a bf16 cache holds them rounded to bf16).
 
     ops: the fused CPU kernels (model/cpu_ops.py) do it in one call, or None for torch's.
     """
     if ops is not None:
         return ops.write_kv_(k_cache, v_cache, k, v, slot_mapping)
     nkv, hd = k.shape[1], k.shape[2]
-    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+    # NOTE: .to rounds to nearest even, as the fused kernel stores a bf16 cache
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,20 +54,22 @@ def _decode_group_attention(q, k_cache, v_cache, group: DecodeGroup, scale: floa
     return decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """(nblocks_total, bs, nkv, hd)[table] -> (..., L, nkv, hd) with L = table.shape[-1] * bs.
+def _gather(cache: torch.Tensor, block_table: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """(nblocks_total, bs, nkv, hd)[table] -> (..., L, nkv, hd) with L = table.shape[-1] * bs,
+    as `dtype` (the queries': a bf16 cache widens exactly).
 
     NOTE: index_select over the flattened table, not `cache[table]`: on CPU the generic
     advanced-indexing kernel copies the same bytes 3-4x slower (benchmarks/PERF.md).
     """
     blocks = cache.index_select(0, block_table.reshape(-1))  # (n, bs, nkv, hd)
-    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
+    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:]).to(dtype)
 
 
 def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
     # q: (n, nh, hd); context keys 0..L-1; query i sits at position start_pos + i.
-    k = _gather(k_cache, seq.block_table)[:seq.context_len]  # (L, nkv, hd)
-    v = _gather(v_cache, seq.block_table)[:seq.context_len]
+    k = _gather(k_cache, seq.block_table, q.dtype)[:seq.context_len]  # (L, nkv, hd)
+    v = _gather(v_cache, seq.block_table, q.dtype)[:seq.context_len]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (nh|nkv, n|L, hd)
         attn_mask=seq.mask, scale=scale, enable_gqa=True)
@@ -85,8 +89,8 @@ def decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, mask: torc
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = _gather(k_cache, block_tables)  # (D, Lmax, nkv, hd)
-    v = _gather(v_cache, block_tables)
+    k = _gather(k_cache, block_tables, q.dtype)  # (D, Lmax, nkv, hd)
+    v = _gather(v_cache, block_tables, q.dtype)
     max_len = k.shape[1]
     out = F.scaled_dot_product_attention(
         q.reshape(num_seqs, num_kv_heads, group, head_dim),  # (D, nkv, g, hd)

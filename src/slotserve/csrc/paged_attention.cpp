@@ -1,20 +1,58 @@
 // The paged KV cache's kernels: storing the new tokens' K/V at their slots, and decode
 // attention (one query per sequence) read straight from the cache's blocks.
+//
+// The cache is float32 or bfloat16 (`--kv-cache-dtype`): bf16 halves the bytes decode
+// attention reads, which at 64 sequences of a few hundred positions outweigh the weights.
+// K/V are rounded to bf16 (to nearest even, as torch's .to(torch.bfloat16)) when stored,
+// widened back to fp32 exactly when read; queries, scores and sums stay fp32.
 
 #include "common.h"
 #include "ops.h"
 
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace slotserve::kernels {
 
 // Store the new tokens' K and V, (T, nkv, hd) each (unit stride in hd), at their flat
 // cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd).
+namespace {
+
+inline bool is_kv_cache_dtype(const torch::Tensor& cache) {
+  return cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kBFloat16;
+}
+
+// n floats -> the cache's element type (a copy, or bf16 rounded to nearest even).
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+template <typename T>
+void write_kv_rows(T* k_cache, T* v_cache, const torch::Tensor& k, const torch::Tensor& v,
+                   const int64_t* slots) {
+  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = (slots[t] * heads + h) * head_dim;
+      const int64_t src_k = t * k.stride(0) + h * k.stride(1);
+      const int64_t src_v = t * v.stride(0) + h * v.stride(1);
+      store_row(k.data_ptr<float>() + src_k, head_dim, k_cache + dst);
+      store_row(v.data_ptr<float>() + src_v, head_dim, v_cache + dst);
+    }
+  }
+}
+
+}  // namespace
+
+// Store the new tokens' K and V, (T, nkv, hd) each (unit stride in hd), at their flat
+// cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd), float32 or bfloat16.
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                torch::Tensor slot_mapping) {
-  check_cpu_float(k_cache, "k_cache");
-  check_cpu_float(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.device().is_cpu() && is_kv_cache_dtype(k_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.device().is_cpu(),
+              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
   check_cpu_float(k, "k");
   check_cpu_float(v, "v");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit stride in hd");
@@ -29,15 +67,11 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)  // all checked before anything is written
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t dst = (slots[t] * heads + h) * head_dim;
-      std::copy_n(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), head_dim,
-                  k_cache.data_ptr<float>() + dst);
-      std::copy_n(v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), head_dim,
-                  v_cache.data_ptr<float>() + dst);
-    }
-  }
+  if (k_cache.scalar_type() == torch::kBFloat16)
+    write_kv_rows(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), k, v,
+                  slots);
+  else
+    write_kv_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k, v, slots);
 }
 
 namespace {
@@ -62,9 +96,22 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
 // thread at every block boundary: asking for the K/V rows 16 positions ahead made decode
 // attention 7-21% faster at batch 16-64 here (none at batch 1).
 constexpr int64_t PREFETCH_POSITIONS = 16;
-inline void prefetch_row(const float* row, int64_t width) {
-  for (int64_t i = 0; i < width; i += 16)  // 16 floats: one cache line
+template <typename T>
+inline void prefetch_row(const T* row, int64_t width) {
+  for (int64_t i = 0; i < width; i += 64 / int64_t(sizeof(T)))  // one cache line each
     __builtin_prefetch(row + i);
+}
+
+// A cached K/V element as fp32 (bf16 widens exactly).
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return float(x); }
+
+template <typename T>
+inline float dot_cached(const float* q, const T* k, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += q[i] * to_float(k[i]);
+  return s;
 }
 
 // Each of the n rows of scores (n, len), in place.
@@ -84,31 +131,31 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
 // the K/V head at offset kv_offsets[j] (floats) of each cached row; `row_of(pos)` is the
 // offset of position pos's row in the cache tensors, and [first, first + width) the part of
 // the row any of the n reads. scores: scratch; out: n rows of hd.
-template <typename RowOf>
+template <typename T, typename RowOf>
 void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
-            const float* k_cache, const float* v_cache, int64_t len, RowOf row_of,
+            const T* k_cache, const T* v_cache, int64_t len, RowOf row_of,
             int64_t first, int64_t width, int64_t head_dim, float scale,
             std::vector<float>& scores, float* const* out) {
   scores.resize(n * len);  // (n, len)
   for (int64_t pos = 0; pos < len; ++pos) {
     if (pos + PREFETCH_POSITIONS < len)
       prefetch_row(k_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
-    const float* keys = k_cache + row_of(pos);
+    const T* keys = k_cache + row_of(pos);
     for (int64_t j = 0; j < n; ++j)
-      scores[j * len + pos] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
+      scores[j * len + pos] = dot_cached(queries[j], keys + kv_offsets[j], head_dim) * scale;
   }
   softmax_rows(scores.data(), n, len);
   for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], head_dim, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
     if (pos + PREFETCH_POSITIONS < len)
       prefetch_row(v_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
-    const float* values = v_cache + row_of(pos);
+    const T* values = v_cache + row_of(pos);
     for (int64_t j = 0; j < n; ++j) {
       const float p = scores[j * len + pos];
-      const float* value = values + kv_offsets[j];
+      const T* value = values + kv_offsets[j];
       float* o = out[j];
 #pragma omp simd
-      for (int64_t i = 0; i < head_dim; ++i) o[i] += p * value[i];
+      for (int64_t i = 0; i < head_dim; ++i) o[i] += p * to_float(value[i]);
     }
   }
 }
@@ -134,9 +181,16 @@ inline void for_each_row(const int64_t* table, int64_t len, int64_t block_size, 
 // loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
 // cost several times that in loop overhead (measured: compute, not memory, set its pace).
 // scores: scratch (G, len). kv_offset: the KV head's offset (floats) in a cached row.
-template <int NV, int G>
+// 16 cached elements as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int NV, int G, typename T>
 void attend_kv_head_avx512(const float* const* queries, float* const* out,
-                           const float* k_cache, const float* v_cache, const int64_t* table,
+                           const T* k_cache, const T* v_cache, const int64_t* table,
                            int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
                            float scale, float* scores) {
   __m512 q[G][NV];
@@ -145,7 +199,7 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
   for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
     if (ahead >= 0) prefetch_row(k_cache + ahead + kv_offset, 16 * NV);
     __m512 key[NV];
-    for (int v = 0; v < NV; ++v) key[v] = _mm512_loadu_ps(k_cache + at + kv_offset + 16 * v);
+    for (int v = 0; v < NV; ++v) key[v] = load16(k_cache + at + kv_offset + 16 * v);
     for (int j = 0; j < G; ++j) {
       __m512 acc = _mm512_mul_ps(q[j][0], key[0]);
       for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[j][v], key[v], acc);
@@ -159,7 +213,7 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
   for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
     if (ahead >= 0) prefetch_row(v_cache + ahead + kv_offset, 16 * NV);
     __m512 value[NV];
-    for (int v = 0; v < NV; ++v) value[v] = _mm512_loadu_ps(v_cache + at + kv_offset + 16 * v);
+    for (int v = 0; v < NV; ++v) value[v] = load16(v_cache + at + kv_offset + 16 * v);
     for (int j = 0; j < G; ++j) {
       const __m512 p = _mm512_set1_ps(scores[j * len + pos]);
       for (int v = 0; v < NV; ++v) o[j][v] = _mm512_fmadd_ps(p, value[v], o[j][v]);
@@ -171,9 +225,9 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
 
 // The `group` query heads of one KV head, in register-sized chunks (at most 16 registers of
 // outputs: 4 heads of 64, 2 of 128).
-template <int NV>
+template <int NV, typename T>
 void attend_kv_head_chunks(const float* const* queries, float* const* out, int64_t group,
-                           const float* k_cache, const float* v_cache, const int64_t* table,
+                           const T* k_cache, const T* v_cache, const int64_t* table,
                            int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
                            float scale, std::vector<float>& scores) {
   constexpr int MAX_G = 16 / NV;
@@ -182,10 +236,10 @@ void attend_kv_head_chunks(const float* const* queries, float* const* out, int64
     const auto args = std::make_tuple(queries + j, out + j, k_cache, v_cache, table, len,
                                       block_size, row, kv_offset, scale, scores.data());
     switch (std::min<int64_t>(MAX_G, group - j)) {
-      case 1: std::apply(attend_kv_head_avx512<NV, 1>, args); break;
-      case 2: std::apply(attend_kv_head_avx512<NV, 2>, args); break;
-      case 3: std::apply(attend_kv_head_avx512<NV, MAX_G >= 3 ? 3 : 1>, args); break;
-      default: std::apply(attend_kv_head_avx512<NV, MAX_G >= 4 ? 4 : 1>, args); break;
+      case 1: std::apply(attend_kv_head_avx512<NV, 1, T>, args); break;
+      case 2: std::apply(attend_kv_head_avx512<NV, 2, T>, args); break;
+      case 3: std::apply(attend_kv_head_avx512<NV, MAX_G >= 3 ? 3 : 1, T>, args); break;
+      default: std::apply(attend_kv_head_avx512<NV, MAX_G >= 4 ? 4 : 1, T>, args); break;
     }
   }
 }
@@ -203,8 +257,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
   check_cpu_float(q, "q");
-  check_cpu_float(k_cache, "k_cache");
-  check_cpu_float(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.device().is_cpu() && is_kv_cache_dtype(k_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.device().is_cpu(),
+              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
   TORCH_CHECK(q.stride(2) == 1, "q must have unit stride in hd");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();
@@ -222,7 +277,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t row = num_kv_heads * head_dim;  // floats between two cached positions
+  const int64_t row = num_kv_heads * head_dim;  // elements between two cached positions
   const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * group;
@@ -231,6 +286,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   constexpr int64_t SERIAL_POSITIONS = 1024;
   const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
+  // (kc, vc): the caches' elements, float or c10::BFloat16
+  auto attend_tasks = [&](const auto* kc, const auto* vc) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     const float* queries[MAX_HEADS];
@@ -251,19 +309,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
         for (int64_t h = 0; h < kv_per_task; ++h) {
-          const auto chunks = head_dim == 64 ? attend_kv_head_chunks<4> : attend_kv_head_chunks<8>;
-          chunks(queries + h * group, outs + h * group, group, k_cache.data_ptr<float>(),
-                 v_cache.data_ptr<float>(), table, lens[seq], block_size, row,
+          const auto chunks =
+              head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
+          chunks(queries + h * group, outs + h * group, group, kc, vc, table, lens[seq],
+                 block_size, row,
                  (kv_first + h) * head_dim, float(scale), scores);
         }
         continue;
       }
 #endif
-      attend(queries, kv_offsets, heads_per_task, k_cache.data_ptr<float>(),
-             v_cache.data_ptr<float>(), lens[seq], row_of, kv_first * head_dim,
-             kv_per_task * head_dim, head_dim, float(scale), scores, outs);
+      attend(queries, kv_offsets, heads_per_task, kc, vc, lens[seq], row_of,
+             kv_first * head_dim, kv_per_task * head_dim, head_dim, float(scale), scores, outs);
     }
   });
+  };
+  if (k_cache.scalar_type() == torch::kBFloat16)
+    attend_tasks(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else
+    attend_tasks(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 

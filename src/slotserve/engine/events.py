@@ -117,8 +117,9 @@ class EngineSnapshot:
     # the model and where it runs (the start-up line)
     num_parameters: int = 0
     device: str = ""
-    dtype: str = ""  # the KV cache's and activations' ("float32", "bfloat16", ...)
+    dtype: str = ""  # the activations' ("float32", "bfloat16", ...)
     kernels: str = ""  # the KernelSet's describe()
+    kv_cache_dtype: str = ""  # the KV cache's elements ("float32", "bfloat16")
     kv_block_bytes: int = 0  # one block's K and V over every layer
 
     @property

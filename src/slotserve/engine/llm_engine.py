@@ -49,7 +49,12 @@ from slotserve.engine.snapshot import build_snapshot
 from slotserve.engine.stats import EngineStats, finished_completion
 from slotserve.engine.subscribers import Subscribers
 from slotserve.engine.trace import TraceRecorder, policy_fields_of, trace_settings
-from slotserve.model.kernels import KernelSet, kernels_for
+from slotserve.model.kernels import (
+    KernelSet,
+    kernels_for,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from slotserve.request import Request
 from slotserve.runner.model_runner import ModelRunner
 from slotserve.sampling import SamplingParams
@@ -86,11 +91,14 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         sched = fit_scheduler_config(config.scheduler, model_config)
+        kernels = kernel_set or kernels_for(config)
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, kernels,
+                                          resolve_dtype(config.device, config.dtype))
         num_blocks = resolve_num_blocks(config.cache, model_config, sched, config.device,
-                                        config.dtype)
+                                        kv_dtype)
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
-                                  kernels=kernel_set or kernels_for(config))
+                                  kernels=kernels, kv_cache_dtype=kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+import torch
+
 from slotserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from slotserve.runner.model_runner import kv_block_bytes, resolve_dtype
+from slotserve.runner.model_runner import kv_block_bytes
 
 
 def eos_ids(model_config: ModelConfig, tokenizer) -> tuple[int, ...]:
@@ -25,14 +27,15 @@ def fit_scheduler_config(sched: SchedulerConfig, model: ModelConfig) -> Schedule
 
 
 def resolve_num_blocks(cache: CacheConfig, model: ModelConfig, sched: SchedulerConfig,
-                       device: str, dtype: str | None) -> int:
-    """Pool size: num_blocks, else memory_bytes, else a share of free memory.
+                       device: str, kv_dtype: torch.dtype) -> int:
+    """Pool size: num_blocks, else memory_bytes, else a share of free memory (in blocks of
+    kv_dtype elements).
 
     The default never exceeds what max_num_seqs full-length sequences could use.
     """
     if cache.num_blocks is not None:
         return cache.num_blocks
-    block_bytes = kv_block_bytes(model, cache.block_size, resolve_dtype(device, dtype))
+    block_bytes = kv_block_bytes(model, cache.block_size, kv_dtype)
     useful = sched.max_num_seqs * -(-sched.max_model_len // cache.block_size)
     if cache.memory_bytes is not None:
         return max(1, cache.memory_bytes // block_bytes)

@@ -55,8 +55,9 @@ def _placement(engine) -> dict:
     return dict(num_parameters=engine.model_config.num_parameters, device=engine.config.device,
                 dtype=str(runner.dtype).removeprefix("torch."),
                 kernels=runner.kernels.describe(),
+                kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
                 kv_block_bytes=kv_block_bytes(engine.model_config, engine.kv.block_size,
-                                              runner.dtype))
+                                              runner.kv_cache_dtype))
 
 
 def _tenants(state: dict) -> tuple[TenantView, ...]:

@@ -10,9 +10,11 @@ The module's functions, all fp32 on the CPU:
 - rms_norm(x (T, H), weight (H,), eps) -> (T, H)
 - silu_mul(gate_up (T, 2I)) -> (T, I)
 - rotary_(x (T, n, hd), cos, sin (T, hd/2) each): rotate-half RoPE, in place
-- write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V
+- write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V (the
+  caches float32, or bfloat16: rounded to nearest even as stored)
 - paged_decode_attention(q (D, nh, hd), k_cache, v_cache, block_tables (D, maxb),
-  context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks
+  context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks (either
+  cache dtype, widened to fp32)
 - int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
 - pack_panels(weight (out, in)) -> panels; panel_linear(x (T, in), panels, out) -> (T, out):

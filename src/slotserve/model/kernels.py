@@ -173,6 +173,20 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
                      weights=weights, reason=reason)
 
 
+def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.dtype
+                           ) -> torch.dtype:
+    """The KV cache's element type for CacheConfig.kv_cache_dtype.
+
+    auto: bfloat16 where the linear weights are bf16 or int8 and the model float32 (the
+    decode's other large read is the cache: at 64 sequences of a few hundred positions it
+    outweighs the weights), else the model's dtype; float32 / bfloat16: as named.
+    """
+    if setting == "auto":
+        quantized = kernels.weights in ("bf16", "int8") and model_dtype == torch.float32
+        return torch.bfloat16 if quantized else model_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
 def _auto_weights(kernels: str, cpu_fp32: bool, ops) -> tuple[str, str]:
     """quantization="auto": ("bf16" or "fp32", why)."""
     if not cpu_fp32:

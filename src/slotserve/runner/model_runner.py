@@ -37,15 +37,18 @@ class ModelRunner:
 
     kernels: the KernelSet the model runs (model/kernels.py); default: resolved from
     device and dtype with kernels="auto" and fp32 weights.
+    kv_cache_dtype: the KV pool's element type (default: the model's dtype).
     """
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  cache_config: CacheConfig, num_blocks: int, device: str = "cpu",
                  dtype: str | None = None, seed: int = 0, *,
-                 kernels: KernelSet | None = None) -> None:
+                 kernels: KernelSet | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(device, dtype)
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
@@ -81,9 +84,12 @@ class ModelRunner:
         return [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            return torch.from_numpy(np.zeros(shape, dtype=np.float32))
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        dtype = self.kv_cache_dtype
+        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.float32:
+                return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+            return torch.from_numpy(np.zeros(shape, dtype=np.uint16)).view(torch.bfloat16)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

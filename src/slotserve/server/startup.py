@@ -181,10 +181,10 @@ def log_startup(snap: EngineSnapshot, name: str, url: str) -> None:
     """Model, device, KV pool and URL: what an operator checks first."""
     logger.info("model %s (%s, %.0fM parameters) on %s (%s), %s", name, snap.model,
                 snap.num_parameters / 1e6, snap.device, snap.dtype, snap.kernels)
-    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB); policy %s, "
+    logger.info("KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); policy %s, "
                 "%d slots, token budget %d, max_model_len %d", snap.kv_blocks_total,
                 snap.block_size, snap.kv_blocks_total * snap.block_size,
-                snap.kv_pool_bytes / 2**20, snap.policy, snap.num_slots,
+                snap.kv_pool_bytes / 2**20, snap.kv_cache_dtype, snap.policy, snap.num_slots,
                 snap.max_num_batched_tokens, snap.max_model_len)
     logger.info("scheduling policy %s; SLOs: TTFT %s ms, TPOT %s ms%s; %d tenants weighted",
                 snap.scheduling_policy, snap.slo_ttft_ms, snap.slo_tpot_ms,
