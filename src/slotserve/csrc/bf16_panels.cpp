@@ -38,6 +38,21 @@ torch::Tensor pack_panels_bf16(torch::Tensor weight) {
       .view({panels, pairs, 2 * PANEL_WIDTH});
 }
 
+// x (T, in) fp32 and panels from pack_panels_bf16 of a weight (out_features, in): the
+// checks both bf16 matmuls (widened or on AMX) make before reading anything.
+void check_bf16_panels(const torch::Tensor& x, const torch::Tensor& panels,
+                       int64_t out_features) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
+              "panels must be bfloat16 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
+                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  TORCH_CHECK(panels.size(1) == padded_pairs(x.size(1)), "x and panels disagree on in_features");
+  const int64_t num_panels = panels.size(0);
+  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
+                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
+}
+
 bool g_force_plain_loops = false;  // NOTE: see its declaration in panels.h
 
 namespace {
@@ -178,17 +193,10 @@ void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const u
 // to bf16 first when bf16_activations.
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                                 bool bf16_activations) {
-  check_cpu_float(x, "x");
-  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kBFloat16,
-              "panels must be bfloat16 on the CPU");
   x = x.contiguous();
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 2 * PANEL_WIDTH &&
-                  panels.is_contiguous(), "x must be (T, in), panels from pack_panels_bf16");
+  check_bf16_panels(x, panels, out_features);
   const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
   const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
-  TORCH_CHECK(panels.size(1) == pairs16, "x and panels disagree on in_features");
-  TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
-                  out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
   auto y = torch::empty({tokens, out_features}, x.options());
   if (tokens == 0) return y;
   torch::Tensor xb;  // (T, 2 * pairs) bf16, the odd input's partner zero

@@ -55,10 +55,16 @@ inline float vec_exp(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// An fp32 or bf16 element as fp32 (bf16 widens exactly).
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return float(x); }
+
+// sum a[i] * b[i], b fp32 or bf16 (a bf16 KV cache's keys), in fp32.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 

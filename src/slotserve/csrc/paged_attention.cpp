@@ -15,12 +15,15 @@
 
 namespace slotserve::kernels {
 
-// Store the new tokens' K and V, (T, nkv, hd) each (unit stride in hd), at their flat
-// cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd).
 namespace {
 
-inline bool is_kv_cache_dtype(const torch::Tensor& cache) {
-  return cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kBFloat16;
+// Both caches float32, or both bfloat16, on the CPU.
+void check_kv_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+                  v_cache.scalar_type() == dtype,
+              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
 }
 
 // n floats -> the cache's element type (a copy, or bf16 rounded to nearest even).
@@ -50,9 +53,7 @@ void write_kv_rows(T* k_cache, T* v_cache, const torch::Tensor& k, const torch::
 // cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd), float32 or bfloat16.
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                torch::Tensor slot_mapping) {
-  TORCH_CHECK(k_cache.device().is_cpu() && is_kv_cache_dtype(k_cache) &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.device().is_cpu(),
-              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
+  check_kv_caches(k_cache, v_cache);
   check_cpu_float(k, "k");
   check_cpu_float(v, "v");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit stride in hd");
@@ -102,18 +103,6 @@ inline void prefetch_row(const T* row, int64_t width) {
     __builtin_prefetch(row + i);
 }
 
-// A cached K/V element as fp32 (bf16 widens exactly).
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return float(x); }
-
-template <typename T>
-inline float dot_cached(const float* q, const T* k, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += q[i] * to_float(k[i]);
-  return s;
-}
-
 // Each of the n rows of scores (n, len), in place.
 void softmax_rows(float* scores, int64_t n, int64_t len) {
   for (int64_t j = 0; j < n; ++j) {
@@ -128,7 +117,7 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
 }
 
 // The n query heads `queries` of one sequence over `len` cached positions: query j reads
-// the K/V head at offset kv_offsets[j] (floats) of each cached row; `row_of(pos)` is the
+// the K/V head at offset kv_offsets[j] (elements) of each cached row; `row_of(pos)` is the
 // offset of position pos's row in the cache tensors, and [first, first + width) the part of
 // the row any of the n reads. scores: scratch; out: n rows of hd.
 template <typename T, typename RowOf>
@@ -142,7 +131,7 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
       prefetch_row(k_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
     const T* keys = k_cache + row_of(pos);
     for (int64_t j = 0; j < n; ++j)
-      scores[j * len + pos] = dot_cached(queries[j], keys + kv_offsets[j], head_dim) * scale;
+      scores[j * len + pos] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
   }
   softmax_rows(scores.data(), n, len);
   for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], head_dim, 0.f);
@@ -176,11 +165,6 @@ inline void for_each_row(const int64_t* table, int64_t len, int64_t block_size, 
   }
 }
 
-// The G query heads that share one KV head (head_dim = 16 * NV), with the queries and the
-// outputs held in AVX-512 registers while the context streams by: per cached position NV
-// loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
-// cost several times that in loop overhead (measured: compute, not memory, set its pace).
-// scores: scratch (G, len). kv_offset: the KV head's offset (floats) in a cached row.
 // 16 cached elements as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -188,6 +172,11 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The G query heads that share one KV head (head_dim = 16 * NV), with the queries and the
+// outputs held in AVX-512 registers while the context streams by: per cached position NV
+// loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
+// cost several times that in loop overhead (measured: compute, not memory, set its pace).
+// scores: scratch (G, len). kv_offset: the KV head's offset (elements) in a cached row.
 template <int NV, int G, typename T>
 void attend_kv_head_avx512(const float* const* queries, float* const* out,
                            const T* k_cache, const T* v_cache, const int64_t* table,
@@ -257,9 +246,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
   check_cpu_float(q, "q");
-  TORCH_CHECK(k_cache.device().is_cpu() && is_kv_cache_dtype(k_cache) &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.device().is_cpu(),
-              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
+  check_kv_caches(k_cache, v_cache);
   TORCH_CHECK(q.stride(2) == 1, "q must have unit stride in hd");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();

@@ -63,6 +63,10 @@ inline int64_t padded_pairs(int64_t in) { return ((in + 1) / 2 + 15) / 16 * 16; 
 // NOTE: set by a test (set_force_plain_loops) to run the plain-loop fallbacks of the bf16
 // kernels on a CPU that has the instructions: the path a CPU without them takes. Defined
 // in bf16_panels.cpp, read there and in bf16_amx.cpp.
+// The bf16 matmuls' input checks (bf16_panels.cpp), shared with bf16_amx.cpp.
+void check_bf16_panels(const torch::Tensor& x, const torch::Tensor& panels,
+                       int64_t out_features);
+
 extern bool g_force_plain_loops;
 
 }  // namespace slotserve::kernels
