@@ -89,8 +89,10 @@ void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, fl
   const int64_t pairs = (in + 1) / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;  // two cache lines
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
+                 panel_prefetch_hint<ROWS>());
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64,
+                 panel_prefetch_hint<ROWS>());
     const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);
     const int64_t k = 2 * kp;
     {  // input k: the low halves, shifted into place
@@ -125,8 +127,10 @@ void panel_tile_bf16_dot(const uint32_t* xb, const uint16_t* panel, int64_t pair
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
+                 panel_prefetch_hint<ROWS>());
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64,
+                 panel_prefetch_hint<ROWS>());
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     for (int r = 0; r < ROWS; ++r) {

@@ -30,8 +30,10 @@ void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < in; ++k) {
     const float* w = panel + k * PANEL_WIDTH;  // input k's 32 weights: two cache lines
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
+                 panel_prefetch_hint<ROWS>());
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64,
+                 panel_prefetch_hint<ROWS>());
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     for (int r = 0; r < ROWS; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * in + k]);
