@@ -268,9 +268,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * group;
-  // NOTE: waking a second thread costs more than attending a short context: small batches
-  // (tables of fewer than SERIAL_POSITIONS positions in all) run on the calling thread.
-  constexpr int64_t SERIAL_POSITIONS = 1024;
+  // NOTE: waking a second thread costs more than attending a very short context: tables of
+  // fewer than SERIAL_POSITIONS positions in all run on the calling thread. (It was 1024
+  // while the engine's OpenMP workers slept between regions; with them spinning, batch 1's
+  // attention at ~180 positions took 0.55-0.60 ms per step on both threads, 0.78 on one.)
+  constexpr int64_t SERIAL_POSITIONS = 64;
   const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
   // (kc, vc): the caches' elements, float or c10::BFloat16
