@@ -22,6 +22,18 @@ def test_rms_norm_equals_torch(cpu_ops, rows):
     torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), expected)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_add_rms_norm_adds_in_place_and_equals_add_then_norm_to_the_bit(cpu_ops, rows):
+    x, delta, weight = torch.randn(rows, 96) * 3, torch.randn(rows, 96), torch.randn(96)
+    summed = x + delta
+    y = cpu_ops.add_rms_norm_(x, delta, weight, 1e-5)
+    assert torch.equal(x, summed)  # x now holds the sum
+    assert torch.equal(y, cpu_ops.rms_norm(summed, weight, 1e-5))
+    torch.testing.assert_close(y, F.rms_norm(summed, (96,), weight, 1e-5))
+    with pytest.raises(RuntimeError, match="delta of x's shape"):
+        cpu_ops.add_rms_norm_(x, delta[:, :48], weight, 1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 17])
 def test_silu_mul_equals_torch_over_the_whole_range(cpu_ops, rows):
     gate_up = torch.randn(rows, 2 * 64) * 20  # large |gate|: exp under- and overflow paths

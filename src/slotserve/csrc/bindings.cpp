@@ -10,6 +10,7 @@ using namespace slotserve::kernels;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate-up output");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");

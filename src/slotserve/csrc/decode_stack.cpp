@@ -55,11 +55,16 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
   TORCH_CHECK(caches.size() == 2 * layers_.size(), "one k and one v cache per layer");
   const int64_t D = x.size(0), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
+  // the residual stream, added to in place (the caller's x stays as it was)
+  x = x.clone(at::MemoryFormat::Contiguous);
+  torch::Tensor mlp_out;  // the previous layer's MLP output, not yet added to x
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
     const torch::Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
     // attention block
-    torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));  // (D, q + 2 kv)
+    torch::Tensor h = i == 0 ? rms_norm(x, layer.input_norm, eps_)
+                             : add_rms_norm_(x, mlp_out, layer.input_norm, eps_);
+    torch::Tensor qkv = layer.qkv(h);  // (D, q + 2 kv)
     torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size)
                            .view({D, num_heads_ + num_kv_heads_, head_dim_});
     rotary_(qk, cos, sin);  // in place, inside qkv
@@ -70,12 +75,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     write_kv_(k_cache, v_cache, k, v, slot_mapping);
     torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                 context_lens, scale_);  // (D, nh, hd)
-    x = x + layer.o(attn.view({D, q_size}));
     // MLP block
-    torch::Tensor gate_up = layer.gate_up(rms_norm(x, layer.post_attention_norm, eps_));
-    x = x + layer.down(silu_mul(gate_up));  // (D, H)
+    h = add_rms_norm_(x, layer.o(attn.view({D, q_size})), layer.post_attention_norm, eps_);
+    mlp_out = layer.down(silu_mul(layer.gate_up(h)));  // (D, H)
   }
-  return rms_norm(x, final_norm_, eps_);
+  return layers_.empty() ? rms_norm(x, final_norm_, eps_)
+                         : add_rms_norm_(x, mlp_out, final_norm_, eps_);
 }
 
 }  // namespace slotserve::kernels

@@ -9,11 +9,27 @@
 
 namespace slotserve::kernels {
 
-// y (T, H) = x / rms(x) * weight, row by row.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+namespace {
+
+// yr (H,) = xr / rms(xr) * weight.
+inline void rms_norm_row(const float* xr, const float* wp, float* yr, int64_t hidden,
+                         double eps) {
+  const float inv = 1.f / std::sqrt(dot(xr, xr, hidden) / hidden + float(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv * wp[i];
+}
+
+void check_rms_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1), "x must be (T, H), weight (H,)");
   check_cpu_float(weight, "weight");
+}
+
+}  // namespace
+
+// y (T, H) = x / rms(x) * weight, row by row.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rms_norm(x, weight);
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -22,12 +38,36 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(xp + r * hidden, wp, yp + r * hidden, hidden, eps);
+  });
+  return y;
+}
+
+// x += delta in place, then y (T, H) = rms_norm(x, weight): a layer's residual add and the
+// norm after it in one pass (and one call). NOTE: the same fp32 add and the same norm as
+// `x + delta` then rms_norm, to the last bit (tests/model/test_fused_ops.py).
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight,
+                            double eps) {
+  check_rms_norm(x, weight);
+  check_cpu_float(delta, "delta");
+  TORCH_CHECK(x.is_contiguous() && delta.sizes() == x.sizes(),
+              "x must be contiguous, delta of x's shape");
+  delta = delta.contiguous();
+  weight = weight.contiguous();
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  auto y = torch::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * hidden;
-      float* yr = yp + r * hidden;
-      const float inv = 1.f / std::sqrt(dot(xr, xr, hidden) / hidden + float(eps));
+      float* xr = xp + r * hidden;
+      const float* dr = dp + r * hidden;
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv * wp[i];
+      for (int64_t i = 0; i < hidden; ++i) xr[i] += dr[i];
+      rms_norm_row(xr, wp, yp + r * hidden, hidden, eps);
     }
   });
   return y;

@@ -7,7 +7,8 @@ returns its module, or None when it cannot be built: the engine then runs the pl
 which stay the reference that the tests compare these kernels against.
 
 The module's functions, all fp32 on the CPU:
-- rms_norm(x (T, H), weight (H,), eps) -> (T, H)
+- rms_norm(x (T, H), weight (H,), eps) -> (T, H); add_rms_norm_(x, delta, weight, eps):
+  x += delta in place, then rms_norm(x) (the decode stack's residual add and next norm)
 - silu_mul(gate_up (T, 2I)) -> (T, I)
 - rotary_(x (T, n, hd), cos, sin (T, hd/2) each): rotate-half RoPE, in place
 - write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V (the
