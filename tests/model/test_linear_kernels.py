@@ -10,11 +10,13 @@ from slotserve.engine.llm_engine import LLMEngine
 from slotserve.model.kernels import resolve_kernels
 from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
+    Bf16PanelLinear,
     Int8WeightOnlyLinear,
     MKLPackedLinear,
     PanelLinear,
     mkl_packed_available,
     panel_kernel_available,
+    place_panels_in_one_arena,
 )
 from tests.conftest import tiny_engine
 
@@ -155,6 +157,30 @@ def test_swap_releases_the_fp32_weights(tiny_llama):
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.kernel is not None for m in linears)
     assert all("weight" not in dict(m.named_parameters()) for m in linears)
+
+
+def test_panels_move_into_one_arena_in_order_and_compute_the_same(cpu_ops):
+    shapes = [(96, 200), (200, 96), (96, 40)]
+    kernels = [PanelLinear(*random_linear(i, o, True, seed), cpu_ops)
+               for seed, (i, o) in enumerate(shapes)]
+    kernels.insert(1, Bf16PanelLinear(*random_linear(96, 64, False), cpu_ops))
+    xs = [torch.randn(3, k.panels.shape[1] if isinstance(k, PanelLinear) else 96)
+          for k in kernels]
+    before = [k(x) for k, x in zip(kernels, xs)]
+    place_panels_in_one_arena(kernels)
+    assert all(torch.equal(k(x), y) for k, x, y in zip(kernels, xs, before))
+    fp32 = [k for k in kernels if isinstance(k, PanelLinear)]
+    base = fp32[0].panels.untyped_storage().data_ptr()
+    assert all(k.panels.untyped_storage().data_ptr() == base for k in fp32)  # one arena
+    starts = [k.panels.data_ptr() for k in fp32]
+    assert starts == sorted(starts) and len(set(starts)) == 3  # in the listed order
+    assert kernels[1].panels.untyped_storage().data_ptr() != base  # bf16: an arena of its own
+
+
+def test_an_engine_keeps_every_linear_of_its_model_in_one_arena(tiny_llama, cpu_ops):
+    engine = tiny_engine(tiny_llama)
+    kernels = [m.kernel for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len({k.panels.untyped_storage().data_ptr() for k in kernels}) == 1
 
 
 def test_reference_kernels_keep_plain_torch(tiny_llama):

@@ -118,6 +118,10 @@ class Bf16PanelLinear:
                                   self.amx_min_rows)
 
 
+# The kernels whose weights are panels (`.panels`), placed in one arena once all are made.
+PANEL_KERNELS = (PanelLinear, Bf16PanelLinear)
+
+
 class Bf16RoundedLinear:
     """The reference of quantization="bf16": plain torch over the bf16-rounded weights,
     held in fp32 (no bytes saved: the math of Bf16PanelLinear, not its speed)."""
@@ -223,6 +227,34 @@ def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
     if not on_cpu_fp32(model):
         raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the CPU "
                          "in float32")
-    for module in model.modules():
+    kernels = []
+    for module in model.modules():  # in the order a forward reads them
         if isinstance(module, Linear):
-            module.use_kernel(factory(module.weight, module.bias))
+            kernels.append(factory(module.weight, module.bias))
+            module.use_kernel(kernels[-1])
+    place_panels_in_one_arena([k for k in kernels if isinstance(k, PANEL_KERNELS)])
+
+
+def place_panels_in_one_arena(kernels: list) -> None:
+    """Move the weight panels of `kernels` (listed in the order a forward reads them) into
+    one tensor per dtype, each kernel keeping a view of its part; the math is unchanged.
+
+    NOTE: a matmul streams its weights faster from one allocation than from many. Measured
+    here at batch 1 (bf16 weights, 1 thread per core, 5 interleaved runs): a decode step of
+    SmolLM2-135M 12.1-13.7 ms (median 13.4) with each linear's panels in their own
+    allocation, 11.4-13.2 (median 12.5) in one arena; 30 gate_up matmuls over views of one
+    tensor 4.4-4.6 ms against 5.3-5.6 over 30 tensors of the same bytes (one matmul of them
+    all: 3.8-4.1).
+    """
+    by_dtype: dict[torch.dtype, list] = {}
+    for kernel in kernels:
+        by_dtype.setdefault(kernel.panels.dtype, []).append(kernel)
+    for dtype, group in by_dtype.items():
+        arena = torch.empty(sum(k.panels.numel() for k in group), dtype=dtype)
+        offset = 0
+        for kernel in group:  # each part starts on a whole panel row (128 bytes or more)
+            size = kernel.panels.numel()
+            part = arena[offset:offset + size].view(kernel.panels.shape)
+            part.copy_(kernel.panels)
+            kernel.panels = part
+            offset += size
