@@ -30,6 +30,9 @@ then calls it instead (the original weight is released: one copy in memory, not 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
 
@@ -258,3 +261,16 @@ def place_panels_in_one_arena(kernels: list) -> None:
             part.copy_(kernel.panels)
             kernel.panels = part
             offset += size
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    NOTE: the panels moved into the arena were freed into glibc's heap, which keeps them:
+    the server's resident memory stayed ~100 MB higher without this.
+    """
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
