@@ -76,9 +76,7 @@ void amx_panel_block(const uint16_t* xb, int64_t ldx, const uint16_t* panel, int
   _tile_stored(2, tmp + 16 * 32, 32 * 4);
   _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
 }
-#endif
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 // x (tokens, in) fp32 -> xb (rows, ldx) bf16 rounded to nearest even (as torch's
 // .to(torch::kBFloat16), denormals aside: flushed to zero, as the tile multiply reads
 // them anyway), zero past `in` and past `tokens`. NOTE: written here rather than by torch

@@ -26,6 +26,16 @@ void check_kv_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache)
               "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
 }
 
+// f(k_cache's elements, v_cache's elements) as float or c10::BFloat16 pointers, whichever
+// the caches hold (check_kv_caches first).
+template <typename F>
+void with_cache_elements(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F f) {
+  if (k_cache.scalar_type() == torch::kBFloat16)
+    f(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
+
 // n floats -> the cache's element type (a copy, or bf16 rounded to nearest even).
 inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
 inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
@@ -68,11 +78,8 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)  // all checked before anything is written
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-  if (k_cache.scalar_type() == torch::kBFloat16)
-    write_kv_rows(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), k, v,
-                  slots);
-  else
-    write_kv_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k, v, slots);
+  with_cache_elements(k_cache, v_cache,
+                      [&](auto* kc, auto* vc) { write_kv_rows(kc, vc, k, v, slots); });
 }
 
 namespace {
@@ -276,46 +283,43 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
   // (kc, vc): the caches' elements, float or c10::BFloat16
-  auto attend_tasks = [&](const auto* kc, const auto* vc) {
-  using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    const float* queries[MAX_HEADS];
-    float* outs[MAX_HEADS];
-    int64_t kv_offsets[MAX_HEADS];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, kv_first = task % tasks_per_seq * kv_per_task;
-      const int64_t* table = tables + seq * max_blocks;
-      auto row_of = [&](int64_t pos) {
-        return (table[pos / block_size] * block_size + pos % block_size) * row;
-      };
-      for (int64_t j = 0; j < heads_per_task; ++j) {
-        const int64_t head = kv_first * group + j;
-        queries[j] = q.data_ptr<float>() + seq * q.stride(0) + head * q.stride(1);
-        outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
-        kv_offsets[j] = head / group * head_dim;
-      }
-#if defined(__AVX512F__)
-      if (head_dim == 64 || head_dim == 128) {
-        for (int64_t h = 0; h < kv_per_task; ++h) {
-          const auto chunks =
-              head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
-          chunks(queries + h * group, outs + h * group, group, kc, vc, table, lens[seq],
-                 block_size, row,
-                 (kv_first + h) * head_dim, float(scale), scores);
+  with_cache_elements(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
+    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      const float* queries[MAX_HEADS];
+      float* outs[MAX_HEADS];
+      int64_t kv_offsets[MAX_HEADS];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = task / tasks_per_seq;
+        const int64_t kv_first = task % tasks_per_seq * kv_per_task;
+        const int64_t* table = tables + seq * max_blocks;
+        auto row_of = [&](int64_t pos) {
+          return (table[pos / block_size] * block_size + pos % block_size) * row;
+        };
+        for (int64_t j = 0; j < heads_per_task; ++j) {
+          const int64_t head = kv_first * group + j;
+          queries[j] = q.data_ptr<float>() + seq * q.stride(0) + head * q.stride(1);
+          outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
+          kv_offsets[j] = head / group * head_dim;
         }
-        continue;
-      }
+#if defined(__AVX512F__)
+        if (head_dim == 64 || head_dim == 128) {
+          for (int64_t h = 0; h < kv_per_task; ++h) {
+            const auto chunks =
+                head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
+            chunks(queries + h * group, outs + h * group, group, kc, vc, table, lens[seq],
+                   block_size, row, (kv_first + h) * head_dim, float(scale), scores);
+          }
+          continue;
+        }
 #endif
-      attend(queries, kv_offsets, heads_per_task, kc, vc, lens[seq], row_of,
-             kv_first * head_dim, kv_per_task * head_dim, head_dim, float(scale), scores, outs);
-    }
+        attend(queries, kv_offsets, heads_per_task, kc, vc, lens[seq], row_of,
+               kv_first * head_dim, kv_per_task * head_dim, head_dim, float(scale), scores,
+               outs);
+      }
+    });
   });
-  };
-  if (k_cache.scalar_type() == torch::kBFloat16)
-    attend_tasks(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-  else
-    attend_tasks(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 
