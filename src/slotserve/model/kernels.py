@@ -184,7 +184,7 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
     if setting == "auto":
         quantized = kernels.weights in ("bf16", "int8") and model_dtype == torch.float32
         return torch.bfloat16 if quantized else model_dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+    return DTYPES[setting]
 
 
 def _auto_weights(kernels: str, cpu_fp32: bool, ops) -> tuple[str, str]:

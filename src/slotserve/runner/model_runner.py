@@ -24,6 +24,9 @@ from slotserve.structured.grammar import (
 
 __all__ = ["DTYPES", "ModelRunner", "kv_block_bytes", "resolve_dtype"]
 
+# The KV pool's dtypes that numpy's lazily zeroed pages can hold (bf16 as its bit pattern).
+NUMPY_ZEROS_AS = {torch.float32: np.float32, torch.bfloat16: np.uint16}
+
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V of block_size positions in every layer."""
@@ -85,10 +88,8 @@ class ModelRunner:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         dtype = self.kv_cache_dtype
-        if self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            if dtype == torch.float32:
-                return torch.from_numpy(np.zeros(shape, dtype=np.float32))
-            return torch.from_numpy(np.zeros(shape, dtype=np.uint16)).view(torch.bfloat16)
+        if self.device.type == "cpu" and dtype in NUMPY_ZEROS_AS:
+            return torch.from_numpy(np.zeros(shape, dtype=NUMPY_ZEROS_AS[dtype])).view(dtype)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
