@@ -88,3 +88,43 @@ def test_linear_weights_reject_bad_kinds(cpu_ops):
         cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(2, 2)))
     with pytest.raises(RuntimeError, match="needs its second tensor"):
         cpu_ops.linear_weights("int8", torch.zeros(2, 2, dtype=torch.int8))
+
+
+def test_stack_checks_a_step_before_writing_anything(cpu_ops):
+    """The layers run on raw pointers: the stack checks slots, tables and caches on entry."""
+    engine = tiny_engine(tiny_hf_model(), block_size=16)
+    model, caches = engine.runner.model, engine.runner.kv_caches
+    flat = [cache for kv_cache in caches for cache in kv_cache]
+    num_slots = flat[0].shape[0] * flat[0].shape[1]
+    x = torch.randn(1, model.config.hidden_size)
+    cos, sin = model.rotary.tables(torch.tensor([3]))
+    before = [cache.clone() for cache in flat]
+
+    def forward(slots, tables, lens, kv=flat):
+        return model.decode_stack.forward(x, cos, sin, kv, torch.tensor(slots),
+                                          torch.tensor(tables), torch.tensor(lens))
+
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        forward([num_slots], [[0]], [4])
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        forward([3], [[flat[0].shape[0]]], [4])
+    with pytest.raises(RuntimeError, match="bad context length"):
+        forward([3], [[0]], [17])
+    with pytest.raises(RuntimeError, match="one k and one v cache per layer"):
+        forward([3], [[0]], [4], kv=flat[:-1])
+    assert all(torch.equal(a, b) for a, b in zip(flat, before))
+    assert forward([3], [[0]], [4]).shape == x.shape  # the same step, checked, runs
+
+
+def test_stack_rejects_layers_of_the_wrong_shape(cpu_ops):
+    hidden, heads, kv_heads, head_dim = 8, 2, 1, 4
+    stack = cpu_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.5, torch.ones(hidden))
+    linear = lambda i, o: cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(o, i)),
+                                                out_features=o)
+    qkv, o, gate_up = linear(hidden, 16), linear(8, hidden), linear(hidden, 12)
+    with pytest.raises(RuntimeError, match="takes 5 inputs, not 6"):
+        stack.add_layer(torch.ones(hidden), torch.ones(hidden), qkv, o, gate_up, linear(5, hidden))
+    with pytest.raises(RuntimeError, match="gives 12 outputs where 16 are needed"):
+        stack.add_layer(torch.ones(hidden), torch.ones(hidden), gate_up, o, gate_up,
+                        linear(6, hidden))
+    stack.add_layer(torch.ones(hidden), torch.ones(hidden), qkv, o, gate_up, linear(6, hidden))

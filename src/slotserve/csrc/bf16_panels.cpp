@@ -193,14 +193,32 @@ void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const u
 
 }  // namespace
 
+namespace {
+
+// y (tokens, out) = x @ W^T on raw pointers: x fp32 (tokens, in), or, when xb is given, its
+// rows rounded to bf16 (tokens, 2 * ceil(in / 2), the odd input's partner zero).
+void panel_linear_bf16_rows(const float* x, const uint16_t* xb, int64_t tokens, int64_t in,
+                            const uint16_t* panels, int64_t num_panels, int64_t out_features,
+                            float* y) {
+  const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
+  for_each_panel_tile(tokens, num_panels, out_features,
+                      [&](int64_t p, int64_t row, int rows, int64_t cols) {
+    panel_tile_bf16_of(rows, xb != nullptr, x + row * in, xb ? xb + row * 2 * pairs : nullptr,
+                       panels + p * pairs16 * 2 * PANEL_WIDTH, in,
+                       y + row * out_features + p * PANEL_WIDTH, out_features, cols,
+                       std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+  });
+}
+
+}  // namespace
+
 // y (T, out) = x (T, in) @ W^T, W given as pack_panels_bf16(W (out, in)); x fp32, rounded
 // to bf16 first when bf16_activations.
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                                 bool bf16_activations) {
   x = x.contiguous();
   check_bf16_panels(x, panels, out_features);
-  const int64_t tokens = x.size(0), in = x.size(1), num_panels = panels.size(0);
-  const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
+  const int64_t tokens = x.size(0), in = x.size(1), pairs = (in + 1) / 2;
   auto y = torch::empty({tokens, out_features}, x.options());
   if (tokens == 0) return y;
   torch::Tensor xb;  // (T, 2 * pairs) bf16, the odd input's partner zero
@@ -208,20 +226,17 @@ torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t o
     xb = torch::zeros({tokens, 2 * pairs}, x.options().dtype(torch::kBFloat16));
     xb.narrow(1, 0, in).copy_(x);  // round to nearest even
   }
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* xbp =
-      bf16_activations ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
-  const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  for_each_panel_tile(tokens, num_panels, out_features,
-                      [&](int64_t p, int64_t row, int rows, int64_t cols) {
-    panel_tile_bf16_of(rows, bf16_activations, xp + row * in,
-                       xbp ? xbp + row * 2 * pairs : nullptr,
-                       pp + p * pairs16 * 2 * PANEL_WIDTH, in,
-                       yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
-                       std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
-  });
+  panel_linear_bf16_rows(
+      x.data_ptr<float>(),
+      bf16_activations ? reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()) : nullptr,
+      tokens, in, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()),
+      panels.size(0), out_features, y.data_ptr<float>());
   return y;
+}
+
+void panel_linear_bf16_into(const float* x, int64_t tokens, int64_t in, const uint16_t* panels,
+                            int64_t num_panels, int64_t out_features, float* y) {
+  panel_linear_bf16_rows(x, nullptr, tokens, in, panels, num_panels, out_features, y);
 }
 
 }  // namespace slotserve::kernels

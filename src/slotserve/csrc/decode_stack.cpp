@@ -4,6 +4,7 @@
 #include "decode_stack.h"
 
 #include "ops.h"
+#include "panels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -48,39 +49,192 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
   return {parsed, a, b ? *b : torch::Tensor(), bias, out_features, amx_min_rows};
 }
 
+int64_t LinearWeights::outputs() const {
+  switch (kind) {
+    case Kind::kPlain: return a.size(1);  // W (in, out)
+    case Kind::kMkl: return b.size(0);    // (out, in)
+    case Kind::kInt8: return a.size(0);   // (out, in)
+    default: return out_features;
+  }
+}
+
+void LinearWeights::check_shape(int64_t in, int64_t out) const {
+  TORCH_CHECK(out < 0 || outputs() == out, "a linear layer gives ", outputs(),
+              " outputs where ", out, " are needed");
+  const int64_t takes = kind == Kind::kPlain   ? a.size(0)
+                        : kind == Kind::kMkl   ? b.size(1)
+                        : kind == Kind::kInt8  ? a.size(1)
+                        : kind == Kind::kPanel ? a.size(1)
+                                               : -1;  // bf16 panels: checked below
+  TORCH_CHECK(takes == -1 || takes == in, "a linear layer takes ", takes, " inputs, not ", in);
+  if (kind == Kind::kPanel) {
+    check_cpu_float(a, "panels");
+    TORCH_CHECK(a.dim() == 3 && a.size(2) == PANEL_WIDTH && a.is_contiguous(),
+                "panels must come from pack_panels");
+  }
+  if (kind == Kind::kPanelBf16 || kind == Kind::kPanelBf16Dot)
+    check_bf16_panels(torch::empty({0, in}), a, out_features);
+  TORCH_CHECK(kind == Kind::kMkl || kind == Kind::kPlain || kind == Kind::kInt8 ||
+                  (out_features > (a.size(0) - 1) * PANEL_WIDTH &&
+                   out_features <= a.size(0) * PANEL_WIDTH),
+              "out_features does not fit the panels");
+  if (bias) {
+    check_cpu_float(*bias, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == outputs(), "one bias per output");
+  }
+}
+
+void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) const {
+  const int64_t outs = outputs();
+  const bool amx = kind == Kind::kPanelBf16 && amx_min_rows > 0 && rows >= amx_min_rows &&
+                   amx_bf16_usable();
+  if (kind == Kind::kPanel) {
+    panel_linear_into(x, rows, in, a.data_ptr<float>(), a.size(0), outs, y);
+  } else if (kind == Kind::kPanelBf16 && !amx) {
+    panel_linear_bf16_into(x, rows, in,
+                           reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                           a.size(0), outs, y);
+  } else {  // operator() adds the bias
+    const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
+    std::copy_n(out.data_ptr<float>(), rows * outs, y);
+    return;
+  }
+  if (!bias) return;
+  const float* b = bias->data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (int64_t j = 0; j < outs; ++j) y[r * outs + j] += b[j];
+}
+
+void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
+                            const LinearWeights& qkv, const LinearWeights& o,
+                            const LinearWeights& gate_up, const LinearWeights& down) {
+  const int64_t hidden = final_norm_.numel(), q_size = num_heads_ * head_dim_;
+  const int64_t kv_size = num_kv_heads_ * head_dim_;
+  for (const torch::Tensor* norm : {&final_norm_, &input_norm, &post_attention_norm}) {
+    check_cpu_float(*norm, "norm weight");
+    TORCH_CHECK(norm->is_contiguous() && norm->numel() == hidden,
+                "every norm weight must be (H,), contiguous");
+  }
+  TORCH_CHECK(num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 && head_dim_ % 2 == 0,
+              "num_heads must be a multiple of num_kv_heads, head_dim even");
+  qkv.check_shape(hidden, q_size + 2 * kv_size);
+  o.check_shape(q_size, hidden);
+  gate_up.check_shape(hidden, -1);
+  TORCH_CHECK(gate_up.outputs() % 2 == 0, "gate_up gives an even number of outputs");
+  down.check_shape(gate_up.outputs() / 2, hidden);
+  TORCH_CHECK(layers_.empty() || gate_up.outputs() == layers_[0].gate_up.outputs(),
+              "every layer has the same intermediate size");
+  layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down});
+}
+
+namespace {
+
+// The step's inputs, checked, and the caches' pointers (one view per layer).
+struct StepInputs {
+  torch::Tensor x, cos, sin, slots, tables, lens;
+  std::vector<KvCacheView> caches;
+};
+
+StepInputs check_step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                      const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
+                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t hidden,
+                      int64_t num_kv_heads, int64_t head_dim, size_t layers) {
+  TORCH_CHECK(caches.size() == 2 * layers, "one k and one v cache per layer");
+  check_cpu_float(x, "x");
+  check_cpu_float(cos, "cos");
+  check_cpu_float(sin, "sin");
+  StepInputs in{x.contiguous(), cos.contiguous(), sin.contiguous(),
+                slot_mapping.to(torch::kInt64).contiguous(),
+                block_tables.to(torch::kInt64).contiguous(),
+                context_lens.to(torch::kInt64).contiguous(), {}};
+  const int64_t D = in.x.size(0);
+  TORCH_CHECK(in.x.dim() == 2 && in.x.size(1) == hidden, "x must be (D, H)");
+  TORCH_CHECK(in.cos.numel() == D * head_dim / 2 && in.sin.numel() == D * head_dim / 2,
+              "cos and sin must hold (D, hd/2) values");
+  TORCH_CHECK(in.slots.numel() == D && in.tables.dim() == 2 && in.tables.size(0) == D,
+              "one slot and one block table per sequence");
+  for (size_t i = 0; i < layers; ++i) {
+    in.caches.push_back(kv_cache_view(caches[2 * i], caches[2 * i + 1]));
+    const KvCacheView& c = in.caches.back();
+    TORCH_CHECK(c.num_kv_heads == num_kv_heads && c.head_dim == head_dim &&
+                    c.num_blocks == in.caches[0].num_blocks &&
+                    c.block_size == in.caches[0].block_size,
+                "every layer's caches must be (num_blocks, bs, nkv, hd), the same");
+  }
+  if (layers == 0) return in;
+  const KvCacheView& first = in.caches[0];
+  check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size);
+  const int64_t* slots = in.slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < D; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < first.num_blocks * first.block_size,
+                "slot out of range");
+  return in;
+}
+
+}  // namespace
+
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                    const std::vector<torch::Tensor>& caches,
                                    torch::Tensor slot_mapping, torch::Tensor block_tables,
                                    torch::Tensor context_lens) const {
-  TORCH_CHECK(caches.size() == 2 * layers_.size(), "one k and one v cache per layer");
-  const int64_t D = x.size(0), q_size = num_heads_ * head_dim_;
-  const int64_t kv_size = num_kv_heads_ * head_dim_;
-  // the residual stream, added to in place (the caller's x stays as it was)
-  x = x.clone(at::MemoryFormat::Contiguous);
-  torch::Tensor mlp_out;  // the previous layer's MLP output, not yet added to x
+  const int64_t hidden = final_norm_.numel();
+  const StepInputs in = check_step(x, cos, sin, caches, slot_mapping, block_tables,
+                                   context_lens, hidden, num_kv_heads_, head_dim_,
+                                   layers_.size());
+  const int64_t D = in.x.size(0), q_size = num_heads_ * head_dim_;
+  const int64_t kv_size = num_kv_heads_ * head_dim_, qkv_size = q_size + 2 * kv_size;
+  auto y = torch::empty({D, hidden}, in.x.options());
+  if (layers_.empty()) {
+    rms_norm_rows(in.x.data_ptr<float>(), final_norm_.data_ptr<float>(), y.data_ptr<float>(),
+                  D, hidden, eps_);
+    return y;
+  }
+  const int64_t gate_up_size = layers_[0].gate_up.outputs(), inter = gate_up_size / 2;
+  // the workspace: every activation of a layer, reused by the next
+  auto work = torch::empty({D * (4 * hidden + qkv_size + q_size + gate_up_size + inter)},
+                           in.x.options());
+  float* residual = work.data_ptr<float>();  // (D, H), added to in place
+  float* h = residual + D * hidden;          // (D, H) the normed input of a block
+  float* qkv = h + D * hidden;               // (D, q + 2 kv)
+  float* attn = qkv + D * qkv_size;          // (D, nh, hd)
+  float* o = attn + D * q_size;              // (D, H)
+  float* gate_up = o + D * hidden;           // (D, 2I)
+  float* act = gate_up + D * gate_up_size;   // (D, I)
+  float* mlp_out = act + D * inter;          // (D, H) the MLP's output, not yet added
+  std::copy_n(in.x.data_ptr<float>(), D * hidden, residual);  // the caller's x stays as it was
+  const float* cos_p = in.cos.data_ptr<float>();
+  const float* sin_p = in.sin.data_ptr<float>();
+  const int64_t* slots = in.slots.data_ptr<int64_t>();
+  const int64_t* tables = in.tables.data_ptr<int64_t>();
+  const int64_t* lens = in.lens.data_ptr<int64_t>();
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
-    const torch::Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
+    const KvCacheView& cache = in.caches[i];
     // attention block
-    torch::Tensor h = i == 0 ? rms_norm(x, layer.input_norm, eps_)
-                             : add_rms_norm_(x, mlp_out, layer.input_norm, eps_);
-    torch::Tensor qkv = layer.qkv(h);  // (D, q + 2 kv)
-    torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size)
-                           .view({D, num_heads_ + num_kv_heads_, head_dim_});
-    rotary_(qk, cos, sin);  // in place, inside qkv
-    torch::Tensor q = qk.narrow(1, 0, num_heads_);                // (D, nh, hd)
-    torch::Tensor k = qk.narrow(1, num_heads_, num_kv_heads_);    // (D, nkv, hd)
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
-                          .view({D, num_kv_heads_, head_dim_});  // (D, nkv, hd)
-    write_kv_(k_cache, v_cache, k, v, slot_mapping);
-    torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                context_lens, scale_);  // (D, nh, hd)
+    if (i == 0)
+      rms_norm_rows(residual, layer.input_norm.data_ptr<float>(), h, D, hidden, eps_);
+    else
+      add_rms_norm_rows(residual, mlp_out, layer.input_norm.data_ptr<float>(), h, D, hidden,
+                        eps_);
+    layer.qkv.into(h, D, hidden, qkv);
+    // q and k heads side by side at the start of each qkv row: rotated in place
+    rotary_rows(qkv, D, num_heads_ + num_kv_heads_, head_dim_ / 2, qkv_size, head_dim_, cos_p,
+                sin_p);
+    write_kv_rows(cache, qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, D, slots);
+    decode_attention_into(qkv, D, num_heads_, qkv_size, head_dim_, cache, tables,
+                          in.tables.size(1), lens, scale_, attn);
     // MLP block
-    h = add_rms_norm_(x, layer.o(attn.view({D, q_size})), layer.post_attention_norm, eps_);
-    mlp_out = layer.down(silu_mul(layer.gate_up(h)));  // (D, H)
+    layer.o.into(attn, D, q_size, o);
+    add_rms_norm_rows(residual, o, layer.post_attention_norm.data_ptr<float>(), h, D, hidden,
+                      eps_);
+    layer.gate_up.into(h, D, hidden, gate_up);
+    silu_mul_rows(gate_up, act, D, inter);
+    layer.down.into(act, D, inter, mlp_out);
   }
-  return layers_.empty() ? rms_norm(x, final_norm_, eps_)
-                         : add_rms_norm_(x, mlp_out, final_norm_, eps_);
+  add_rms_norm_rows(residual, mlp_out, final_norm_.data_ptr<float>(), y.data_ptr<float>(), D,
+                    hidden, eps_);
+  return y;
 }
 
 }  // namespace slotserve::kernels

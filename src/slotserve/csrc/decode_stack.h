@@ -28,6 +28,12 @@ struct LinearWeights {
   int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never)
 
   torch::Tensor operator()(const torch::Tensor& x) const;  // (T, in) -> (T, out)
+  int64_t outputs() const;  // out features
+  // Throws unless this layer takes `in` inputs and gives `out` outputs (out < 0: any).
+  void check_shape(int64_t in, int64_t out) const;
+  // y (rows, outputs()) = x (rows, in), raw pointers (shapes checked by check_shape): the
+  // panel kernels straight, the other kinds (and AMX) through operator() and a copy.
+  void into(const float* x, int64_t rows, int64_t in, float* y) const;
 };
 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
@@ -46,15 +52,16 @@ class DecodeStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         scale_(scale), final_norm_(final_norm) {}
 
+  // NOTE: every shape is checked here, once: forward's layers run on raw pointers.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const LinearWeights& qkv, const LinearWeights& o,
-                 const LinearWeights& gate_up, const LinearWeights& down) {
-    layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down});
-  }
+                 const LinearWeights& gate_up, const LinearWeights& down);
 
   // x (D, H): the embeddings of D decode tokens, one per sequence; cos, sin (D, hd/2);
   // caches: k and v of each layer in turn; slot_mapping (D,); block_tables (D, maxb);
   // context_lens (D,) -> the final norm of the last hidden state (D, H).
+  // NOTE: the inputs are checked on entry; the layers then run the kernels' raw forms on one
+  // workspace, with no tensor made between two matmuls (ops.h says why).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens) const;

@@ -27,26 +27,41 @@ void check_rms_norm(const torch::Tensor& x, const torch::Tensor& weight) {
 
 }  // namespace
 
-// y (T, H) = x / rms(x) * weight, row by row.
+// y (rows, H) = x / rms(x) * weight, row by row.
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden,
+                   double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(x + r * hidden, weight, y + r * hidden, hidden, eps);
+  });
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rms_norm(x, weight);
   x = x.contiguous();
   weight = weight.contiguous();
-  const int64_t rows = x.size(0), hidden = x.size(1);
   auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rms_norm_row(xp + r * hidden, wp, yp + r * hidden, hidden, eps);
-  });
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
+                x.size(1), eps);
   return y;
 }
 
-// x += delta in place, then y (T, H) = rms_norm(x, weight): a layer's residual add and the
-// norm after it in one pass (and one call). NOTE: the same fp32 add and the same norm as
+// x += delta in place, then y (rows, H) = rms_norm(x, weight): a layer's residual add and
+// the norm after it in one pass (and one call). NOTE: the same fp32 add and the same norm as
 // `x + delta` then rms_norm, to the last bit (tests/model/test_fused_ops.py).
+void add_rms_norm_rows(float* x, const float* delta, const float* weight, float* y,
+                       int64_t rows, int64_t hidden, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * hidden;
+      const float* dr = delta + r * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) xr[i] += dr[i];
+      rms_norm_row(xr, weight, y + r * hidden, hidden, eps);
+    }
+  });
+}
+
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight,
                             double eps) {
   check_rms_norm(x, weight);
@@ -55,68 +70,45 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
               "x must be contiguous, delta of x's shape");
   delta = delta.contiguous();
   weight = weight.contiguous();
-  const int64_t rows = x.size(0), hidden = x.size(1);
   auto y = torch::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  const float* dp = delta.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * hidden;
-      const float* dr = dp + r * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) xr[i] += dr[i];
-      rms_norm_row(xr, wp, yp + r * hidden, hidden, eps);
-    }
-  });
+  add_rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), weight.data_ptr<float>(),
+                    y.data_ptr<float>(), x.size(0), x.size(1), eps);
   return y;
 }
 
-// gate_up (T, 2I) -> silu(gate) * up (T, I).
+// gate_up (rows, 2I) -> silu(gate) * up (rows, I).
+void silu_mul_rows(const float* gate_up, float* y, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * inter;
+      const float* up = gate + inter;
+      float* yr = y + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) yr[i] = gate[i] / (1.f + vec_exp(-gate[i])) * up[i];
+    }
+  });
+}
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_cpu_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
   gate_up = gate_up.contiguous();
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto y = torch::empty({rows, inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = gp + r * 2 * inter;
-      const float* up = gate + inter;
-      float* yr = yp + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) yr[i] = gate[i] / (1.f + vec_exp(-gate[i])) * up[i];
-    }
-  });
+  silu_mul_rows(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
   return y;
 }
 
-// Rotate-half RoPE in place. x: (T, n, hd) with a contiguous last dim (a view into the
-// qkv output is fine); cos, sin: (T, hd/2) of each token's position.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  check_cpu_float(x, "x");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (T, n, hd) with unit stride in hd");
-  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
-  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
-  check_cpu_float(cos, "cos");
-  check_cpu_float(sin, "sin");
-  TORCH_CHECK(cos.numel() == tokens * half && sin.numel() == tokens * half,
-              "cos and sin must hold (T, hd/2) values");
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+// Rotate-half RoPE in place: each of `heads` heads (2 * half wide) of each token, by the
+// token's cos, sin (half each, token after token).
+void rotary_rows(float* x, int64_t tokens, int64_t heads, int64_t half, int64_t token_stride,
+                 int64_t head_stride, const float* cos, const float* sin) {
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * half;
-      const float* s = sp + t * half;
+      const float* c = cos + t * half;
+      const float* s = sin + t * half;
       for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = xp + t * token_stride + h * head_stride;
+        float* x1 = x + t * token_stride + h * head_stride;
         float* x2 = x1 + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
@@ -127,6 +119,23 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       }
     }
   });
+}
+
+// x: (T, n, hd) with a contiguous last dim (a view into the qkv output is fine); cos, sin:
+// (T, hd/2) of each token's position.
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be (T, n, hd) with unit stride in hd");
+  const int64_t tokens = x.size(0), half = x.size(2) / 2;
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
+  check_cpu_float(cos, "cos");
+  check_cpu_float(sin, "sin");
+  TORCH_CHECK(cos.numel() == tokens * half && sin.numel() == tokens * half,
+              "cos and sin must hold (T, hd/2) values");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  rotary_rows(x.data_ptr<float>(), tokens, x.size(1), half, x.stride(0), x.stride(1),
+              cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
 }  // namespace slotserve::kernels

@@ -1,5 +1,12 @@
 // The kernel entry points: what bindings.cpp exposes to Python and decode_stack.cpp calls.
 // Each is defined (and documented) in its family's file, named in common.h.
+//
+// Each tensor entry point checks its arguments, then runs a raw form on pointers (the
+// `_rows` and `_into` functions below): the decode stack checks a step once and calls the
+// raw forms, with no tensor made or checked between two matmuls. NOTE: a step's weights
+// stream through the caches and evict the code: at batch 1 an RMSNorm's tensor call right
+// after a matmul took 7-10 us (the torch code it runs, read back from memory), 2 us right
+// after another, its raw loop 2.6 us (benchmarks/PERF.md).
 #pragma once
 
 #include <torch/types.h>
@@ -15,6 +22,13 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
                             double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows,
+                   int64_t hidden, double eps);
+void add_rms_norm_rows(float* x, const float* delta, const float* weight, float* y,
+                       int64_t rows, int64_t hidden, double eps);
+void silu_mul_rows(const float* gate_up, float* y, int64_t rows, int64_t inter);
+void rotary_rows(float* x, int64_t tokens, int64_t heads, int64_t half, int64_t token_stride,
+                 int64_t head_stride, const float* cos, const float* sin);
 
 // paged_attention.cpp
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
@@ -22,6 +36,23 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+// One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers.
+struct KvCacheView {
+  void *k, *v;
+  bool bf16;  // c10::BFloat16 elements, else float
+  int64_t num_blocks, block_size, num_kv_heads, head_dim;
+};
+KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
+void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        int64_t num_blocks, int64_t block_size);
+void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_stride,
+                   const float* v, int64_t v_token_stride, int64_t tokens,
+                   const int64_t* slots);
+void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
+                           int64_t q_token_stride, int64_t q_head_stride,
+                           const KvCacheView& cache, const int64_t* block_tables,
+                           int64_t max_blocks, const int64_t* context_lens, double scale,
+                           float* out);
 
 // int8_linear.cpp
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
@@ -30,6 +61,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 torch::Tensor pack_panels(torch::Tensor weight);
 bool panel_linear_vectorised();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
+void panel_linear_into(const float* x, int64_t tokens, int64_t in, const float* panels,
+                       int64_t num_panels, int64_t out_features, float* y);
 
 // bf16_panels.cpp
 torch::Tensor pack_panels_bf16(torch::Tensor weight);
@@ -37,6 +70,9 @@ std::tuple<bool, bool> panel_bf16_vectorised();
 void set_force_plain_loops(bool force);
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                                 bool bf16_activations);
+// fp32 activations (the widening mode); panels of padded_pairs(in) pairs.
+void panel_linear_bf16_into(const float* x, int64_t tokens, int64_t in, const uint16_t* panels,
+                            int64_t num_panels, int64_t out_features, float* y);
 
 // bf16_amx.cpp
 bool amx_bf16_usable();

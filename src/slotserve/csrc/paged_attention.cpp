@@ -17,23 +17,14 @@ namespace slotserve::kernels {
 
 namespace {
 
-// Both caches float32, or both bfloat16, on the CPU.
-void check_kv_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
-  const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
-                  v_cache.scalar_type() == dtype,
-              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
-}
-
 // f(k_cache's elements, v_cache's elements) as float or c10::BFloat16 pointers, whichever
-// the caches hold (check_kv_caches first).
+// the caches hold.
 template <typename F>
-void with_cache_elements(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F f) {
-  if (k_cache.scalar_type() == torch::kBFloat16)
-    f(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+void with_cache_elements(const KvCacheView& cache, F f) {
+  if (cache.bf16)
+    f(static_cast<c10::BFloat16*>(cache.k), static_cast<c10::BFloat16*>(cache.v));
   else
-    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    f(static_cast<float*>(cache.k), static_cast<float*>(cache.v));
 }
 
 // n floats -> the cache's element type (a copy, or bf16 rounded to nearest even).
@@ -42,51 +33,70 @@ inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 
-template <typename T>
-void write_kv_rows(T* k_cache, T* v_cache, const torch::Tensor& k, const torch::Tensor& v,
-                   const int64_t* slots) {
-  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t dst = (slots[t] * heads + h) * head_dim;
-      const int64_t src_k = t * k.stride(0) + h * k.stride(1);
-      const int64_t src_v = t * v.stride(0) + h * v.stride(1);
-      store_row(k.data_ptr<float>() + src_k, head_dim, k_cache + dst);
-      store_row(v.data_ptr<float>() + src_v, head_dim, v_cache + dst);
-    }
-  }
+}  // namespace
+
+// The caches' pointers and shape: both float32 or both bfloat16, on the CPU, contiguous,
+// (num_blocks, bs, nkv, hd) each.
+KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+                  v_cache.scalar_type() == dtype,
+              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "the caches must be (num_blocks, bs, nkv, hd), both the same");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), dtype == torch::kBFloat16, k_cache.size(0),
+          k_cache.size(1), k_cache.size(2), k_cache.size(3)};
 }
 
-}  // namespace
+// Store T tokens' K and V (nkv heads of hd each, contiguous; token strides given) at their
+// flat cache slots (checked by the caller).
+void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_stride,
+                   const float* v, int64_t v_token_stride, int64_t tokens,
+                   const int64_t* slots) {
+  const int64_t heads = cache.num_kv_heads, head_dim = cache.head_dim;
+  with_cache_elements(cache, [&](auto* kc, auto* vc) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (slots[t] * heads + h) * head_dim;
+        store_row(k + t * k_token_stride + h * head_dim, head_dim, kc + dst);
+        store_row(v + t * v_token_stride + h * head_dim, head_dim, vc + dst);
+      }
+  });
+}
 
 // Store the new tokens' K and V, (T, nkv, hd) each (unit stride in hd), at their flat
 // cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd), float32 or bfloat16.
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                torch::Tensor slot_mapping) {
-  check_kv_caches(k_cache, v_cache);
+  const KvCacheView cache = kv_cache_view(k_cache, v_cache);
   check_cpu_float(k, "k");
   check_cpu_float(v, "v");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v must have unit stride in hd");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes() &&
-                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.num_kv_heads &&
+                  k.size(2) == cache.head_dim,
               "k, v must be (T, nkv, hd) and the caches (num_blocks, bs, nkv, hd)");
+  if (k.stride(1) != cache.head_dim) k = k.contiguous();  // heads side by side, as stored
+  if (v.stride(1) != cache.head_dim) v = v.contiguous();
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot per new token");
-  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
-  const int64_t num_slots = k_cache.numel() / (heads * head_dim);
+  const int64_t tokens = k.size(0);
+  const int64_t num_slots = cache.num_blocks * cache.block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)  // all checked before anything is written
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-  with_cache_elements(k_cache, v_cache,
-                      [&](auto* kc, auto* vc) { write_kv_rows(kc, vc, k, v, slots); });
+  write_kv_rows(cache, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
+                tokens, slots);
 }
 
-namespace {
-
 // Tables and lengths checked once, so that the kernel never reads outside the cache.
-void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                  int64_t num_blocks, int64_t block_size) {
+void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 &&
+                  context_lens.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "block_tables (D, maxb) and context_lens (D,) must be contiguous int64");
   const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(context_lens.numel() == seqs, "one context length per block table");
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -99,6 +109,8 @@ void check_tables(const torch::Tensor& block_tables, const torch::Tensor& contex
     }
   }
 }
+
+namespace {
 
 // NOTE: a sequence's blocks lie anywhere in the pool, so the hardware prefetcher loses the
 // thread at every block boundary: asking for the K/V rows 16 positions ahead made decode
@@ -243,34 +255,20 @@ void attend_kv_head_chunks(const float* const* queries, float* const* out, int64
 
 }  // namespace
 
-// One query per sequence over its cached context, read straight from the paged cache.
-// q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
-// block_tables: (D, maxb) int64; context_lens: (D,) int64 -> out (D, nh, hd).
+constexpr int64_t MAX_HEADS = 256;  // query heads per sequence (the tasks' arrays)
+
+// One query per sequence over its cached context, read straight from the paged cache: q
+// (D, nh, hd) at the given strides (unit stride in hd), block tables (D, max_blocks) and
+// context lengths (D,) checked by check_block_tables -> out (D, nh, hd), contiguous.
 // NOTE: query head h reads KV head h / (nh / nkv), as HF groups them. A task reads whole
 // cached rows (all KV heads of a position, contiguous) when there are enough sequences to
 // keep the threads busy, and one KV head's part of each row otherwise.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  check_cpu_float(q, "q");
-  check_kv_caches(k_cache, v_cache);
-  TORCH_CHECK(q.stride(2) == 1, "q must have unit stride in hd");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  context_lens = context_lens.to(torch::kInt64).contiguous();
-  const int64_t seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == head_dim &&
-                  num_kv_heads > 0 && block_tables.size(0) == seqs,
-              "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  constexpr int64_t MAX_HEADS = 256;
-  TORCH_CHECK(group * num_kv_heads == num_heads && num_heads <= MAX_HEADS,
-              "num_heads must be a multiple of nkv, at most 256");
-  check_tables(block_tables, context_lens, k_cache.size(0), block_size);
-  auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
+void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
+                           int64_t q_token_stride, int64_t q_head_stride,
+                           const KvCacheView& cache, const int64_t* tables, int64_t max_blocks,
+                           const int64_t* lens, double scale, float* out) {
+  const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
+  const int64_t head_dim = cache.head_dim, group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between two cached positions
   const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
@@ -283,7 +281,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
   // (kc, vc): the caches' elements, float or c10::BFloat16
-  with_cache_elements(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
+  with_cache_elements(cache, [&](const auto* kc, const auto* vc) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
     at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -299,8 +297,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
         };
         for (int64_t j = 0; j < heads_per_task; ++j) {
           const int64_t head = kv_first * group + j;
-          queries[j] = q.data_ptr<float>() + seq * q.stride(0) + head * q.stride(1);
-          outs[j] = out.data_ptr<float>() + (seq * num_heads + head) * head_dim;
+          queries[j] = q + seq * q_token_stride + head * q_head_stride;
+          outs[j] = out + (seq * num_heads + head) * head_dim;
           kv_offsets[j] = head / group * head_dim;
         }
 #if defined(__AVX512F__)
@@ -320,6 +318,29 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
       }
     });
   });
+}
+
+// q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
+// block_tables: (D, maxb) int64; context_lens: (D,) int64 -> out (D, nh, hd).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  check_cpu_float(q, "q");
+  const KvCacheView cache = kv_cache_view(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (D, nh, hd), unit stride in hd");
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(cache.head_dim == head_dim && cache.num_kv_heads > 0 &&
+                  block_tables.dim() == 2 && block_tables.size(0) == seqs,
+              "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
+  TORCH_CHECK(num_heads % cache.num_kv_heads == 0 && num_heads <= MAX_HEADS,
+              "num_heads must be a multiple of nkv, at most 256");
+  check_block_tables(block_tables, context_lens, cache.num_blocks, cache.block_size);
+  auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
+  decode_attention_into(q.data_ptr<float>(), seqs, num_heads, q.stride(0), q.stride(1), cache,
+                        block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                        context_lens.data_ptr<int64_t>(), scale, out.data_ptr<float>());
   return out;
 }
 

@@ -84,17 +84,20 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
   TORCH_CHECK(out_features > (num_panels - 1) * PANEL_WIDTH &&
                   out_features <= num_panels * PANEL_WIDTH, "out_features does not fit panels");
   auto y = torch::empty({tokens, out_features}, x.options());
-  if (tokens == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  panel_linear_into(x.data_ptr<float>(), tokens, in, panels.data_ptr<float>(), num_panels,
+                    out_features, y.data_ptr<float>());
+  return y;
+}
+
+// y (tokens, out) = x (tokens, in) @ W^T on raw pointers (panels of in rows each).
+void panel_linear_into(const float* x, int64_t tokens, int64_t in, const float* panels,
+                       int64_t num_panels, int64_t out_features, float* y) {
   for_each_panel_tile(tokens, num_panels, out_features,
                       [&](int64_t p, int64_t row, int rows, int64_t cols) {
-    panel_tile_of(rows, xp + row * in, pp + p * in * PANEL_WIDTH, in,
-                  yp + row * out_features + p * PANEL_WIDTH, out_features, cols,
+    panel_tile_of(rows, x + row * in, panels + p * in * PANEL_WIDTH, in,
+                  y + row * out_features + p * PANEL_WIDTH, out_features, cols,
                   std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
   });
-  return y;
 }
 
 }  // namespace slotserve::kernels
