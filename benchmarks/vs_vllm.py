@@ -19,7 +19,9 @@ Quality: greedy agreement, teacher-forced, with slotserve fp32's greedy continua
 in process (`LLMEngine.score`), vLLM's through its API (`prompt_logprobs`, rank 1).
 
 Floors in the same run: memory bandwidth, fp32 GEMM peak, batch-1 floors (all fp32 weight
-bytes, or half of them for bf16, read once per token), W's matmul bound (benchmarks.perf).
+bytes, or half of them for bf16, read once per token), W's matmul bound (benchmarks.perf);
+the bandwidth again before each round's batch-1 runs, for slotserve bf16's share of its
+floor round by round.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from benchmarks.perf import (
     batch1_floor_ms,
     floor_figures,
     matmul_figures,
+    measure_bandwidth_gbs,
     measure_floors,
     workload_w,
 )
@@ -162,11 +165,19 @@ def workload(name: str):
     return workload_w(WORKLOADS[name])
 
 
-def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> None:
-    """Each workload on each server, `rounds` times; the server order rotates per round."""
+def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> list[float]:
+    """Each workload on each server, `rounds` times; the server order rotates per round.
+
+    Returns the bandwidth (GB/s) measured right before each round's batch-1 runs.
+    NOTE: as benchmarks.perf's batch-1 rounds: the host's bandwidth moves between minutes,
+    and a floor from the start of the run would not say how close a later round came to its own.
+    """
+    bandwidths = []
     for round_ in range(rounds):
         order = servers[round_ % len(servers):] + servers[:round_ % len(servers)]
         for wname in workloads:
+            if wname == "batch-1":
+                bandwidths.append(measure_bandwidth_gbs())
             for server in order:
                 label = f"{server.name}, {wname} (round {round_ + 1})"
                 print(f"running {label} ...", file=sys.stderr, flush=True)
@@ -175,6 +186,23 @@ def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> None
                                    label=label)
                 print(format_table([result]), file=sys.stderr, flush=True)
                 server.results.setdefault(wname, []).append(result)
+    return bandwidths
+
+
+def batch1_vs_floor(servers: list[Server], bandwidths: list[float], params: int) -> dict:
+    """slotserve bf16's batch-1 TPOT p50 in each round against the bf16 floor (half of every
+    fp32 weight byte read once at the bandwidth measured just before): floor / TPOT."""
+    server = next((s for s in servers if s.name == "slotserve bf16"), None)
+    runs = server.results.get("batch-1", []) if server else []
+    floors_ms = [batch1_floor_ms(params, gbs) / 2 for gbs in bandwidths]
+    rounds = [{"bandwidth_gbs": round(gbs, 2), "floor_ms": round(floor, 3),
+               "tpot_p50_ms": round(run.tpot_ms.p50, 3),
+               "of_floor": round(floor / run.tpot_ms.p50, 3)}
+              for gbs, floor, run in zip(bandwidths, floors_ms, runs) if run.tpot_ms.p50]
+    if not rounds:
+        return {}
+    return {"rounds": rounds,
+            "median_of_floor": statistics.median(r["of_floor"] for r in rounds)}
 
 
 def median_of(results: list[BenchResult], get) -> float | None:
@@ -335,13 +363,16 @@ def main() -> None:
                     quality[server.name] = api_agreement(server.url, prompts, continuations)
         print(f"quality (teacher-forced agreement with slotserve fp32): {quality}",
               file=sys.stderr)
-        run_rounds(servers, wnames, args.rounds)
+        bandwidths = run_rounds(servers, wnames, args.rounds)
         rows = [dict(summary_row(s), peak_rss_mib=s.peak_rss_mib()) for s in servers]
+        batch1 = batch1_vs_floor(servers, bandwidths, params)
     finally:
         for server in servers:
             server.stop()
     print_table(rows, quality, floors)
     ratios = targets(rows)
+    if batch1:
+        ratios["batch-1 bf16 of its floor"] = batch1
     print(json.dumps(ratios, indent=1))
     if args.out:
         write_report(args.out, floors=floors, quality=quality, rows=rows, targets=ratios,
