@@ -139,6 +139,26 @@ def test_write_kv_into_a_bf16_cache_rounds_as_torch_does(cpu_ops):
     assert torch.count_nonzero(fused[1].view(-1, nkv, hd)[slots] - v.to(torch.bfloat16)) == 0
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 49_155])
+def test_argmax_rows_equals_numpy_on_ties_nans_and_infinities(cpu_ops, vocab):
+    """The sampler's greedy pick: the first maximum, or the first NaN (numpy's rule)."""
+    logits = torch.randn(70, vocab, generator=torch.Generator().manual_seed(vocab))
+    nan, inf = float("nan"), float("inf")
+    logits[1] = 0.5  # all tied: the first
+    logits[2, -1] = nan
+    logits[3, vocab // 2], logits[3, -1] = nan, nan
+    logits[4] = -inf
+    logits[5, vocab // 3], logits[5, -1] = inf, inf
+    logits[6] = torch.randint(0, 3, (vocab,), generator=torch.Generator().manual_seed(1))
+    logits[7], logits[7, -1] = -0.0, 0.0  # equal: the first
+    logits[8, 0] = nan
+    expected = torch.from_numpy(logits.numpy().argmax(axis=-1))
+    assert torch.equal(cpu_ops.argmax_rows(logits), expected)
+    assert torch.equal(cpu_ops.argmax_rows(logits[:1]), expected[:1])  # one row, one thread
+    with pytest.raises(RuntimeError, match="logits must be"):
+        cpu_ops.argmax_rows(logits[0])
+
+
 def test_kernels_reject_bad_input(cpu_ops):
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

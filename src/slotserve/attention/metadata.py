@@ -31,13 +31,14 @@ class DecodeGroup:
 
     rows (d,): their rows in the flat batch (ascending); block_tables (d, maxb): their
     tables padded with block 0; context_lens (d,); mask (d, maxb * block_size): which
-    gathered positions are real (the first context_len of each row).
+    gathered positions are real (the first context_len of each row), for the torch path's
+    gather; None where the kernel reads each sequence's own blocks (group_decodes=False).
     """
 
     rows: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -81,6 +82,8 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     sequence's own context, padding costs nothing and one group is one call per layer.
     """
     to = lambda a: torch.from_numpy(a).to(device)
+    if not group_decodes and seqs and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs):
+        return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
@@ -101,10 +104,22 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
         chosen = [decode_idx[m] for m in members]
         tables, context_lens = _padded_tables([seqs[i] for i in chosen])
         key_positions = np.arange(tables.shape[1] * block_size)
+        mask = key_positions[None, :] < context_lens[:, None] if group_decodes else None
         groups.append(DecodeGroup(
             rows=to(query_starts[chosen].astype(np.int64)), block_tables=to(tables),
-            context_lens=to(context_lens), mask=to(key_positions[None, :] < context_lens[:, None])))
+            context_lens=to(context_lens), mask=None if mask is None else to(mask)))
     return AttentionMetadata(to(slot_mapping), prefills, groups, block_size)
+
+
+def _one_decode_group(seqs: list[ScheduledSeq], block_size: int, to) -> AttentionMetadata:
+    """build_metadata of an all-decode iteration in one group without a mask, in a few
+    array operations (the decode stack's every step)."""
+    tables, context_lens = _padded_tables(seqs)
+    positions = context_lens - 1  # of each sequence's one new token
+    slots = tables[np.arange(len(seqs)), positions // block_size] * block_size
+    group = DecodeGroup(rows=to(np.arange(len(seqs))), block_tables=to(tables),
+                        context_lens=to(context_lens), mask=None)
+    return AttentionMetadata(to(slots + positions % block_size), [], [group], block_size)
 
 
 def group_by_length(table_lens: np.ndarray) -> list[np.ndarray]:

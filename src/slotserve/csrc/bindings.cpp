@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate-up output");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, or first NaN)");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
   m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
   m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");

@@ -1,4 +1,4 @@
-// Fused per-token ops: RMSNorm, silu(gate) * up, rotate-half RoPE.
+// Fused per-token ops: RMSNorm, silu(gate) * up, rotate-half RoPE; each row's argmax.
 //
 // At batch 1 a decode step of SmolLM2-135M spent about a third of its time outside the
 // matmuls, in some 25 small torch ops per layer (RMSNorm alone is 9 ops in torch 2.13's CPU
@@ -25,7 +25,63 @@ void check_rms_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_cpu_float(weight, "weight");
 }
 
+// The index of x's first maximum, or of its first NaN if it holds one (numpy's and
+// torch's argmax). Sixteen lanes each keep their first maximum; the first lane of the
+// overall maximum wins; a NaN sends the row to the scalar loop.
+inline int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 best = _mm512_loadu_ps(x);
+    __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i best_at = index;
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      index = _mm512_add_epi32(index, sixteen);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, above, v);
+      best_at = _mm512_mask_mov_epi32(best_at, above, index);
+    }
+    if (!nan) {
+      float top = _mm512_reduce_max_ps(best);
+      const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      int64_t at = _mm512_mask_reduce_min_epi32(at_top, best_at);
+      for (; i < n; ++i) {
+        if (std::isnan(x[i])) return i;
+        if (x[i] > top) top = x[i], at = i;
+      }
+      return at;
+    }
+  }
+#endif
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[at]) at = i;
+  }
+  return at;
+}
+
 }  // namespace
+
+// logits (S, V) fp32 -> (S,) int64: each row's argmax (argmax_row), the rows in parallel.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_cpu_float(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be (S, V), V > 0");
+  TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), "at most 2^31 - 1 logits a row");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(lp + r * vocab, vocab);
+  });
+  return out;
+}
 
 // y (rows, H) = x / rms(x) * weight, row by row.
 void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden,

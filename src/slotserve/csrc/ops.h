@@ -22,6 +22,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
                             double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax_rows(torch::Tensor logits);
 void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows,
                    int64_t hidden, double eps);
 void add_rms_norm_rows(float* x, const float* delta, const float* weight, float* y,

@@ -60,7 +60,7 @@ class ModelRunner:
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         self.model.load_hf_weights(weights)  # NOTE: after .to(): it builds the kernels
         self.kv_caches = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, ops=self.kernels.layer_ops)
         # Structured outputs: the engine points this at its sequences' grammar matchers.
         self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
         self._mask_worker: ThreadPoolExecutor | None = None
@@ -109,7 +109,9 @@ class ModelRunner:
             allowed = None if masks is None else masks.result()  # (raises what the worker did)
         if not sampling:
             return RunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S, V), only where sampling
+        if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)  # (S, V), only where sampling
         if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
             tokens, logprobs = self.sampler(logits, sampling)
         else:
@@ -163,8 +165,12 @@ class ModelRunner:
         """Flat token ids (T,), positions (T,) and the rows whose logits are sampled."""
         seqs = plan.seqs
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
-        positions = np.concatenate([np.arange(s.start_pos, s.context_len) for s in seqs])
-        ends = np.cumsum([s.num_tokens for s in seqs]) - 1
-        sample_rows = ends[[i for i, s in enumerate(seqs) if s.sample]]
+        if len(input_ids) == len(seqs):  # one token each (decodes): no ranges to build
+            positions = np.fromiter((s.start_pos for s in seqs), dtype=np.int64)
+            sample_rows = np.flatnonzero([s.sample for s in seqs])
+        else:
+            positions = np.concatenate([np.arange(s.start_pos, s.context_len) for s in seqs])
+            ends = np.cumsum([s.num_tokens for s in seqs]) - 1
+            sample_rows = ends[[i for i, s in enumerate(seqs) if s.sample]]
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
         return to(input_ids), to(positions), to(sample_rows)
