@@ -158,6 +158,15 @@ def test_seeded_rows_repeat_whatever_the_batch(batch, data):
     assert alone[0] == batch_tokens[row] == again[0]
 
 
+@SETTINGS
+@given(batch=batches())
+def test_the_fused_argmax_samples_as_numpys(cpu_ops, batch):
+    """The fused kernels' argmax (greedy rows and the race) picks what numpy's does."""
+    logits, seqs = batch
+    expected, _ = Sampler(torch.device("cpu"), seed=3)(logits, seqs)
+    assert Sampler(torch.device("cpu"), seed=3, ops=cpu_ops)(logits, seqs)[0] == expected
+
+
 # --------------------------------------------------------------------------- reported cases
 def test_top_k_past_int64_is_all_of_the_vocabulary():
     """Issue 14: top_k=10**30 made torch.tensor overflow inside the runner."""

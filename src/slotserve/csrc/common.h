@@ -7,8 +7,8 @@
 //
 // One file per kernel family, compiled together into one extension by model/cpu_ops.py:
 //   common.h            this file: the checks and small math every family uses
-//   ops.h               the kernel entry points, as the other files and the bindings call them
-//   fused_ops.cpp       RMSNorm, SiLU * up, RoPE
+//   ops.h               the kernel entry points (tensors, and the raw forms the stack calls)
+//   fused_ops.cpp       RMSNorm, SiLU * up, RoPE, each row's argmax
 //   paged_attention.cpp storing new K/V in the paged cache, decode attention over it
 //   int8_linear.cpp     int8 weights x int16 activations
 //   panels.h            the weight-panel layout shared by the three panel matmuls
