@@ -128,3 +128,7 @@ def test_stack_rejects_layers_of_the_wrong_shape(cpu_ops):
         stack.add_layer(torch.ones(hidden), torch.ones(hidden), gate_up, o, gate_up,
                         linear(6, hidden))
     stack.add_layer(torch.ones(hidden), torch.ones(hidden), qkv, o, gate_up, linear(6, hidden))
+    many = cpu_ops.DecodeStack(257, 1, 2, 1e-6, 0.5, torch.ones(hidden))  # attention's bound
+    with pytest.raises(RuntimeError, match="at most 256"):
+        many.add_layer(torch.ones(hidden), torch.ones(hidden), linear(hidden, 518),
+                       linear(514, hidden), gate_up, linear(6, hidden))

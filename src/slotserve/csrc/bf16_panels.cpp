@@ -191,10 +191,6 @@ void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const u
 #endif
 }
 
-}  // namespace
-
-namespace {
-
 // y (tokens, out) = x @ W^T on raw pointers: x fp32 (tokens, in), or, when xb is given, its
 // rows rounded to bf16 (tokens, 2 * ceil(in / 2), the odd input's partner zero).
 void panel_linear_bf16_rows(const float* x, const uint16_t* xb, int64_t tokens, int64_t in,

@@ -116,8 +116,9 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
     TORCH_CHECK(norm->is_contiguous() && norm->numel() == hidden,
                 "every norm weight must be (H,), contiguous");
   }
-  TORCH_CHECK(num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 && head_dim_ % 2 == 0,
-              "num_heads must be a multiple of num_kv_heads, head_dim even");
+  TORCH_CHECK(num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 &&
+                  num_heads_ <= MAX_ATTENTION_HEADS && head_dim_ % 2 == 0,
+              "num_heads must be a multiple of num_kv_heads, at most 256; head_dim even");
   qkv.check_shape(hidden, q_size + 2 * kv_size);
   o.check_shape(q_size, hidden);
   gate_up.check_shape(hidden, -1);
@@ -165,10 +166,7 @@ StepInputs check_step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
   if (layers == 0) return in;
   const KvCacheView& first = in.caches[0];
   check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size);
-  const int64_t* slots = in.slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < D; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < first.num_blocks * first.block_size,
-                "slot out of range");
+  check_slots(in.slots, first);
   return in;
 }
 

@@ -37,6 +37,7 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+constexpr int64_t MAX_ATTENTION_HEADS = 256;  // query heads per sequence (its tasks' arrays)
 // One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers.
 struct KvCacheView {
   void *k, *v;
@@ -44,6 +45,7 @@ struct KvCacheView {
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
 };
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
+void check_slots(const torch::Tensor& slot_mapping, const KvCacheView& cache);
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                         int64_t num_blocks, int64_t block_size);
 void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_stride,

@@ -81,13 +81,17 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   if (v.stride(1) != cache.head_dim) v = v.contiguous();
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot per new token");
-  const int64_t tokens = k.size(0);
+  check_slots(slot_mapping, cache);
+  write_kv_rows(cache, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
+                k.size(0), slot_mapping.data_ptr<int64_t>());
+}
+
+// Every slot (int64, contiguous) inside the cache: all checked before anything is written.
+void check_slots(const torch::Tensor& slot_mapping, const KvCacheView& cache) {
   const int64_t num_slots = cache.num_blocks * cache.block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)  // all checked before anything is written
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
-  write_kv_rows(cache, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
-                tokens, slots);
 }
 
 // Tables and lengths checked once, so that the kernel never reads outside the cache.
@@ -255,8 +259,6 @@ void attend_kv_head_chunks(const float* const* queries, float* const* out, int64
 
 }  // namespace
 
-constexpr int64_t MAX_HEADS = 256;  // query heads per sequence (the tasks' arrays)
-
 // One query per sequence over its cached context, read straight from the paged cache: q
 // (D, nh, hd) at the given strides (unit stride in hd), block tables (D, max_blocks) and
 // context lengths (D,) checked by check_block_tables -> out (D, nh, hd), contiguous.
@@ -285,9 +287,9 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
     at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
-      const float* queries[MAX_HEADS];
-      float* outs[MAX_HEADS];
-      int64_t kv_offsets[MAX_HEADS];
+      const float* queries[MAX_ATTENTION_HEADS];
+      float* outs[MAX_ATTENTION_HEADS];
+      int64_t kv_offsets[MAX_ATTENTION_HEADS];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task / tasks_per_seq;
         const int64_t kv_first = task % tasks_per_seq * kv_per_task;
@@ -334,7 +336,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(cache.head_dim == head_dim && cache.num_kv_heads > 0 &&
                   block_tables.dim() == 2 && block_tables.size(0) == seqs,
               "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
-  TORCH_CHECK(num_heads % cache.num_kv_heads == 0 && num_heads <= MAX_HEADS,
+  TORCH_CHECK(num_heads % cache.num_kv_heads == 0 && num_heads <= MAX_ATTENTION_HEADS,
               "num_heads must be a multiple of nkv, at most 256");
   check_block_tables(block_tables, context_lens, cache.num_blocks, cache.block_size);
   auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
