@@ -354,3 +354,31 @@ def test_url_target_sends_each_turn_after_the_previous_answer(fake_server):
     assert CHAT_BODIES[2]["messages"][:3] == CHAT_BODIES[1]["messages"]
     with pytest.raises(ValueError, match="endpoint chat"):
         run_bench(Workload((conversation,)), OpenAITarget(fake_server, "completions"))
+
+
+class _PiecesContent:
+    """aiohttp's response.content stand-in: iter_any() yields the given byte pieces."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def iter_any(self):
+        for piece in self.pieces:
+            yield piece
+
+
+def test_sse_reader_joins_lines_split_across_reads_and_takes_long_lines():
+    from types import SimpleNamespace
+
+    from slotserve.lab.bench.client import sse_json
+
+    long_text = "x" * 300_000  # over aiohttp's readline limit
+    stream = (b": comment\n\ndata: " + json.dumps({"text": long_text}).encode() + b"\n\n"
+              b"event: ping\ndata: {\"n\": 2}\n\ndata: [DONE]\n\ndata: {\"n\": 3}")
+    pieces = [stream[i:i + 7777] for i in range(0, len(stream), 7777)]
+
+    async def read_all():
+        response = SimpleNamespace(content=_PiecesContent(pieces))
+        return [chunk async for chunk in sse_json(response)]
+
+    assert asyncio.run(read_all()) == [{"text": long_text}, {"n": 2}, {"n": 3}]

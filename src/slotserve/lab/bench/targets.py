@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from slotserve.config import FinishReason, engine_config
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
-from slotserve.lab.bench.client import first_model, stream_request
+from slotserve.lab.bench.client import first_model, open_session, run_client, stream_request
 from slotserve.lab.bench.stats import BenchSampling, RequestRecord, RunStats
 from slotserve.lab.workload import BenchRequest, Workload
 from slotserve.sampling import SamplingParams
@@ -200,7 +200,7 @@ class OpenAITarget:
             raise ValueError("--trace needs the in-process engine (no --url)")
         for request in workload.requests:
             self._check(request)
-        return asyncio.run(self._run(workload, sampling, bar))
+        return run_client(self._run(workload, sampling, bar))
 
     def _check(self, request: BenchRequest) -> None:
         if self.endpoint == "chat" and isinstance(request.prompt, list):
@@ -210,14 +210,8 @@ class OpenAITarget:
                              "--endpoint chat (the server applies the chat template)")
 
     async def _run(self, workload: Workload, sampling: BenchSampling, bar) -> RunStats:
-        import httpx
-
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        # NOTE: no connection limit: a pool cap would queue requests on our side and
-        # inflate TTFT with the client's wait instead of the server's.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(base_url=self.base, headers=headers, limits=limits,
-                                     timeout=self.timeout) as client:
+        async with open_session(self.base, headers, self.timeout) as client:
             model = self.model or await first_model(client)
             t0 = time.perf_counter()
             tasks = [self._send_at(client, t0, model, r, sampling, bar) for r in workload.requests]
