@@ -117,6 +117,36 @@ def test_decode_attention_register_path_equals_torch(cpu_ops, head_dim, group, n
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [64, 32])  # the register path; the generic one
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp32-cache", "bf16-cache"])
+def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(cpu_ops, head_dim,
+                                                                     kv_dtype):
+    """A sequence's output alone (a task per KV head; on the calling thread when its context
+    is short) and among 9 others (a task per sequence, whole cached rows): the same bits.
+    NOTE: splitting a sequence's positions over threads must keep this (fixed chunks)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    block_size, num_blocks, num_kv_heads, group, seqs = 16, 400, 3, 3, 10
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    lens = torch.tensor([1, 31, 32, 33, 47, 64, 65, 200, 333, 600])
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * max_blocks].view(seqs, max_blocks)
+    q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=gen)
+
+    batch = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+
+    for i in range(seqs):
+        # the one sequence's table cut to its own blocks: a short one runs serially
+        table = tables[i:i + 1, :-(-int(lens[i]) // block_size)]
+        alone = cpu_ops.paged_decode_attention(q[i:i + 1], k_cache, v_cache, table,
+                                               lens[i:i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i]), f"sequence of {int(lens[i])} positions"
+    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    expected = decode_attention(q, k_cache, v_cache, tables, mask, 0.125)
+    torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_write_kv_into_a_bf16_cache_rounds_as_torch_does(cpu_ops):
     """The fused store and torch's index_copy_ of .to(bfloat16) (round to nearest even) give
     the same bits; k and v as the model passes them (views into a wider row)."""
