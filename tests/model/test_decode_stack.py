@@ -91,18 +91,19 @@ def test_linear_weights_reject_bad_kinds(cpu_ops):
 
 
 def test_stack_checks_a_step_before_writing_anything(cpu_ops):
-    """The layers run on raw pointers: the stack checks slots, tables and caches on entry."""
+    """The layers run on raw pointers: the stack checks token ids, positions, slots, tables
+    and caches on entry."""
     engine = tiny_engine(tiny_hf_model(), block_size=16)
     model, caches = engine.runner.model, engine.runner.kv_caches
     flat = [cache for kv_cache in caches for cache in kv_cache]
     num_slots = flat[0].shape[0] * flat[0].shape[1]
-    x = torch.randn(1, model.config.hidden_size)
-    cos, sin = model.rotary.tables(torch.tensor([3]))
+    vocab, max_positions = model.config.vocab_size, model.rotary.cos.shape[0]
     before = [cache.clone() for cache in flat]
 
-    def forward(slots, tables, lens, kv=flat):
-        return model.decode_stack.forward(x, cos, sin, kv, torch.tensor(slots),
-                                          torch.tensor(tables), torch.tensor(lens))
+    def forward(slots, tables, lens, kv=flat, ids=(5,), positions=(3,)):
+        return model.decode_stack.forward(torch.tensor(ids), torch.tensor(positions), kv,
+                                          torch.tensor(slots), torch.tensor(tables),
+                                          torch.tensor(lens))
 
     with pytest.raises(RuntimeError, match="slot out of range"):
         forward([num_slots], [[0]], [4])
@@ -112,8 +113,17 @@ def test_stack_checks_a_step_before_writing_anything(cpu_ops):
         forward([3], [[0]], [17])
     with pytest.raises(RuntimeError, match="one k and one v cache per layer"):
         forward([3], [[0]], [4], kv=flat[:-1])
+    for bad_id in (-1, vocab):
+        with pytest.raises(RuntimeError, match=f"token id out of range: {bad_id}"):
+            forward([3], [[0]], [4], ids=(bad_id,))
+    for bad_position in (-1, max_positions):
+        with pytest.raises(RuntimeError, match=f"position out of range: {bad_position}"):
+            forward([3], [[0]], [4], positions=(bad_position,))
+    with pytest.raises(RuntimeError, match="input_ids and positions must be"):
+        forward([3], [[0]], [4], positions=(3, 4))
     assert all(torch.equal(a, b) for a, b in zip(flat, before))
-    assert forward([3], [[0]], [4]).shape == x.shape  # the same step, checked, runs
+    # the same step, checked, runs
+    assert forward([3], [[0]], [4]).shape == (1, model.config.hidden_size)
 
 
 def test_stack_rejects_layers_of_the_wrong_shape(cpu_ops):
@@ -128,6 +138,13 @@ def test_stack_rejects_layers_of_the_wrong_shape(cpu_ops):
         stack.add_layer(torch.ones(hidden), torch.ones(hidden), gate_up, o, gate_up,
                         linear(6, hidden))
     stack.add_layer(torch.ones(hidden), torch.ones(hidden), qkv, o, gate_up, linear(6, hidden))
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="set_lookup_tables first"):
+        stack.forward(one, one, [], one, one.view(1, 1), one + 1)
+    with pytest.raises(RuntimeError, match=r"embedding must be \(V, H\)"):
+        stack.set_lookup_tables(torch.zeros(10, hidden + 1), torch.zeros(5, 2), torch.zeros(5, 2))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \(max positions, hd/2\)"):
+        stack.set_lookup_tables(torch.zeros(10, hidden), torch.zeros(5, 2), torch.zeros(6, 2))
     many = cpu_ops.DecodeStack(257, 1, 2, 1e-6, 0.5, torch.ones(hidden))  # attention's bound
     with pytest.raises(RuntimeError, match="at most 256"):
         many.add_layer(torch.ones(hidden), torch.ones(hidden), linear(hidden, 518),

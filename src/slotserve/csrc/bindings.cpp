@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lookup_tables", &DecodeStack::set_lookup_tables)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "all decoder layers and the final norm of an all-decode iteration");
 }

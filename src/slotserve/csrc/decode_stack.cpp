@@ -129,30 +129,52 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
   layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down});
 }
 
+void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
+                                    torch::Tensor sin) {
+  for (const torch::Tensor* table : {&embedding, &cos, &sin}) {
+    check_cpu_float(*table, "lookup table");
+    TORCH_CHECK(table->dim() == 2 && table->is_contiguous(), "lookup tables are 2-D, contiguous");
+  }
+  TORCH_CHECK(embedding.size(1) == final_norm_.numel(), "the embedding must be (V, H)");
+  TORCH_CHECK(cos.size(1) == head_dim_ / 2 && sin.sizes() == cos.sizes(),
+              "cos and sin must be (max positions, hd/2)");
+  embedding_ = embedding;
+  cos_ = cos;
+  sin_ = sin;
+}
+
 namespace {
 
 // The step's inputs, checked, and the caches' pointers (one view per layer).
 struct StepInputs {
-  torch::Tensor x, cos, sin, slots, tables, lens;
+  torch::Tensor ids, positions, slots, tables, lens;
   std::vector<KvCacheView> caches;
 };
 
-StepInputs check_step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+// Every value of `indices` (int64, contiguous) in [0, size).
+void check_indices(const torch::Tensor& indices, int64_t size, const char* what) {
+  const int64_t* values = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i)
+    TORCH_CHECK(values[i] >= 0 && values[i] < size, what, " out of range: ", values[i]);
+}
+
+StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
                       const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
-                      torch::Tensor block_tables, torch::Tensor context_lens, int64_t hidden,
+                      torch::Tensor block_tables, torch::Tensor context_lens,
+                      const torch::Tensor& embedding, const torch::Tensor& cos,
                       int64_t num_kv_heads, int64_t head_dim, size_t layers) {
+  TORCH_CHECK(embedding.defined(), "set_lookup_tables first");
   TORCH_CHECK(caches.size() == 2 * layers, "one k and one v cache per layer");
-  check_cpu_float(x, "x");
-  check_cpu_float(cos, "cos");
-  check_cpu_float(sin, "sin");
-  StepInputs in{x.contiguous(), cos.contiguous(), sin.contiguous(),
+  StepInputs in{input_ids.to(torch::kInt64).contiguous(),
+                positions.to(torch::kInt64).contiguous(),
                 slot_mapping.to(torch::kInt64).contiguous(),
                 block_tables.to(torch::kInt64).contiguous(),
                 context_lens.to(torch::kInt64).contiguous(), {}};
-  const int64_t D = in.x.size(0);
-  TORCH_CHECK(in.x.dim() == 2 && in.x.size(1) == hidden, "x must be (D, H)");
-  TORCH_CHECK(in.cos.numel() == D * head_dim / 2 && in.sin.numel() == D * head_dim / 2,
-              "cos and sin must hold (D, hd/2) values");
+  const int64_t D = in.ids.numel();
+  TORCH_CHECK(in.ids.dim() == 1 && in.positions.dim() == 1 && in.positions.numel() == D,
+              "input_ids and positions must be (D,)");
+  check_indices(in.ids, embedding.size(0), "token id");
+  check_indices(in.positions, cos.size(0), "position");
   TORCH_CHECK(in.slots.numel() == D && in.tables.dim() == 2 && in.tables.size(0) == D,
               "one slot and one block table per sequence");
   for (size_t i = 0; i < layers; ++i) {
@@ -170,28 +192,31 @@ StepInputs check_step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
   return in;
 }
 
+// rows[i] of table (row width `width`) for each index i -> out (n, width).
+void gather_rows(const float* table, int64_t width, const int64_t* indices, int64_t n,
+                 float* out) {
+  for (int64_t i = 0; i < n; ++i) std::copy_n(table + indices[i] * width, width, out + i * width);
+}
+
 }  // namespace
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
                                    const std::vector<torch::Tensor>& caches,
                                    torch::Tensor slot_mapping, torch::Tensor block_tables,
                                    torch::Tensor context_lens) const {
-  const int64_t hidden = final_norm_.numel();
-  const StepInputs in = check_step(x, cos, sin, caches, slot_mapping, block_tables,
-                                   context_lens, hidden, num_kv_heads_, head_dim_,
+  const int64_t hidden = final_norm_.numel(), half = head_dim_ / 2;
+  const StepInputs in = check_step(input_ids, positions, caches, slot_mapping, block_tables,
+                                   context_lens, embedding_, cos_, num_kv_heads_, head_dim_,
                                    layers_.size());
-  const int64_t D = in.x.size(0), q_size = num_heads_ * head_dim_;
+  const int64_t D = in.ids.numel(), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_, qkv_size = q_size + 2 * kv_size;
-  auto y = torch::empty({D, hidden}, in.x.options());
-  if (layers_.empty()) {
-    rms_norm_rows(in.x.data_ptr<float>(), final_norm_.data_ptr<float>(), y.data_ptr<float>(),
-                  D, hidden, eps_);
-    return y;
-  }
-  const int64_t gate_up_size = layers_[0].gate_up.outputs(), inter = gate_up_size / 2;
-  // the workspace: every activation of a layer, reused by the next
-  auto work = torch::empty({D * (4 * hidden + qkv_size + q_size + gate_up_size + inter)},
-                           in.x.options());
+  const int64_t gate_up_size = layers_.empty() ? 0 : layers_[0].gate_up.outputs();
+  const int64_t inter = gate_up_size / 2;
+  auto y = torch::empty({D, hidden}, final_norm_.options());
+  // the workspace: every activation of a layer, reused by the next; RoPE's rows
+  auto work = torch::empty(
+      {D * (4 * hidden + qkv_size + q_size + gate_up_size + inter + 2 * half)},
+      final_norm_.options());
   float* residual = work.data_ptr<float>();  // (D, H), added to in place
   float* h = residual + D * hidden;          // (D, H) the normed input of a block
   float* qkv = h + D * hidden;               // (D, q + 2 kv)
@@ -200,9 +225,18 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
   float* gate_up = o + D * hidden;           // (D, 2I)
   float* act = gate_up + D * gate_up_size;   // (D, I)
   float* mlp_out = act + D * inter;          // (D, H) the MLP's output, not yet added
-  std::copy_n(in.x.data_ptr<float>(), D * hidden, residual);  // the caller's x stays as it was
-  const float* cos_p = in.cos.data_ptr<float>();
-  const float* sin_p = in.sin.data_ptr<float>();
+  float* cos_rows = mlp_out + D * hidden;    // (D, hd/2)
+  float* sin_rows = cos_rows + D * half;     // (D, hd/2)
+  const int64_t* ids = in.ids.data_ptr<int64_t>();
+  const int64_t* token_positions = in.positions.data_ptr<int64_t>();
+  gather_rows(embedding_.data_ptr<float>(), hidden, ids, D, residual);
+  gather_rows(cos_.data_ptr<float>(), half, token_positions, D, cos_rows);
+  gather_rows(sin_.data_ptr<float>(), half, token_positions, D, sin_rows);
+  if (layers_.empty()) {
+    rms_norm_rows(residual, final_norm_.data_ptr<float>(), y.data_ptr<float>(), D, hidden,
+                  eps_);
+    return y;
+  }
   const int64_t* slots = in.slots.data_ptr<int64_t>();
   const int64_t* tables = in.tables.data_ptr<int64_t>();
   const int64_t* lens = in.lens.data_ptr<int64_t>();
@@ -217,8 +251,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
                         eps_);
     layer.qkv.into(h, D, hidden, qkv);
     // q and k heads side by side at the start of each qkv row: rotated in place
-    rotary_rows(qkv, D, num_heads_ + num_kv_heads_, head_dim_ / 2, qkv_size, head_dim_, cos_p,
-                sin_p);
+    rotary_rows(qkv, D, num_heads_ + num_kv_heads_, half, qkv_size, head_dim_, cos_rows,
+                sin_rows);
     write_kv_rows(cache, qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, D, slots);
     decode_attention_into(qkv, D, num_heads_, qkv_size, head_dim_, cache, tables,
                           in.tables.size(1), lens, scale_, attn);

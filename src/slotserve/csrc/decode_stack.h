@@ -57,12 +57,17 @@ class DecodeStack {
                  const LinearWeights& qkv, const LinearWeights& o,
                  const LinearWeights& gate_up, const LinearWeights& down);
 
-  // x (D, H): the embeddings of D decode tokens, one per sequence; cos, sin (D, hd/2);
-  // caches: k and v of each layer in turn; slot_mapping (D,); block_tables (D, maxb);
-  // context_lens (D,) -> the final norm of the last hidden state (D, H).
-  // NOTE: the inputs are checked on entry; the layers then run the kernels' raw forms on one
-  // workspace, with no tensor made between two matmuls (ops.h says why).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+  // The tables forward looks its tokens up in: the embedding (V, H) and RoPE's cos, sin
+  // (max positions, hd/2), fp32 and contiguous; the model's own tensors (no copy).
+  void set_lookup_tables(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin);
+
+  // input_ids, positions (D,): D decode tokens, one per sequence; caches: k and v of each
+  // layer in turn; slot_mapping (D,); block_tables (D, maxb); context_lens (D,) -> the
+  // final norm of the last hidden state (D, H).
+  // NOTE: the inputs are checked on entry (ids and positions inside the tables too); the
+  // embeddings and RoPE rows are looked up here, and the layers run the kernels' raw forms
+  // on one workspace, with no tensor made between two matmuls (ops.h says why).
+  torch::Tensor forward(torch::Tensor input_ids, torch::Tensor positions,
                         const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor context_lens) const;
 
@@ -70,6 +75,7 @@ class DecodeStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor final_norm_;
+  torch::Tensor embedding_, cos_, sin_;  // set_lookup_tables
   std::vector<DecoderLayerWeights> layers_;
 };
 

@@ -90,13 +90,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (T, H)
-        rope = self.rotary.tables(positions)
         if self.decode_stack is not None and meta.decode_only:
             group = meta.decode_groups[0]
             caches = [cache for kv_cache in kv_caches for cache in kv_cache]  # k0, v0, k1, ...
-            return self.decode_stack.forward(x, *rope, caches, meta.slot_mapping,
+            return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,
                                              group.block_tables, group.context_lens)
+        x = self.embed_tokens(input_ids)  # (T, H)
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
@@ -105,11 +105,13 @@ class LlamaForCausalLM(nn.Module):
         """The C++ DecodeStack of `ops` (the fused CPU kernels) over this model's weights.
 
         NOTE: it holds the same tensors (no copy) and calls the same kernels as the layers'
-        forward with the same ops, in the same order: the two agree to the last bit.
+        forward with the same ops, in the same order: the two agree to the last bit. It looks
+        the tokens up in the same embedding and RoPE tables.
         """
         cfg, first = self.config, self.layers[0]
         stack = ops.DecodeStack(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                 self.norm.eps, first.self_attn.scale, self.norm.weight)
+        stack.set_lookup_tables(self.embed_tokens.weight, self.rotary.cos, self.rotary.sin)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
