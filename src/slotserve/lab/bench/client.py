@@ -26,8 +26,7 @@ def run_client(main: Coroutine) -> Any:
         import uvloop
     except ImportError:
         return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+    return uvloop.run(main)
 
 
 def open_session(base: str, headers: dict, timeout: float):
