@@ -20,8 +20,8 @@ in process (`LLMEngine.score`), vLLM's through its API (`prompt_logprobs`, rank 
 
 Floors in the same run: memory bandwidth, fp32 GEMM peak, batch-1 floors (all fp32 weight
 bytes, or half of them for bf16, read once per token), W's matmul bound (benchmarks.perf);
-the bandwidth again before each round's batch-1 runs, for slotserve bf16's share of its
-floor round by round.
+the bandwidth again before and after each round's batch-1 runs (the higher reading sets
+the floor), for slotserve bf16's share of its floor round by round.
 """
 
 from __future__ import annotations
@@ -165,10 +165,12 @@ def workload(name: str):
     return workload_w(WORKLOADS[name])
 
 
-def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> list[float]:
+def run_rounds(servers: list[Server], workloads: list[str],
+               rounds: int) -> list[tuple[float, float]]:
     """Each workload on each server, `rounds` times; the server order rotates per round.
 
-    Returns the bandwidth (GB/s) measured right before each round's batch-1 runs.
+    Returns the bandwidth (GB/s) measured right before and right after each round's batch-1
+    runs.
     NOTE: as benchmarks.perf's batch-1 rounds: the host's bandwidth moves between minutes,
     and a floor from the start of the run would not say how close a later round came to its own.
     """
@@ -176,8 +178,7 @@ def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> list
     for round_ in range(rounds):
         order = servers[round_ % len(servers):] + servers[:round_ % len(servers)]
         for wname in workloads:
-            if wname == "batch-1":
-                bandwidths.append(measure_bandwidth_gbs())
+            before = measure_bandwidth_gbs() if wname == "batch-1" else None
             for server in order:
                 label = f"{server.name}, {wname} (round {round_ + 1})"
                 print(f"running {label} ...", file=sys.stderr, flush=True)
@@ -186,19 +187,30 @@ def run_rounds(servers: list[Server], workloads: list[str], rounds: int) -> list
                                    label=label)
                 print(format_table([result]), file=sys.stderr, flush=True)
                 server.results.setdefault(wname, []).append(result)
+            if before is not None:
+                bandwidths.append((before, measure_bandwidth_gbs()))
     return bandwidths
 
 
-def batch1_vs_floor(servers: list[Server], bandwidths: list[float], params: int) -> dict:
+def batch1_vs_floor(servers: list[Server], bandwidths: list[tuple[float, float]],
+                    params: int) -> dict:
     """slotserve bf16's batch-1 TPOT p50 in each round against the bf16 floor (half of every
-    fp32 weight byte read once at the bandwidth measured just before): floor / TPOT."""
+    fp32 weight byte read once at the bandwidth measured around the round): floor / TPOT.
+
+    NOTE: the floor takes the higher of the readings before and after the round's runs (the
+    stricter floor): one reading caught in a host's stall (12.9 GB/s once, between readings
+    of 23-25) made a round 160% of its floor.
+    """
     server = next((s for s in servers if s.name == "slotserve bf16"), None)
     runs = server.results.get("batch-1", []) if server else []
-    floors_ms = [batch1_floor_ms(params, gbs) / 2 for gbs in bandwidths]
-    rounds = [{"bandwidth_gbs": round(gbs, 2), "floor_ms": round(floor, 3),
-               "tpot_p50_ms": round(run.tpot_ms.p50, 3),
-               "of_floor": round(floor / run.tpot_ms.p50, 3)}
-              for gbs, floor, run in zip(bandwidths, floors_ms, runs) if run.tpot_ms.p50]
+    rounds = []
+    for (before, after), run in zip(bandwidths, runs):
+        if not run.tpot_ms.p50:
+            continue
+        floor = batch1_floor_ms(params, max(before, after)) / 2
+        rounds.append({"bandwidth_gbs": [round(before, 2), round(after, 2)],
+                       "floor_ms": round(floor, 3), "tpot_p50_ms": round(run.tpot_ms.p50, 3),
+                       "of_floor": round(floor / run.tpot_ms.p50, 3)})
     if not rounds:
         return {}
     return {"rounds": rounds,

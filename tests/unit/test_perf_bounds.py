@@ -31,3 +31,23 @@ def test_matmul_bound_interpolates_between_measured_batch_sizes():
                  "lm_head": {1: 0.0, 4: 0.0, PREFILL_CHUNK: 0.0}}
     # three requests of 3 tokens: decode steps 1 and 2 carry three each, 30 ms apiece
     assert matmul_bound(matmul_ms, 0, [3, 3, 3]) == pytest.approx(0.060)
+
+
+def test_batch1_floor_takes_the_higher_bandwidth_reading_of_a_round():
+    """vs_vllm's batch-1 share of the floor: a round's floor is set by the higher of the
+    readings before and after it (a reading caught in a host's stall must not lift it)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.perf import batch1_floor_ms
+    from benchmarks.vs_vllm import batch1_vs_floor
+
+    params = 134_515_008
+    runs = [NS(tpot_ms=NS(p50=12.0)), NS(tpot_ms=NS(p50=13.0)), NS(tpot_ms=NS(p50=None))]
+    server = NS(name="slotserve bf16", results={"batch-1": runs})
+    report = batch1_vs_floor([server], [(24.0, 20.0), (12.0, 25.0), (23.0, 23.0)], params)
+    first, second = report["rounds"]  # the round without a TPOT is left out
+    assert first["floor_ms"] == pytest.approx(batch1_floor_ms(params, 24.0) / 2, abs=1e-3)
+    assert second["floor_ms"] == pytest.approx(batch1_floor_ms(params, 25.0) / 2, abs=1e-3)
+    assert second["of_floor"] < 1 and second["bandwidth_gbs"] == [12.0, 25.0]
+    assert report["median_of_floor"] == pytest.approx(
+        (first["of_floor"] + second["of_floor"]) / 2)
