@@ -43,6 +43,14 @@ inline void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
 }
 
+// Every value of `indices` (int64, contiguous) in [0, size): slots, token ids, positions,
+// all checked before a kernel writes or reads through them.
+inline void check_indices(const torch::Tensor& indices, int64_t size, const char* what) {
+  const int64_t* values = indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i)
+    TORCH_CHECK(values[i] >= 0 && values[i] < size, what, " out of range: ", values[i]);
+}
+
 // exp(x) in a form the compiler vectorises (std::exp stays a scalar libm call without
 // -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial
 // (relative error below 2e-7), times 2^n built in the exponent bits.

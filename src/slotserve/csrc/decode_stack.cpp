@@ -151,13 +151,6 @@ struct StepInputs {
   std::vector<KvCacheView> caches;
 };
 
-// Every value of `indices` (int64, contiguous) in [0, size).
-void check_indices(const torch::Tensor& indices, int64_t size, const char* what) {
-  const int64_t* values = indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < indices.numel(); ++i)
-    TORCH_CHECK(values[i] >= 0 && values[i] < size, what, " out of range: ", values[i]);
-}
-
 StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
                       const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
                       torch::Tensor block_tables, torch::Tensor context_lens,
@@ -188,7 +181,7 @@ StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
   if (layers == 0) return in;
   const KvCacheView& first = in.caches[0];
   check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size);
-  check_slots(in.slots, first);
+  check_indices(in.slots, first.num_blocks * first.block_size, "slot");
   return in;
 }
 

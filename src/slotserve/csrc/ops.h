@@ -45,7 +45,6 @@ struct KvCacheView {
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
 };
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
-void check_slots(const torch::Tensor& slot_mapping, const KvCacheView& cache);
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                         int64_t num_blocks, int64_t block_size);
 void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_stride,

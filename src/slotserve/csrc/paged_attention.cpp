@@ -81,17 +81,9 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
   if (v.stride(1) != cache.head_dim) v = v.contiguous();
   slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot per new token");
-  check_slots(slot_mapping, cache);
+  check_indices(slot_mapping, cache.num_blocks * cache.block_size, "slot");  // before any write
   write_kv_rows(cache, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
                 k.size(0), slot_mapping.data_ptr<int64_t>());
-}
-
-// Every slot (int64, contiguous) inside the cache: all checked before anything is written.
-void check_slots(const torch::Tensor& slot_mapping, const KvCacheView& cache) {
-  const int64_t num_slots = cache.num_blocks * cache.block_size;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
 }
 
 // Tables and lengths checked once, so that the kernel never reads outside the cache.
