@@ -1,12 +1,22 @@
-"""`slotserve` command line: serve | generate | chat | bench | simulate | timeline | calibrate
-| plan."""
+"""`slotserve` command line: serve | generate | chat | bench | simulate | replay | timeline |
+calibrate | plan."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from slotserve.commands import bench, calibrate, chat, generate, plan, serve, simulate, timeline
+from slotserve.commands import (
+    bench,
+    calibrate,
+    chat,
+    generate,
+    plan,
+    replay,
+    serve,
+    simulate,
+    timeline,
+)
 from slotserve.engine_args import check_engine_args
 
 
@@ -16,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: each subcommand is one module of slotserve.commands; none imports this module.
     for add_parser in (generate.add_generate_parser, serve.add_serve_parser,
                        chat.add_chat_parser, bench.add_bench_parser,
-                       simulate.add_simulate_parser, timeline.add_timeline_parser,
+                       simulate.add_simulate_parser, replay.add_replay_parser,
+                       timeline.add_timeline_parser,
                        calibrate.add_calibrate_parser, plan.add_plan_parser):
         add_parser(subparsers)
     return parser

@@ -46,7 +46,7 @@ def real_and_simulated(server, folder):
     real_trace = httpx.get(f"{server.url}/debug/trace").json()
     real, simulated = folder / "real.json", folder / "sim.json"
     real.write_text(json.dumps(real_trace))
-    assert main(["simulate", "--trace", str(real), "--max-num-seqs", str(SIM_SLOTS),
+    assert main(["replay", str(real), "--clock", "iterations", "--max-num-seqs", str(SIM_SLOTS),
                  "--save-trace", str(simulated)]) == 0
     return real, simulated
 

@@ -314,8 +314,8 @@ def test_cli_simulate_trace_writes_bench_results_and_a_drawable_trace(tiny_llama
                                                                       capsys):
     trace, out, saved = tmp_path / "t.json", tmp_path / "r.json", tmp_path / "s.json"
     _engine_trace(tiny_llama, trace)
-    code = main(["simulate", "--trace", str(trace), "--max-num-seqs", "2", "--out", str(out),
-                 "--save-trace", str(saved), "--rate-scale", "2"])
+    code = main(["replay", str(trace), "--clock", "iterations", "--max-num-seqs", "2",
+                 "--out", str(out), "--save-trace", str(saved), "--rate-scale", "2"])
     assert code == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["target"] == "simulator" and row["completed"] == 8
@@ -326,8 +326,41 @@ def test_cli_simulate_trace_writes_bench_results_and_a_drawable_trace(tiny_llama
     assert main(["timeline", str(saved), "--no-color"]) == 0
     assert "replay" in capsys.readouterr().out
     # Both policies: a compare report.
-    assert main(["simulate", "--trace", str(trace), "--policy", "both", "--out", str(out)]) == 0
+    assert main(["replay", str(trace), "--clock", "iterations", "--policy", "both",
+                 "--out", str(out)]) == 0
     assert json.loads(out.read_text())["mode"] == "compare"
+
+
+def test_replay_refuses_the_toy_clock_unless_asked(tiny_llama, tmp_path, monkeypatch, capsys):
+    """No --profile and no calibration on this machine: an error naming the way out, never
+    a prediction in iterations passed off as seconds (also for `simulate --trace`)."""
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    trace = tmp_path / "t.json"
+    _engine_trace(tiny_llama, trace)
+    for argv in (["replay", str(trace)], ["simulate", "--trace", str(trace)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "no calibration" in err and "slotserve calibrate" in err
+    assert main(["replay", str(trace), "--clock", "iterations"]) == 0
+    assert "the toy clock" in capsys.readouterr().out
+
+
+def test_replay_runs_on_the_last_calibration(tiny_llama, tmp_path, monkeypatch, capsys):
+    from slotserve.lab.replay.cost_model import FEATURES, LinearCost
+    from slotserve.paths import last_calibration_path
+
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    last_calibration_path().parent.mkdir(parents=True)
+    coefficients = dict.fromkeys(FEATURES, 1e-4)
+    LinearCost(base=0.01, coefficients=coefficients).save(last_calibration_path())
+    trace, out = tmp_path / "t.json", tmp_path / "r.json"
+    _engine_trace(tiny_llama, trace)
+    assert main(["simulate", "--trace", str(trace), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert str(last_calibration_path()) in captured.err and "slotserve replay" in captured.err
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["config"]["cost_model"]["kind"] == "linear"
+    assert "predicted s" in captured.out
 
 
 def test_cli_simulate_rejects_replay_flags_without_a_trace(capsys):
@@ -401,7 +434,7 @@ def test_cli_calibrate_writes_a_profile_simulate_reads(tmp_path, capsys):
     workload.write_text("".join(json.dumps({"prompt": [5 + i, 6, 7, 8], "max_tokens": 3,
                                             "arrival": 0.01 * i}) + "\n" for i in range(6)))
     out = tmp_path / "r.json"
-    assert main(["simulate", "--trace", str(workload), "--profile", str(profile),
+    assert main(["replay", str(workload), "--profile", str(profile),
                  "--max-num-seqs", "2", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["completed"] == 6 and row["total_output_tokens"] == 18

@@ -102,7 +102,7 @@ def _write_trace(path, requests: list[dict], **header) -> None:
 
 def _replayed_config(tmp_path, trace, *flags) -> dict:
     out = tmp_path / "r.json"
-    assert main(["simulate", "--trace", str(trace), "--out", str(out), *flags]) == 0
+    assert main(["replay", str(trace), "--clock", "iterations", "--out", str(out), *flags]) == 0
     (row,) = json.loads(out.read_text())["results"]
     return row["config"]
 
@@ -134,15 +134,15 @@ def test_cli_priority_replay_of_a_trace_with_priorities(tmp_path):
     _write_trace(trace, [{"id": "late", "priority": 5}, {"id": "urgent", "priority": -2},
                          {"id": "normal", "tenant": "B"}], num_slots=1)
     out = tmp_path / "r.json"
-    assert main(["simulate", "--trace", str(trace), "--scheduling-policy", "priority",
+    assert main(["replay", str(trace), "--clock", "iterations", "--scheduling-policy", "priority",
                  "--save-trace", str(saved), "--out", str(out)]) == 0
     records = {r["id"]: r for r in json.loads(saved.read_text())["requests"]}
     order = sorted(records, key=lambda name: records[name]["first_iteration"])
     assert order == ["urgent", "normal", "late"]
     assert (records["late"]["priority"], records["normal"]["tenant"]) == (5, "B")
     with pytest.raises(SystemExit):  # argparse: not one of the choices
-        main(["simulate", "--trace", str(trace), "--scheduling-policy", "nope"])
-    assert main(["simulate", "--trace", str(trace), "--scheduling-policy", "fcfs",
+        main(["replay", str(trace), "--clock", "iterations", "--scheduling-policy", "nope"])
+    assert main(["replay", str(trace), "--clock", "iterations", "--scheduling-policy", "fcfs",
                  "--slo-reject"]) == 2  # slo_reject needs deadline: a clear error
 
 
@@ -168,7 +168,7 @@ def test_a_workload_carries_the_policy_fields_to_replay_and_bench(tmp_path):
     assert "user" not in OpenAITarget("http://x")._payload("m", workload.requests[0],
                                                             BenchSampling())
     saved = tmp_path / "s.json"
-    assert main(["simulate", "--trace", str(path), "--max-num-seqs", "1",
+    assert main(["replay", str(path), "--clock", "iterations", "--max-num-seqs", "1",
                  "--scheduling-policy", "priority", "--save-trace", str(saved)]) == 0
     first = {r["id"]: r["first_iteration"] for r in json.loads(saved.read_text())["requests"]}
     assert first["1"] < first["0"]  # priority -1 before 4, though it came second

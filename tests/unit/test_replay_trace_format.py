@@ -32,7 +32,7 @@ def real_and_simulated(tiny_llama, tmp_path_factory):
         engine.check_integrity()
     real, simulated = folder / "real.json", folder / "sim.json"
     real.write_text(json.dumps(engine.trace.export()))
-    assert main(["simulate", "--trace", str(real), "--max-num-batched-tokens", "32",
+    assert main(["replay", str(real), "--clock", "iterations", "--max-num-batched-tokens", "32",
                  "--save-trace", str(simulated)]) == 0
     return real, simulated
 

@@ -16,7 +16,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
         description="Time real engine iterations over a grid of batch sizes, context lengths "
                     "and chunk sizes; fit seconds = base + a*prefill tokens + b*decode seqs "
                     "+ c*attention pairs + d*sampled rows; print the fit and its residuals; "
-                    "write the profile for `slotserve simulate/plan --profile`.")
+                    "write the profile for `slotserve replay/plan --profile` (and keep it "
+                    "as this machine's last calibration, `slotserve replay`'s default).")
     p.add_argument("--out", metavar="PROFILE.json", default="profile.json")
     p.add_argument("--batch-sizes", type=int_tuple, default=None, metavar="B,B,...")
     p.add_argument("--context-lens", type=int_tuple, default=None, metavar="L,L,...")
@@ -32,6 +33,16 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_calibrate)
     return p
+
+
+def remember_calibration(model) -> None:
+    """Keep the profile as this machine's last calibration: `slotserve replay`'s clock."""
+    from slotserve.paths import last_calibration_path
+
+    path = last_calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    print(f"wrote {path} (`slotserve replay`'s default clock)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -58,4 +69,5 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(format_points(model, samples))
     model.save(args.out)
     print(f"wrote {args.out} ({model.meta['seconds']} s)")
+    remember_calibration(model)
     return 0

@@ -26,6 +26,7 @@ import torch
 from slotserve.config import ModelConfig
 from slotserve.loader.safetensors import load_weights, save_weights
 from slotserve.loader.tokenizer import Tokenizer
+from slotserve.paths import cache_root
 
 # NOTE: bump when the converted content changes (names, layout, tokenizer rules): old entries
 # then miss and get rebuilt under a new key.
@@ -38,14 +39,6 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 
 Converted = tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]
-
-
-def cache_root() -> str:
-    """`$SLOTSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/slotserve`, else `~/.cache/slotserve`."""
-    if root := os.environ.get("SLOTSERVE_CACHE_DIR"):
-        return root
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "slotserve")
 
 
 def source_key(path: str) -> str:
