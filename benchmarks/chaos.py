@@ -47,10 +47,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from benchmarks.soak import ENGINE_FLAGS, MODEL, REPO, WORDS, server_outcomes
-from tests.support.launch import HOST, ServerProcess, ServerStartError, cli_flags, scrape_metrics
+from slotserve.lab.bench.server import (
+    HOST,
+    ServerProcess,
+    ServerStartError,
+    cli_flags,
+    scrape_metrics,
+)
+from slotserve.percentile import percentile
 
 VICTIM_KEY, ADVERSARY_KEY, ADMIN_KEY = "victim-key-0123", "adversary-key-4567", "admin-key-89ab"
 MAX_WAITING = 64  # n=128 can never be queued: 400
@@ -507,10 +513,9 @@ def _x(value: float | None) -> str:
 def percentiles_ms(values: list[float]) -> dict:
     if not values:
         return {}
-    ms = np.array(values) * 1000
-    return {"p50": round(float(np.percentile(ms, 50)), 1),
-            "p99": round(float(np.percentile(ms, 99)), 1),
-            "max": round(float(ms.max()), 1), "n": len(values)}
+    ms = [v * 1000 for v in values]
+    return {"p50": round(percentile(ms, 50), 1), "p99": round(percentile(ms, 99), 1),
+            "max": round(max(ms), 1), "n": len(values)}
 
 
 def chaos_phase(url: str, bodies: list[dict], tag: str, greedy_text: str, gap_s: float,

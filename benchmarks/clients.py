@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from tests.support.launch import ServerProcess, cli_flags, scrape_metrics
+from slotserve.lab.bench.server import ServerProcess, cli_flags, scrape_metrics
 
 TOOLS = ("slotserve bench", "aiperf", "guidellm")
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "gap_p50_ms", "output_tok_s")

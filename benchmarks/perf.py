@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 
@@ -36,8 +35,8 @@ from slotserve.lab.bench import (
     run_bench,
     write_report,
 )
+from slotserve.lab.bench.server import free_port, wait_healthy
 from slotserve.lab.workload import Workload, generate_workload
-from tests.support.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -273,17 +272,9 @@ class llama_server:  # noqa: N801 (a context manager used like a function)
         self.log = open(f"/tmp/llama-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited: see {self.log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("llama-server did not become healthy")
+        wait_healthy(url, 300, lambda: self.proc.poll() is not None,
+                     lambda: f"see {self.log.name}", poll_s=0.5)
+        return url
 
     def __exit__(self, *exc) -> None:
         self.proc.send_signal(signal.SIGINT)

@@ -60,6 +60,7 @@ from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
 from slotserve.engine.outputs import RequestMetrics
 from slotserve.lab.replay import VirtualEngineCore, load_profile
 from slotserve.lab.workload import poisson_arrivals, random_token_prompts
+from slotserve.percentile import percentile
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 
@@ -371,10 +372,6 @@ def priority_schedule(rate: float, count: int, high_fraction: float, vocab: int,
 
 
 # ---------------------------------------------------------------------- statistics
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000.0, 1)
 

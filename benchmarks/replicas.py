@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import time
 
+from slotserve.percentile import percentile
 from slotserve.sampling import SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40_000
@@ -33,11 +34,6 @@ VOCAB_LOW, VOCAB_HIGH = 100, 40_000
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))]
 
 
 async def _one(engine, request_id: str, prompt: list[int], max_tokens: int) -> dict:
@@ -85,8 +81,8 @@ def _summary(results: list[dict], seconds: float) -> dict:
     tokens = sum(r["tokens"] for r in results)
     return {"requests": len(results), "seconds": round(seconds, 3),
             "output_tokens_per_s": round(tokens / seconds, 1),
-            "ttft_p50_ms": round(_pct(ttfts, 50) * 1000, 1),
-            "ttft_p99_ms": round(_pct(ttfts, 99) * 1000, 1)}
+            "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
+            "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1)}
 
 
 def _hit_rate(before: dict, after: dict) -> float:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.launch import ServerProcess, ServerStartError, cli_flags, scrape_metrics
+from slotserve.lab.bench.server import ServerProcess, ServerStartError, cli_flags, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"

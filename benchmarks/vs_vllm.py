@@ -59,9 +59,9 @@ from slotserve.lab.bench import (
     run_bench,
     write_report,
 )
+from slotserve.lab.bench.server import ServerProcess, cli_flags, free_port, wait_healthy
 from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
 from slotserve.lab.workload import generate_workload
-from tests.support.launch import ServerProcess, cli_flags, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_DIR = Path(os.environ.get("VLLM_PEER", REPO.parent / "shared/peers/vllm_cpu"))
@@ -130,24 +130,11 @@ def start_vllm(name: str, dtype: str) -> Server:
         ["bash", str(PEER_DIR / "serve.sh"), str(port), "--max-num-seqs", str(SLOTS)],
         env={**os.environ, "DTYPE": dtype}, text=True).strip())
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, pid, VLLM_DIR / f"serve-{port}.log")
+    log = VLLM_DIR / f"serve-{port}.log"
+    wait_healthy(url, 900, lambda: not psutil.pid_exists(pid), lambda: f"see {log}", poll_s=1)
     stop = lambda: subprocess.run(["bash", str(PEER_DIR / "stop.sh"), str(pid)],  # noqa: E731
                                   check=False, capture_output=True)
     return Server(name, url, pid, time.perf_counter() - t0, stop)
-
-
-def _wait_healthy(url: str, pid: int, log: Path, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid):
-            raise RuntimeError(f"{url} exited: see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy after {timeout} s: see {log}")
 
 
 def start(name: str) -> Server:

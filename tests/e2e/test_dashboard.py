@@ -27,7 +27,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.events import build_block_map
 from slotserve.lab.simulate import summarize
 from slotserve.obs.live_feed import LiveClient
-from slotserve.obs.windows import percentile
+from slotserve.percentile import percentile
 from slotserve.sampling import SamplingParams
 from slotserve.server.live import build_live_router, most_iterations, simulate_workload
 from tests.conftest import random_prompts, tiny_engine, tiny_hf_model
@@ -275,7 +275,7 @@ def test_most_iterations_bounds_the_simulator(seed):
 def test_percentile_and_block_map():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
 
     blocks = build_block_map({"a": [0, 1, 2, 7], "b": [4, 3], "c": []}, []).to_json()
     assert {k: blocks[k] for k in ("owners", "runs")} == {

@@ -212,3 +212,16 @@ def test_the_checks_catch_a_violation():
     assert part_accesses(tree) == {"engine.engine", "scheduler", "trace"}
     parser_tree = ast.parse("def add(subparsers):\n    subparsers.add_parser('serve')\n")
     assert subcommands_defined(parser_tree) == {"serve"}
+
+
+def test_benchmarks_import_nothing_from_tests():
+    """Benchmarks stand on the package (slotserve.lab.bench has the server launcher), so
+    they run from an installed slotserve without the test tree."""
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    offenders = {}
+    for path in benchmarks.rglob("*.py"):
+        names = imports_of(ast.parse(path.read_text()), f"benchmarks.{path.stem}")
+        bad = sorted(n for n in names if n == "tests" or n.startswith("tests."))
+        if bad:
+            offenders[path.name] = bad
+    assert offenders == {}

@@ -20,7 +20,8 @@ from collections import deque
 
 from slotserve.engine.events import EngineSnapshot, IterationEvent
 from slotserve.obs.subscriber import EngineSubscriber
-from slotserve.obs.windows import LatencyWindow, percentile
+from slotserve.obs.windows import LatencyWindow
+from slotserve.percentile import percentile
 
 
 class LiveClient:

@@ -9,7 +9,6 @@ guards the deque between them.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -83,12 +82,3 @@ class LatencyWindow(TimeWindow):
         """(TTFTs, TPOTs) in the window (a completion of one token has no TPOT)."""
         recent = self.values(now)
         return ([a for a, _ in recent if a is not None], [b for _, b in recent if b is not None])
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile; None when there are no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]

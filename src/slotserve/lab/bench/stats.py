@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from slotserve.percentile import percentile
+
 
 @dataclass
 class RequestRecord:
@@ -39,9 +41,9 @@ class LatencyStats:
     def of(cls, seconds: list[float]) -> LatencyStats:
         if not seconds:
             return cls()
-        ms = np.asarray(seconds, dtype=float) * 1000.0
-        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-        return cls(float(ms.mean()), float(p50), float(p90), float(p99))
+        ms = [s * 1000.0 for s in seconds]
+        p50, p90, p99 = (percentile(ms, q) for q in (50, 90, 99))
+        return cls(float(np.mean(ms)), p50, p90, p99)
 
 
 @dataclass
