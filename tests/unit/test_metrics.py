@@ -165,3 +165,46 @@ def test_per_tenant_service_and_goodput(engine):
     assert m[f"slotserve:tenant_request_queue_time_seconds_count{bob}"] == 1
     assert m[f"slotserve:tenant_requests_active{bob}"] == 0
     assert m['slotserve:tenant_generation_tokens_total{tenant="default"}'] == 0
+
+
+def test_vllm_names_with_model_name_beside_ours(engine):
+    """What vLLM dashboards read: the same families under `vllm:` with `model_name`."""
+    metrics = ServerMetrics(engine, model_name="served-name")
+    metrics.attach()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    run(engine, [[5, 6, 7], [8, 9, 10, 11]], params)
+    m = samples(metrics)
+    label = '{model_name="served-name"}'
+    assert m[f"vllm:num_requests_running{label}"] == 0
+    assert m[f"vllm:num_requests_waiting{label}"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0
+    assert m[f"vllm:prompt_tokens_total{label}"] == m["slotserve:prompt_tokens_total"] == 7
+    assert m[f"vllm:generation_tokens_total{label}"] == 10
+    assert m[f"vllm:time_to_first_token_seconds_count{label}"] == 2
+    assert m[f"vllm:inter_token_latency_seconds_count{label}"] == 2 * 4
+    assert m[f"vllm:e2e_request_latency_seconds_count{label}"] == 2
+    assert m[f"vllm:request_prompt_tokens_sum{label}"] == 7
+    assert m[f"vllm:request_generation_tokens_sum{label}"] == 10
+    assert m[f"vllm:prefix_cache_queries_total{label}"] >= 7
+    assert m[f"vllm:prefix_cache_hits_total{label}"] >= 0
+    success = 'vllm:request_success_total{finished_reason="length",model_name="served-name"}'
+    assert m[success] == 2
+    # Every token processed is in one iteration's count: the prompts and all but the
+    # last token of each completion.
+    assert m[f"vllm:iteration_tokens_total_sum{label}"] == 7 + 2 * 4
+    assert m[f"vllm:iteration_tokens_total_count{label}"] == m[
+        "slotserve:iteration_tokens_total_count"] > 0
+    assert not any(k.startswith("vllm:slot_utilisation") for k in m)  # ours only
+
+
+@pytest.mark.parametrize("names,present,absent", [("vllm", "vllm:", "slotserve:"),
+                                                 ("slotserve", "slotserve:", "vllm:")])
+def test_one_set_of_names(engine, names, present, absent):
+    m = samples(ServerMetrics(engine, names=names))
+    assert any(k.startswith(present) for k in m)
+    assert not any(k.startswith(absent) for k in m)
+    vllm_default = samples(ServerMetrics(engine))
+    assert f'vllm:num_requests_running{{model_name="{engine.model_config.name}"}}' in (
+        vllm_default)
+    with pytest.raises(ValueError, match="names must be one of"):
+        ServerMetrics(engine, names="prometheus")

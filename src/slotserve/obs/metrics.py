@@ -1,5 +1,10 @@
 """Prometheus metrics of one engine, named like vLLM's (`slotserve:` for `vllm:`).
 
+- Names: `slotserve:*`, and the same families under vLLM's names (`vllm:*`, with vLLM's
+  `model_name` label) for what dashboards, autoscalers and endpoint pickers read
+  (VLLM_FAMILIES). `names="both"` (the default) exposes both, so the live view's and
+  existing scrapes' names keep working beside vLLM's; "vllm" or "slotserve" one set.
+
 - Gauges and engine-wide counters come from the engine's `snapshot()` at scrape time (a
   custom collector), so they are never stale and cost nothing per iteration; among them
   the prefix cache's `prefix_cache_queries_total` / `prefix_cache_hits_total` (tokens, as
@@ -26,6 +31,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from slotserve.engine.events import (
@@ -39,6 +45,18 @@ from slotserve.obs.windows import SlotWindow
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "slotserve:"
+VLLM_PREFIX = "vllm:"
+METRIC_NAMES = ("both", "vllm", "slotserve")  # which names /metrics exposes
+# Families also exposed under vLLM's name (the part after the prefix is the same), with the
+# label model_name: vLLM v1's engine and request metrics that slotserve measures alike.
+VLLM_FAMILIES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+    "generation_tokens", "request_success", "time_to_first_token_seconds",
+    "time_per_output_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "iteration_tokens_total",
+})
 DEFAULT_TENANT = "default"
 # Finish reasons judged against the SLOs (goodput): normal ends, and the deadline policy's
 # rejections (missed by definition). Aborted and failed requests are not judged.
@@ -53,6 +71,17 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def token_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets), at least (1,)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets) or (1,)
+            buckets.append(step * scale)
+        scale *= 10
+
+
 class ServerMetrics(EngineSubscriber):
     """The metrics of one served engine. `attach()` starts feeding them.
 
@@ -60,14 +89,21 @@ class ServerMetrics(EngineSubscriber):
     AsyncEngine or an LLMEngine).
     """
 
-    def __init__(self, engine, window_s: float = 10.0, tenants=()) -> None:
+    def __init__(self, engine, window_s: float = 10.0, tenants=(),
+                 model_name: str | None = None, names: str = "both") -> None:
         """tenants: tenant names whose series exist from the start (with "default" and the
-        engine's configured tenants)."""
+        engine's configured tenants). model_name: the `model_name` label of the vLLM names
+        (default: the model's own name). names: one of METRIC_NAMES."""
         super().__init__(engine)
+        if names not in METRIC_NAMES:
+            raise ValueError(f"names must be one of {METRIC_NAMES}, got {names!r}")
+        self.names = names
         self.registry = CollectorRegistry()
         snap = engine.snapshot()
+        self.model_name = model_name or snap.model
         self.slots = SlotWindow(snap.num_slots, window_s)
         self._histograms(self.registry)
+        self._token_histograms(self.registry, snap)
         self.known_tenants = tuple(sorted({DEFAULT_TENANT, *tenants,
                                            *getattr(snap, "configured_tenants", ())}))
         self._tenant_metrics(self.registry)
@@ -85,6 +121,19 @@ class ServerMetrics(EngineSubscriber):
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
                                "Arrival to first scheduled iteration.", REQUEST_BUCKETS)
+
+    def _token_histograms(self, registry: CollectorRegistry, snap) -> None:
+        def hist(name: str, doc: str, limit: int) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=token_buckets(limit),
+                             registry=registry)
+
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a "
+                                          "finished request.", snap.max_model_len)
+        self.request_generation_tokens = hist("request_generation_tokens", "Tokens a "
+                                              "finished request generated.", snap.max_model_len)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens one iteration "
+                                     "processed (prefill chunks + decodes).",
+                                     snap.max_num_batched_tokens)
 
     def _tenant_metrics(self, registry: CollectorRegistry) -> None:
         # NOTE: histograms, not summaries: clients such as aiperf collect only histograms;
@@ -122,6 +171,7 @@ class ServerMetrics(EngineSubscriber):
     def on_iteration(self, event: IterationEvent) -> None:
         """Subscriber (engine thread): the slots' work and the finished latencies."""
         self.slots.on_iteration(event.record)
+        self.iteration_tokens.observe(sum(s["tokens"] for s in event.record["slots"] if s))
         for finished in event.observed():
             self.observe_finished(finished)
         for finished in event.finished:
@@ -137,6 +187,8 @@ class ServerMetrics(EngineSubscriber):
             self.slo_met_total += int(finished.met_slo)
 
     def observe_finished(self, finished: FinishedCompletion) -> None:
+        self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.observe(finished.num_output_tokens)
         m = finished.metrics
         if m is None:
             return
@@ -152,8 +204,36 @@ class ServerMetrics(EngineSubscriber):
                 summary.labels(finished.tenant).observe(value)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric, under the names asked for."""
+        families = list(self.registry.collect())
+        shown = families if self.names != "vllm" else []
+        if self.names != "slotserve":
+            shown += [vllm_family(f, self.model_name) for f in families
+                      if f.name.removeprefix(PREFIX) in VLLM_FAMILIES]
+        return generate_latest(FixedRegistry(shown))
+
+
+def vllm_family(family: Metric, model_name: str) -> Metric:
+    """A copy of a `slotserve:` family under its `vllm:` name, every sample labelled with
+    model_name."""
+    name = VLLM_PREFIX + family.name.removeprefix(PREFIX)
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    for s in family.samples:
+        copy.add_sample(name + s.name.removeprefix(family.name),
+                        {"model_name": model_name, **s.labels}, s.value, s.timestamp,
+                        s.exemplar)
+    return copy
+
+
+class FixedRegistry(CollectorRegistry):
+    """A registry that exposes the given families as they are."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        super().__init__(auto_describe=False)
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 class EngineCollector(Collector):

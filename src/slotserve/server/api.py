@@ -89,7 +89,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str,
     limits = limits or ServerLimits()
     access = access or AccessPolicy()
     if metrics is None:
-        metrics = ServerMetrics(async_engine, tenants=sorted({t.name for _, t in access.api_keys}))
+        metrics = ServerMetrics(async_engine, model_name=model_name,
+                                tenants=sorted({t.name for _, t in access.api_keys}))
         metrics.attach()
 
     @asynccontextmanager
