@@ -1,10 +1,15 @@
-"""Per-iteration trace of the real engine, in the same format the simulator writes.
+"""The iteration trace: its format (`Trace`, version TRACE_VERSION) and the engine's recorder.
 
-A bounded ring buffer: cheap enough to leave on. `export()` returns the JSON-able dict
-described in slotserve.lab (version 1): requests, and per iteration which request held
-which slot, what it did (prefill / decode / stalled) and how many tokens it processed.
-Each request also records `cached_tokens`: the prompt tokens its first prefill skipped
-because the prefix cache held them.
+Every trace has this format, whoever wrote it: the engine (`TraceRecorder`), the seed's toy
+simulator (`slotserve.lab.simulate`), a replay (`slotserve.lab.replay`) and a replica set
+(`source: "replicas"`); `slotserve timeline`, the live view and a replay read it. Requests,
+and per iteration which request held which slot, what it did (`SlotKind`: prefill / decode /
+stalled: holds its slot, got no tokens) and how many tokens it processed. A request records
+`cached_tokens`: the prompt tokens its first prefill skipped because the prefix cache held
+them. Times are seconds from the first event (the toy's clock is the iteration: start =
+index, end = index + 1, arrival = arrival_iteration).
+
+The recorder is a bounded ring buffer: cheap enough to leave on.
 
 The engine owns its recorder (for `--trace` export and `LLMEngine.export_trace()`); the
 layers above it follow iterations through `LLMEngine.subscribe` instead.
@@ -16,8 +21,69 @@ import json
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from slotserve.core.outputs import SchedulerOutput
+
+TRACE_VERSION = 1
+
+
+class TraceSlot(TypedDict):
+    """What one slot did in one iteration."""
+
+    request: str
+    kind: Literal["prefill", "decode", "stalled"]
+    tokens: int
+
+
+class TraceIteration(TypedDict):
+    """One iteration: `slots` has exactly `num_slots` entries (None: empty)."""
+
+    index: int
+    start: float
+    end: float
+    slots: list[TraceSlot | None]
+    num_waiting: int
+    kv_blocks_used: int | None
+    preempted: list[str]
+
+
+class _TraceRequestRequired(TypedDict):
+    id: str
+    arrival: float
+    arrival_iteration: int
+    prompt_tokens: int
+    output_tokens: int
+    first_iteration: int | None
+    finish_iteration: int | None
+    finish_reason: str | None
+
+
+class TraceRequest(_TraceRequestRequired, total=False):
+    """One request; the engine also records its prefix-cache hit and POLICY_FIELDS."""
+
+    cached_tokens: int
+    tenant: str
+    priority: int
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+
+
+class _TraceRequired(TypedDict):
+    version: int  # TRACE_VERSION
+    source: Literal["engine", "simulator", "replay", "replicas"]
+    policy: str  # the admission rule: continuous | static
+    num_slots: int
+    requests: list[TraceRequest]
+    iterations: list[TraceIteration]
+
+
+class Trace(_TraceRequired, total=False):
+    """A whole trace (JSON-able). `settings`: what a replay needs beyond the slots, policy
+    and KV pool (TRACE_SETTINGS, block_size, enable_prefix_caching)."""
+
+    kv_blocks_total: int | None
+    settings: dict
 
 
 class TraceRecorder:
@@ -63,7 +129,7 @@ class TraceRecorder:
                 record.update(finish_iteration=iteration, finish_reason=reason,
                               output_tokens=output_tokens)
 
-    def record(self, plan: SchedulerOutput, start: float, end: float) -> dict:
+    def record(self, plan: SchedulerOutput, start: float, end: float) -> TraceIteration:
         """Store one iteration; returns its record.
 
         NOTE: a request's first scheduled chunk starts after the tokens found in the prefix
@@ -84,9 +150,9 @@ class TraceRecorder:
                     req["cached_tokens"] = seq.start_pos
         return record
 
-    def export(self) -> dict:
+    def export(self) -> Trace:
         with self._lock:
-            return {"version": 1, "source": "engine", "policy": self.policy,
+            return {"version": TRACE_VERSION, "source": "engine", "policy": self.policy,
                     "num_slots": self.num_slots, "kv_blocks_total": self.kv_blocks_total,
                     "requests": [dict(r) for r in self.requests.values()],
                     "iterations": list(self.iterations),

@@ -10,26 +10,13 @@ the admission rule, as in the engine:
 - continuous: every iteration, requests that finished in the previous iteration have left
   and waiting requests take the free slots.
 
-`simulate` returns a trace in the format the engine records (see `TRACE_VERSION` below and
-`slotserve.lab.timeline`, which draws both), so a simulated run and a real one can be
-compared on the same chart.
-
-Trace format (version 1), a JSON-able dict::
-
-    {"version": 1, "source": "simulator" | "engine", "policy": "continuous" | "static",
-     "num_slots": S, "kv_blocks_total": int | None,
-     "requests": [{"id", "arrival", "arrival_iteration", "prompt_tokens", "output_tokens",
-                   "first_iteration", "finish_iteration", "finish_reason"}, ...],
-     "iterations": [{"index", "start", "end",
-                     "slots": [None | {"request", "kind", "tokens"}, ...],  # exactly S
-                     "num_waiting", "kv_blocks_used", "preempted"}, ...]}
-
-`kind` is "prefill", "decode" or "stalled" (holds its slot, got no tokens this iteration).
-The simulator's clock is the iteration: start=index, end=index+1, arrival=arrival_iteration.
+`simulate` returns a trace in the format the engine records (`slotserve.engine.trace.Trace`;
+`slotserve.lab.timeline` draws both), so a simulated run and a real one can be compared on
+the same chart. The simulator's clock is the iteration.
 
 This is the seed's model, with its own admission code. `slotserve.lab.replay` runs the
 engine's real scheduler instead, on a unit clock (the same seed numbers) or on a cost model
-calibrated on this machine (`slotserve simulate --trace`, `slotserve plan`).
+calibrated on this machine (`slotserve replay`, `slotserve plan`).
 """
 
 from __future__ import annotations
@@ -38,9 +25,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from slotserve.engine.trace import TRACE_VERSION
 from slotserve.obs.trace import is_busy
 
-TRACE_VERSION = 1
 POLICIES = ("static", "continuous")
 
 

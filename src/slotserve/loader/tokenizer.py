@@ -26,15 +26,11 @@ import jinja2
 from tokenizers import Tokenizer as Backend
 
 from slotserve.loader.chat_template import compile_chat_template, hf_chat_template
-from slotserve.loader.detokenize import IncrementalDetokenizer
 from slotserve.loader.gguf_vocab import (
-    SUPPORTED_PRE,
     add_gguf_special_tokens,
     byte_level_bpe,
     gguf_eos_token_ids,
 )
-
-__all__ = ["IncrementalDetokenizer", "SUPPORTED_PRE", "Tokenizer"]  # re-exported for callers
 
 META_FILE = "tokenizer_meta.json"
 BACKEND_FILE = "tokenizer.json"

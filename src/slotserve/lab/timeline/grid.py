@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slotserve.lab.simulate import TRACE_VERSION
+from slotserve.engine.trace import TRACE_VERSION
 
 IDLE, PREFILL, DECODE, STALLED, WAITING = range(5)
 KIND_NAMES = ("idle", "prefill", "decode", "stalled", "waiting")
