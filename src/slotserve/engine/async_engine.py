@@ -10,6 +10,8 @@ are the engine's (see engine/events.py); nobody above needs `.engine`.
 Fault isolation (NOTE: no request, client or tenant may harm another):
 - LLMEngine.step fails only the requests that make the forward or sampling raise, and
   only the request whose output could not be built;
+- a fault is any exception, a native library's panic (pyo3's PanicException, a
+  BaseException) included (`isolation.is_fault`);
 - a fault applying one command fails that request; one subscriber's fault is logged; a
   stream that cannot take an output (its event loop is gone) loses its request only;
 - a fault that escapes step() (schedule, update) fails the requests in flight, and the
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 from slotserve.config import check_policy_fields
 from slotserve.engine.events import EngineSnapshot
+from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
 from slotserve.sampling import SamplingParams
@@ -334,7 +337,9 @@ class AsyncEngine:
         """
         try:
             outputs = self.engine.step()
-        except Exception as exc:
+        except BaseException as exc:  # NOTE: a native panic too (isolation.is_fault)
+            if not is_fault(exc):
+                raise
             self._step_faults += 1
             logger.exception("engine iteration failed (%d in a row): failing the requests in "
                              "flight", self._step_faults)
@@ -353,7 +358,9 @@ class AsyncEngine:
                 return
             try:
                 self._apply(*command)
-            except Exception as exc:  # NOTE: costs this command's request only
+            except BaseException as exc:  # NOTE: costs this command's request only
+                if not is_fault(exc):
+                    raise
                 logger.exception("applying %s of %s failed", command[0], command[1])
                 if command[0] == "add":
                     self._fail_streams([command[1]], f"engine error: {type(exc).__name__}: {exc}")
@@ -375,8 +382,10 @@ class AsyncEngine:
 
         try:
             result = fn()
-        except Exception as exc:
-            loop.call_soon_threadsafe(settle, done.set_exception, exc)
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else RuntimeError(
+                f"{type(exc).__name__}: {exc}")  # NOTE: the server's handlers catch Exception
+            loop.call_soon_threadsafe(settle, done.set_exception, error)
             raise
         loop.call_soon_threadsafe(settle, done.set_result, result)
 
@@ -402,7 +411,9 @@ class AsyncEngine:
         """Dispatch; if that raises, the requests whose outputs may be lost fail (only they)."""
         try:
             self._dispatch(outputs)
-        except Exception as exc:
+        except BaseException as exc:
+            if not is_fault(exc):
+                raise
             logger.exception("dispatching the outputs failed")
             ids = list(dict.fromkeys(out.request_id for out in outputs))
             self._fail_streams(ids, f"engine error: {type(exc).__name__}: {exc}")

@@ -7,8 +7,10 @@
 Fault isolation: a request must not be able to fail another. An iteration whose forward or
 sampling raises is retried in smaller groups (engine/isolation.py) and only the request(s)
 that still raise on their own fail; a fault building one request's output (engine/sequence.py)
-fails that request only. Faults outside those (schedule(), update()) escape `step()`; the
-caller (AsyncEngine) then fails what is in flight with `fail_all`.
+fails that request only. A fault is any exception, a native library's panic (pyo3's
+PanicException, a BaseException) included: `isolation.is_fault`. Faults outside those
+(schedule(), update()) escape `step()`; the caller (AsyncEngine) then fails what is in
+flight with `fail_all`.
 
 The read side: other layers never reach into the scheduler, the KV manager or the runner.
 `snapshot()` returns a frozen `EngineSnapshot` (any thread), `subscribe(callback)` delivers
@@ -35,7 +37,7 @@ from slotserve.core.outputs import RunnerOutput, SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine import sequence as seqs
 from slotserve.engine.events import EngineSnapshot, FinishedCompletion, IterationEvent
-from slotserve.engine.isolation import Culprits, execute_isolated
+from slotserve.engine.isolation import Culprits, execute_isolated, is_fault
 from slotserve.engine.outputs import RequestOutput
 from slotserve.engine.sequence import Prompt, SequenceState
 from slotserve.engine.sizing import (
@@ -335,7 +337,9 @@ class LLMEngine:
         try:
             record = self.trace.record(plan, start, end)
             self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
-        except Exception:
+        except BaseException as exc:
+            if not is_fault(exc):
+                raise
             logger.exception("recording iteration %d failed", plan.iteration)
             return None
         finished, self._finished = tuple(self._finished), []
@@ -345,7 +349,9 @@ class LLMEngine:
         """`_process`, or, if that raises, an error result for this completion only."""
         try:
             return self._process(seq)
-        except Exception as exc:
+        except BaseException as exc:  # NOTE: a native panic too (isolation.is_fault)
+            if not is_fault(exc):
+                raise
             logger.exception("building the output of %s failed", seq.request.request_id)
             return self._fail_sequence(seq, f"{type(exc).__name__}: {exc}")
 
@@ -364,7 +370,9 @@ class LLMEngine:
         output = seqs.error_output(seq, message)
         try:
             self._forget(seq)
-        except Exception:
+        except BaseException as exc:
+            if not is_fault(exc):
+                raise
             logger.exception("forgetting %s failed", request_id)
             self._drop(seq)
         return output
