@@ -59,6 +59,7 @@ def add_serve_parser(subparsers) -> None:
                    help="a request body not complete S seconds after the request began gets "
                         "408; only complete requests count against --max-connections "
                         "(default: 30)")
+    add_structured_args(p)
     add_access_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
@@ -67,6 +68,30 @@ def add_serve_parser(subparsers) -> None:
 
     add_replica_flags(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_structured_args(p) -> None:
+    from slotserve.structured import limits as sl
+
+    g = p.add_argument_group("structured outputs (caps: past one, 400 naming the field)")
+    g.add_argument("--max-schema-bytes", type=_positive_size,
+                   default=sl.DEFAULT_MAX_SCHEMA_BYTES, metavar="SIZE",
+                   help="largest JSON schema (response_format, structured_outputs.json, "
+                        "guided_json, the tools' schema), as compact JSON (default: 128K)")
+    g.add_argument("--max-regex-bytes", type=_positive_size, default=sl.DEFAULT_MAX_REGEX_BYTES,
+                   metavar="SIZE", help="largest regex constraint (default: 16K)")
+    g.add_argument("--max-grammar-bytes", type=_positive_size,
+                   default=sl.DEFAULT_MAX_GRAMMAR_BYTES, metavar="SIZE",
+                   help="largest Lark or GBNF grammar constraint (default: 64K)")
+    g.add_argument("--max-choices", type=_positive_int, default=sl.DEFAULT_MAX_CHOICES,
+                   metavar="N", help="most choices of a choice constraint (default: 1024)")
+    g.add_argument("--max-choice-bytes", type=_positive_size,
+                   default=sl.DEFAULT_MAX_CHOICE_BYTES, metavar="SIZE",
+                   help="longest choice of a choice constraint (default: 1K)")
+    g.add_argument("--max-constrained-n", type=_positive_int,
+                   default=sl.DEFAULT_MAX_CONSTRAINED_N, metavar="N",
+                   help="most completions (n) of a constrained request: each computes a "
+                        "grammar mask every step (default: 16)")
 
 
 def add_access_args(p) -> None:

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from slotserve.config import check_policy_fields
@@ -36,10 +37,15 @@ from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.sequence import build_matchers
 from slotserve.sampling import SamplingParams
+from slotserve.structured import StructuredOutputs
 
 logger = logging.getLogger("slotserve.engine")
 
+# Threads that compile structured-output grammars (NOTE: each compile is bounded by the
+# server's size caps and llguidance's limits; two bound the CPU they take from the engine).
+GRAMMAR_THREADS = 2
 MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
 
 
@@ -113,6 +119,9 @@ class AsyncEngine:
         self._fatal: EngineDeadError | None = None  # set once, when the loop dies
         self._step_faults = 0  # consecutive iterations whose step() raised
         self._thread = threading.Thread(target=self._run, name="slotserve-engine", daemon=True)
+        # Compiles grammars and builds matchers, off the event loop and the engine thread.
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                thread_name_prefix="slotserve-grammar")
 
     @classmethod
     def launch(cls, build: Callable[[], LLMEngine], max_waiting: int | None = None
@@ -157,6 +166,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop_accepting(self) -> None:
         """Refuse new requests from now on (graceful shutdown)."""
@@ -247,7 +257,8 @@ class AsyncEngine:
         `deadline` policy rejects (slo_reject) finishes with finish_reason "rejected".
         """
         policy = _PolicyFields(priority, tenant, slo_ttft_ms, slo_tpot_ms)
-        stream = self._open(request_id, prompt, params, cache_salt, policy)
+        matchers = await self._build_matchers(params)
+        stream = self._open(request_id, prompt, params, cache_salt, policy, matchers)
         finished = False
         try:
             while True:
@@ -267,7 +278,8 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     def _open(self, request_id: str, prompt: Prompt, params: SamplingParams,
-              cache_salt: str | None = None, policy: _PolicyFields | None = None) -> _Stream:
+              cache_salt: str | None = None, policy: _PolicyFields | None = None,
+              matchers: list | None = None) -> _Stream:
         self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
@@ -290,9 +302,32 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
             self._queued_seqs += params.n
-        self._commands.put(("add", request_id, (text, ids, cache_salt, policy), params))
+        self._commands.put(("add", request_id, (text, ids, cache_salt, policy, matchers),
+                            params))
         self._wakeup.set()
         return stream
+
+    async def check_structured(self, spec: StructuredOutputs) -> None:
+        """Compile `spec` for this engine's tokenizer on a grammar thread (cached: the
+        request's own matchers are then copies); ValueError naming the field if the grammar
+        engine rejects it."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._grammar_pool, self.engine.grammars.compile, spec)
+
+    async def _build_matchers(self, params: SamplingParams) -> list | None:
+        """The request's grammar matchers, built on a grammar thread (None: unconstrained).
+
+        NOTE: never on the engine thread: compiling a large spec takes up to a second, and
+        every other request's next token would wait for it.
+        """
+        if params.structured_outputs is None:
+            return None
+        self._raise_if_dead()  # NOTE: a closed engine compiles nothing
+        if not self._accepting or self._stopping:
+            raise EngineClosedError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._grammar_pool, build_matchers,
+                                          self.engine.grammars, params)
 
     def _raise_if_dead(self) -> None:
         if self._fatal is not None:
@@ -390,7 +425,7 @@ class AsyncEngine:
         loop.call_soon_threadsafe(settle, done.set_result, result)
 
     def _add(self, request_id: str, prompt: tuple, params: SamplingParams) -> None:
-        text, ids, cache_salt, policy = prompt
+        text, ids, cache_salt, policy, matchers = prompt
         with self._lock:
             self._queued_seqs -= params.n
             left = self._queued_adds.pop(request_id) - 1
@@ -403,7 +438,8 @@ class AsyncEngine:
             self.engine.add_request(request_id, ids, params, prompt_text=text,
                                     cache_salt=cache_salt, priority=policy.priority,
                                     tenant=policy.tenant, slo_ttft_ms=policy.slo_ttft_ms,
-                                    slo_tpot_ms=policy.slo_tpot_ms)
+                                    slo_tpot_ms=policy.slo_tpot_ms,
+                                    grammar_matchers=matchers)
         except ValueError as exc:
             stream.put(exc)
 

@@ -192,7 +192,8 @@ class LLMEngine:
                     arrival: float | None = None, prompt_text: str | None = None,
                     cache_salt: str | None = None, priority: int = 0,
                     tenant: str = "default", slo_ttft_ms: float | None = None,
-                    slo_tpot_ms: float | None = None) -> None:
+                    slo_tpot_ms: float | None = None,
+                    grammar_matchers: list[GrammarMatcher | None] | None = None) -> None:
         """Queue a request (n completions of it). ValueError if it is malformed or can never fit.
 
         prompt_text: the text of a prompt passed as token ids (shown in outputs).
@@ -200,6 +201,9 @@ class LLMEngine:
         blocks (so one tenant cannot time another's prompts through the prefix cache).
         priority, tenant, slo_ttft_ms, slo_tpot_ms: for the scheduling policy (see
         core/queue_policy.py); every completion gets them.
+        grammar_matchers: one per completion, built beforehand (`sequence.build_matchers`,
+        off this thread: AsyncEngine does); None: built here (compiling the spec, which can
+        take a second; fine offline).
         """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -210,8 +214,11 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):  # NOTE: SamplingParams: ints >= 0
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         text = text if text is not None else prompt_text
+        if grammar_matchers is None:
+            grammar_matchers = seqs.build_matchers(self.grammars, params)
+        seqs.check_matchers(grammar_matchers, params)
         children = [seqs.new_sequence(request_id, i, text, ids, params, arrival,
-                                      tokenizer=self.tokenizer, grammars=self.grammars,
+                                      tokenizer=self.tokenizer, grammar=grammar_matchers[i],
                                       eos_token_ids=self.eos_token_ids)
                     for i in range(params.n)]
         for seq in children:

@@ -56,10 +56,11 @@ class SequenceState:
 
 def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],
                  params: SamplingParams, arrival: float | None, *, tokenizer,
-                 eos_token_ids: tuple[int, ...], grammars: GrammarCompiler) -> SequenceState:
+                 eos_token_ids: tuple[int, ...],
+                 grammar: GrammarMatcher | None = None) -> SequenceState:
     """Completion `index` of request `parent_id` (its own request id when n > 1).
 
-    ValueError naming the field if its structured-outputs grammar is rejected.
+    grammar: its matcher (`build_matchers`), given iff params.structured_outputs is set.
     """
     child_params = params.for_choice(index) if params.n > 1 else params
     child_id = parent_id if params.n == 1 else f"{parent_id}#{index}"
@@ -72,10 +73,40 @@ def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],
 
         detok = IncrementalDetokenizer(tokenizer, ids, params.skip_special_tokens)
     hold = max((len(s) for s in params.stop), default=1) - 1
-    grammar = None
-    if params.structured_outputs is not None:
-        grammar = grammars.matcher(params.structured_outputs)
+    if (grammar is None) != (params.structured_outputs is None):
+        raise ValueError("a constrained completion needs its grammar matcher, and only it")
     return SequenceState(request, parent_id, index, text, detok, hold_back=hold, grammar=grammar)
+
+
+def build_matchers(grammars: GrammarCompiler, params: SamplingParams
+                   ) -> list[GrammarMatcher | None]:
+    """One grammar matcher per completion (None each when unconstrained): the spec compiled
+    once (or taken from the cache) and copied n times. ValueError naming the field if the
+    spec is rejected.
+
+    NOTE: compiling can take a second for a large spec: AsyncEngine calls this on a worker
+    thread, never on the engine thread (the offline LLMEngine.add_request may: no other
+    tenant waits there).
+    """
+    if params.structured_outputs is None:
+        return [None] * params.n
+    return list(grammars.matchers(params.structured_outputs, params.n))
+
+
+def check_matchers(matchers: list, params: SamplingParams) -> None:
+    """ValueError unless `matchers` fits `params`: n of them, matchers iff constrained, each
+    fresh (nothing consumed) and for this spec."""
+    spec = params.structured_outputs
+    if len(matchers) != params.n:
+        raise ValueError(f"{len(matchers)} grammar matchers for n={params.n} completions")
+    for matcher in matchers:
+        if (matcher is None) != (spec is None):
+            raise ValueError("a constrained completion needs its grammar matcher, and only it")
+        if matcher is not None and (matcher.spec != spec or matcher.num_consumed):
+            raise ValueError("a grammar matcher must be fresh and for the request's spec")
+    given = [id(m) for m in matchers if m is not None]
+    if len(set(given)) != len(given):
+        raise ValueError("each completion needs its own grammar matcher")
 
 
 def finish_stopped(scheduler: Scheduler, request: Request) -> None:

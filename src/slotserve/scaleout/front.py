@@ -2,7 +2,8 @@
 
 `ReplicaFront` has what slotserve.server.api, the live view and the metrics ask of an
 AsyncEngine: `generate`, `abort`, `healthy`, `num_active`, `stop_accepting`, `tokenize`,
-`tokenizer`, `model_name`, `max_total_tokens`, `reset_prefix_cache`, and the read side
+`tokenizer`, `model_name`, `max_total_tokens`, `reset_prefix_cache`, `check_structured` (the
+grammar compiled here, with the replicas' tokenizer, on a thread of its own), and the read side
 (`snapshot`, `subscribe` / `unsubscribe`, `export_trace`), so the single-process server's
 routes, streaming, errors, auth and limits serve the replicas unchanged. Each request goes
 to the replica that the Router picks among those up.
@@ -38,20 +39,25 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from slotserve.engine.async_engine import EngineClosedError
 from slotserve.engine.events import EngineSnapshot, TenantView
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.sizing import eos_ids
 from slotserve.sampling import SamplingParams
 from slotserve.scaleout.feed import tag_events
 from slotserve.scaleout.router import Router
+from slotserve.structured import StructuredOutputs
+from slotserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("slotserve.scaleout")
 
 POLL_INTERVAL_S = 0.5
 SNAPSHOT_TIMEOUT_S = 5.0
+GRAMMAR_THREADS = 2  # the pre-check's grammar compiles (AsyncEngine's, in a replica)
 ROUTING_RECORDS = 4096  # routing decisions kept for /debug/trace
 RECENT_ITERATIONS = 600  # iteration records kept per replica (the page's backfill, the trace)
 
@@ -97,6 +103,11 @@ class ReplicaFront:
         self._subscribers: list = []
         self._poller: asyncio.Task | None = None
         self.routing: deque[dict] = deque(maxlen=ROUTING_RECORDS)
+        # The pre-check's grammars: compiled here, as each replica's engine compiles them.
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        eos_ids(self.model_config, self.tokenizer))
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                thread_name_prefix="slotserve-grammar")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -108,6 +119,7 @@ class ReplicaFront:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def stop_accepting(self) -> None:
         """Refuse new requests (drain); the replicas finish what they run."""
@@ -130,6 +142,13 @@ class ReplicaFront:
     def max_total_tokens(self) -> int:
         """Longest sequence (prompt + output) a request may reach (the replicas' own)."""
         return self._first_snapshot.max_total_tokens
+
+    async def check_structured(self, spec: StructuredOutputs) -> None:
+        """AsyncEngine.check_structured's: `spec` compiled with the replicas' tokenizer on a
+        grammar thread of this process (cached); ValueError naming the field if rejected.
+        NOTE: a replica compiles it again (its own cache), off its engine thread."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._grammar_pool, self.grammars.compile, spec)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The engine's own tokenize (LLMEngine.tokenize: it reads `tokenizer` and

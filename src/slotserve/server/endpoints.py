@@ -157,15 +157,22 @@ class Server:
         return chat_response(stream, finals, body, self.tokenizer, self.model_name)
 
     async def _check_structured(self, params: SamplingParams, param: str | None) -> None:
-        """Compile the request's grammar (off the event loop; cached, so the engine's own
-        compile is a lookup): a rejected schema, regex or grammar is a 400 naming the
-        request's field before the request is admitted."""
+        """A constrained request's pre-check, before it is admitted: the size caps
+        (ServerLimits.structured), then the grammar compiled by the engine client (off the
+        event loop and off the engine thread; cached, so the request's matchers are then
+        copies). Past a cap, or a schema, regex or grammar the grammar engine rejects: a 400
+        naming the request's field (`n` for too many constrained completions)."""
         spec = params.structured_outputs
-        grammars = getattr(getattr(self.engine, "engine", None), "grammars", None)
-        if spec is None or grammars is None:
+        if spec is None:
             return
+        caps = self.limits.structured
         try:
-            await self._off_loop(grammars.compile, spec)
+            caps.check_n(params.n)
+        except ValueError as exc:
+            raise APIError(str(exc), param="n") from exc
+        try:
+            caps.check(spec)
+            await self.engine.check_structured(spec)
         except ValueError as exc:
             raise p.structured_error(str(exc), param or "structured_outputs") from exc
 

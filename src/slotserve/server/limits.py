@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from slotserve.server.auth import send_error
 from slotserve.server.protocol import APIError
+from slotserve.structured.limits import StructuredLimits
 
 logger = logging.getLogger("slotserve.server")
 
@@ -41,6 +42,8 @@ class ServerLimits:
     share, per-tenant metrics); the first this many distinct names get their own tenant,
     later ones share tenants.OVERFLOW_TENANT ("other"). 0: the `user` field is ignored. NOTE: a
     bound, as the scheduler and the metrics keep every tenant's state for good.
+    structured: caps on a constrained request's schema, regex, grammar, choices and n
+    (StructuredLimits; past one: 400 naming the field).
     """
 
     max_tokens: int | None = None
@@ -50,6 +53,7 @@ class ServerLimits:
     max_stop_chars: int | None = DEFAULT_MAX_STOP_CHARS
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_user_tenants: int = DEFAULT_MAX_USER_TENANTS
+    structured: StructuredLimits = StructuredLimits()
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
@@ -62,6 +66,16 @@ class ServerLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
+
+
+def structured_limits(args) -> StructuredLimits:
+    """The StructuredLimits the structured-output flags of `slotserve serve` describe."""
+    return StructuredLimits(max_schema_bytes=args.max_schema_bytes,
+                            max_regex_bytes=args.max_regex_bytes,
+                            max_grammar_bytes=args.max_grammar_bytes,
+                            max_choices=args.max_choices,
+                            max_choice_bytes=args.max_choice_bytes,
+                            max_constrained_n=args.max_constrained_n)
 
 
 def add_limit_middleware(app: FastAPI, limits: ServerLimits) -> None:

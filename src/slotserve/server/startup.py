@@ -84,12 +84,14 @@ def _is_loopback(host: str) -> bool:
 def server_limits(args: argparse.Namespace):
     """The ServerLimits the limit flags describe."""
     from slotserve.server.api import ServerLimits
+    from slotserve.server.limits import structured_limits
 
     return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                         max_connections=args.max_connections,
                         max_stop_strings=args.max_stop_strings,
                         max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout,
-                        max_user_tenants=args.max_user_tenants)
+                        max_user_tenants=args.max_user_tenants,
+                        structured=structured_limits(args))
 
 
 class DrainingServer(uvicorn.Server):

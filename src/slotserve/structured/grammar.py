@@ -1,7 +1,8 @@
 """Grammar compilation, the compiled-grammar cache and per-sequence matcher state (llguidance).
 
     compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)   # one per engine
-    matcher = compiler.matcher(spec)     # ValueError naming the field if the spec is rejected
+    matchers = compiler.matchers(spec, n)  # ValueError naming the field if the spec is rejected
+    matcher = compiler.matcher(spec)     # one
     fill_bitmasks([(matcher, row)], bitmask)   # allowed next tokens, one bit each
     matcher.advance(output_token_ids)    # consume the tokens it has not seen yet
 
@@ -13,6 +14,15 @@ first mask 1.4 ms), xgrammar 0.2.9 in 2.5 us (mean 5 us); compile: 0.9 ms vs 5 m
 time does not decide; llguidance has no dependencies (a 7.6 MB wheel) while xgrammar pulls
 triton (1 GB) and apache-tvm-ffi and imports transformers (1.5 s to import), and llguidance
 reads the tokenizer's own tokenizer.json and takes Lark and GBNF grammars alike.
+
+What a grammar costs (measured, same tokenizer, 2 shared cores): llguidance compiles the
+grammar's lexer and parser when an LLMatcher is built (a 337 KB JSON schema: 0.7 s and about
+40 MB) and builds lexer states lazily, at the masks (a regex `c{300000}`: 0.25-0.3 s for the
+first mask with llguidance's default fuel); `deep_copy` of a matcher takes 0.1 ms and shares
+the compiled grammar (16 copies: no measurable memory). So each spec is compiled once, into a
+template matcher whose first mask is computed then (`CompiledGrammar`), and every sequence
+gets a copy of it; the compile runs wherever `compile` is called (the server calls it off the
+event loop and AsyncEngine off the engine thread), and PARSER_LIMITS bound its cost.
 """
 
 from __future__ import annotations
@@ -31,29 +41,77 @@ from slotserve.structured.params import StructuredOutputs
 _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex",
             "choice": "choice", "grammar": "grammar"}
 _ANY_JSON_OBJECT = '{"type": "object"}'
+
+# llguidance's resource limits (its defaults unless noted): a grammar past them is rejected
+# at compile time (400), or fails the one sequence at a later mask, instead of burning seconds.
+# initial_lexer_fuel: 200k, not 1M: `c{300000}`'s first mask took 0.25 s with 1M and 0.025 s
+# with 200k, while a 337 KB JSON schema (2000 properties) still compiles; max_lexer_states:
+# 50k, not 250k (1-2 kB each: at most about 100 MB per grammar).
+PARSER_LIMITS = dict(initial_lexer_fuel=200_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                     max_items_in_row=2_000, max_lexer_states=50_000, max_grammar_size=500_000)
+# The compiled-grammar cache: at most this many entries and about this many bytes (see
+# CompiledGrammar.size_bytes; a 337 KB schema's matcher held about 40-60 MB).
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 256 << 20
+# A compiled grammar's memory, estimated from its serialized size (measured: about 120-180
+# bytes of RSS per byte for large JSON schemas) plus a fixed part for small ones.
+BYTES_PER_GRAMMAR_BYTE = 160
+BYTES_PER_ENTRY = 64 << 10
 # Where JSON allows whitespace, a constrained output may put at most one space (as
 # json.dumps does after ":" and ","); see _bounded_whitespace.
 WHITESPACE = "[ ]?"
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's limits for every grammar (see PARSER_LIMITS)."""
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
+class CompiledGrammar:
+    """A spec compiled for one tokenizer: the llguidance grammar and a template matcher
+    (grammar compiled, first mask computed), which `new_matcher` copies.
+
+    NOTE: the template is never advanced; deep_copy only reads it, so copies may be taken
+    from any thread.
+    """
+
+    def __init__(self, spec: StructuredOutputs, grammar: str,
+                 template: llguidance.LLMatcher) -> None:
+        self.spec = spec
+        self.grammar = grammar
+        self._template = template
+        # NOTE: an estimate (llguidance does not report its memory): see BYTES_PER_*
+        self.size_bytes = (BYTES_PER_ENTRY + len(spec.key[1])
+                           + BYTES_PER_GRAMMAR_BYTE * len(grammar))
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A fresh matcher for one sequence (a copy of the template: 0.1 ms)."""
+        return GrammarMatcher(self._template.deep_copy(), self.spec)
 
 
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer and caches the results by spec.
 
     The vocabulary (each token's bytes, from the tokenizer's tokenizer.json) is built on first
-    use (about 0.3 s for 49k tokens) and kept. Compiled grammars are cached by `spec.key`
-    (least recently used first out, `cache_size` kept); a rejected spec is cached too, so a
-    client repeating a bad schema costs a dict lookup.
+    use (about 0.3 s for 49k tokens) and kept. Compiled grammars are cached by `spec.key`,
+    least recently used first out, at most `cache_size` entries and about `cache_bytes`
+    bytes (`CompiledGrammar.size_bytes`; one entry larger than that is not kept); a rejected
+    spec is cached too, so a client repeating a bad schema costs a dict lookup.
+    Thread-safe: the server and AsyncEngine compile on worker threads.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_size: int = 256) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()  # NOTE: the server may compile on another thread
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], str | ValueError] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | ValueError] = OrderedDict()
+        self._cached_bytes = 0
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -63,8 +121,16 @@ class GrammarCompiler:
                                                          self.eos_token_ids)
             return self._ll_tokenizer
 
-    def compile(self, spec: StructuredOutputs) -> str:
-        """The llguidance grammar of `spec`; ValueError naming the field if it is rejected."""
+    @property
+    def cached_bytes(self) -> int:
+        """The cache's estimated size in bytes (see CompiledGrammar.size_bytes)."""
+        with self._lock:
+            return self._cached_bytes
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """`spec` compiled (from the cache if it is there); ValueError naming the field if
+        it is rejected. Slow for a large spec: call it off the event loop and the engine
+        thread."""
         key = spec.key
         with self._lock:
             cached = self._cache.get(key)
@@ -72,15 +138,25 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if cached is None:
             cached = self._compile_uncached(spec)
-            with self._lock:
-                self._cache[key] = cached
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            self._keep(key, cached)
         if isinstance(cached, ValueError):
             raise ValueError(str(cached))
         return cached
 
-    def _compile_uncached(self, spec: StructuredOutputs) -> str | ValueError:
+    def _keep(self, key: tuple[str, str], entry: CompiledGrammar | ValueError) -> None:
+        """Cache `entry`, then drop the least recently used entries past either bound."""
+        with self._lock:
+            old = self._cache.pop(key, None)  # NOTE: two threads may compile one spec
+            if old is not None:
+                self._cached_bytes -= _entry_bytes(old)
+            self._cache[key] = entry
+            self._cached_bytes += _entry_bytes(entry)
+            while self._cache and (len(self._cache) > self.cache_size
+                                   or self._cached_bytes > self.cache_bytes):
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= _entry_bytes(dropped)
+
+    def _compile_uncached(self, spec: StructuredOutputs) -> CompiledGrammar | ValueError:
         kind = spec.kind
         text = _ANY_JSON_OBJECT if kind == "json_object" else spec.key[1]
         if _FORMATS[kind] == "json_schema":
@@ -89,26 +165,42 @@ class GrammarCompiler:
             grammar = llguidance.grammar_from(_FORMATS[kind], text)
         except Exception as exc:  # llguidance raises ValueError (or others) on unusable text
             return ValueError(f"structured_outputs.{kind}: {exc}")
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        limits = parser_limits()
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer, limits=limits)
         if error:
             return ValueError(f"structured_outputs.{kind}: {_summary(error)}")
-        problem = self._probe_forced_start(grammar)
+        template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
+        compiled = CompiledGrammar(spec, grammar, template)
+        problem = self._first_mask_problem(compiled) or self._probe_forced_start(compiled)
         if problem:
             return ValueError(f"structured_outputs.{kind}: {problem}")
-        return grammar
+        return compiled
 
-    def _probe_forced_start(self, grammar: str) -> str | None:
+    def _first_mask_problem(self, compiled: CompiledGrammar) -> str | None:
+        """Compute the template's first mask (its lexer states are then built, and every
+        copy starts with them); the problem if the matcher fails (a resource limit)."""
+        template = compiled._template
+        if not template.is_error():
+            llguidance.numpy.fill_next_token_bitmask(
+                template, allocate_bitmask(1, self.vocab_size), 0)
+        return _summary(template.get_error()) if template.is_error() else None
+
+    def _probe_forced_start(self, compiled: CompiledGrammar) -> str | None:
         """Walk the grammar's forced start (while its mask allows at most FORCED_WIDTH
-        tokens, up to PROBE_STEPS tokens) and check that the matcher accepts every token its
-        mask allows there; the problem found, or None.
+        tokens, up to PROBE_STEPS tokens) on a copy of the template and check that the
+        matcher accepts every token its mask allows there and does not fail on it; the
+        problem found, or None.
 
         NOTE: see GrammarRejectedToken: llguidance 1.9 can mask a wrong byte where a pattern
-        forces a rare multi-byte character; such a constraint is refused (400) up front.
+        forces a rare multi-byte character; such a constraint is refused (400) up front. A
+        grammar whose matcher fails within its forced start (a resource limit: `c{300000}`
+        hits "too many expressions" at its second token) is refused too.
         """
-        matcher = GrammarMatcher(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0),
-                                 None)
+        matcher = compiled.new_matcher()
         for _ in range(PROBE_STEPS):
-            if matcher.is_finished or matcher.ll_matcher.is_error():
+            if matcher.ll_matcher.is_error():
+                return _summary(matcher.ll_matcher.get_error())
+            if matcher.is_finished:
                 return None
             bitmask = allocate_bitmask(1, self.vocab_size)
             fill_bitmasks([(matcher, 0)], bitmask)
@@ -123,13 +215,21 @@ class GrammarCompiler:
             matcher.ll_matcher.consume_token(allowed[0])
         return None
 
+    def matchers(self, spec: StructuredOutputs, n: int) -> list[GrammarMatcher]:
+        """`n` fresh matchers (one per completion): `spec` compiled once (or taken from the
+        cache), then copied. ValueError naming the field if the spec is rejected."""
+        compiled = self.compile(spec)
+        return [compiled.new_matcher() for _ in range(n)]
+
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for one sequence (compiling `spec`, or taking it from the cache)."""
-        grammar = self.compile(spec)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():  # NOTE: validate_grammar passed, so only a resource limit
-            raise ValueError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
-        return GrammarMatcher(matcher, spec)
+        return self.matchers(spec, 1)[0]
+
+
+def _entry_bytes(entry: CompiledGrammar | ValueError) -> int:
+    if isinstance(entry, CompiledGrammar):
+        return entry.size_bytes
+    return BYTES_PER_ENTRY // 16 + len(str(entry))
 
 
 PROBE_STEPS = 32  # forced tokens walked by _probe_forced_start at compile time
