@@ -280,3 +280,29 @@ def test_within_the_caps_a_constrained_request_runs(client):
         "prompt": "hi", "max_tokens": 8, "n": 2, "guided_choice": ["yes", "no"]})
     assert response.status_code == 200, response.text
     assert sorted({c["text"] for c in response.json()["choices"]}) <= ["no", "yes"]
+
+
+# ------------------------------------------------------------------ under --replicas
+def test_the_replica_front_pre_checks_constraints_too(tiny_engine_parts):
+    """ReplicaFront compiles with its own GrammarCompiler (the replicas' tokenizer): a
+    rejected constraint is a 400 at the ingress, before any replica is asked."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from slotserve.server.api import build_app
+    from tests.support.replicas import InProcessReplica, in_process_front
+
+    front = in_process_front({"replica-0": InProcessReplica(AsyncEngine(
+        new_engine(tiny_engine_parts)))}, block_size=16)
+    app = build_app(front, "tiny", limits=ServerLimits(structured=CAPS))
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        for body, param, words in [
+                ({"guided_regex": "c{300000}"}, "guided_regex", "guided_regex: "),
+                ({"guided_regex": "(ab"}, "guided_regex", "unclosed group"),
+                ({"guided_choice": ["a", "b"], "n": 3}, "n", "at most 2"),
+                ({"guided_json": BIG_SCHEMA}, "guided_json", "--max-schema-bytes")]:
+            response = test_client.post("/v1/completions",
+                                        json={"prompt": "hi", "max_tokens": 4, **body})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and words in error["message"], error
+    assert ("regex", "(ab") in front.grammars._cache  # compiled at the ingress
+    assert not front.routing  # no replica was asked
