@@ -7,13 +7,21 @@ with the same drain on SIGTERM. Ray is imported only here (the `ray` extra).
     ray.init (local, or --ray-address)  ->  serve.start (no Serve HTTP proxy)
     -> one Serve application per replica (EngineReplica, --threads-per-replica CPUs each)
     -> ReplicaFront + Router  ->  build_app  ->  uvicorn
+
+Ray's authentication: a cluster without it runs any code that anyone who reaches its ports
+sends (as the user that runs Ray). `--ray-address` first asks the cluster's GCS, from a
+process without a token, whether it answers (`cluster_accepts_anyone`), and refuses to join
+one that does unless `--allow-unauthenticated-ray` (then a loud warning). A local Ray
+(`--replicas` alone) has Ray's default: a token of its own (Ray >= 2.52).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import subprocess
 import sys
 
 from slotserve.scaleout.router import POLICIES
@@ -33,7 +41,12 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: one engine in this process, no Ray)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379) "
-                        "instead of starting a local one")
+                        "instead of starting a local one; it must use Ray's token "
+                        "authentication (RAY_AUTH_MODE=token; this process needs its token)")
+    g.add_argument("--allow-unauthenticated-ray", action="store_true",
+                   help="with --ray-address: join a Ray cluster even if it does not use "
+                        "token authentication, with a warning (anyone who reaches its ports "
+                        "can run code on its machines; default: refuse)")
     g.add_argument("--threads-per-replica", type=_at_least_one, default=None, metavar="N",
                    help="with --replicas: torch threads (and Ray CPUs) of each replica "
                         "(default: the cluster's CPUs / N)")
@@ -50,18 +63,24 @@ def _at_least_one(text: str) -> int:
 
 
 def start_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None,
-              object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES) -> None:
+              object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES, *,
+              allow_unauthenticated: bool = False) -> None:
     """Join `address`, or start a local Ray (no dashboard); then Serve without its proxy.
 
     RayClusterError (its message says what to do) if the cluster at `address` cannot be
-    joined: not there, or it wants an authentication token that this process lacks.
+    joined: not there, it wants an authentication token that this process lacks, or it
+    does not use token authentication and `allow_unauthenticated` is False.
     """
     import ray
     from ray import serve
 
     if address:
+        check_cluster_auth(address, allow_unauthenticated)
         join_cluster(address)
     else:
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            logger.warning("RAY_AUTH_MODE=disabled: the local Ray runs without its token; "
+                           "any local user who reaches its ports can run code as this one")
         # NOTE: "local": a new Ray of our own even when RAY_ADDRESS is set or a `ray start`
         # cluster runs here (ray.init() would join that one, and the server's exit would
         # then leave its replicas there).
@@ -73,6 +92,79 @@ def start_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | 
 
 class RayClusterError(RuntimeError):
     """The Ray cluster named by --ray-address cannot be joined (the message says why)."""
+
+
+# Run in a fresh interpreter, without this process's token: exit 0 if the cluster's GCS
+# answers it, 3 if it refuses it for want of a token, anything else if it is unreachable.
+_PROBE = """
+import sys
+from ray._private.services import canonicalize_bootstrap_address_or_die
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError
+try:
+    client = GcsClient(address=canonicalize_bootstrap_address_or_die(sys.argv[1]))
+    client.internal_kv_get(b"slotserve-auth-probe", None)
+except AuthenticationError:
+    sys.exit(3)
+"""
+PROBE_TIMEOUT_S = 60.0
+PROBE_CONNECT_TIMEOUT_S = "5"  # RAY_py_gcs_connect_timeout_s: Ray tries 3 times (~15 s)
+TOKEN_SOURCES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def cluster_accepts_anyone(address: str) -> bool:
+    """Whether the Ray cluster at `address` answers a client without a token (its GCS,
+    asked by a new interpreter with RAY_AUTH_MODE=disabled and no token). RayClusterError
+    if it does not answer at all, or `address` is a Ray Client one (ray://), which this
+    check cannot ask."""
+    if address.startswith("ray://"):
+        raise RayClusterError(
+            f"cannot check whether the Ray cluster at {address} uses token authentication: "
+            "give its GCS address (HOST:PORT, 6379 by default) instead of a ray:// one, or "
+            "--allow-unauthenticated-ray")
+    env = {k: v for k, v in os.environ.items() if k not in TOKEN_SOURCES}
+    env["RAY_AUTH_MODE"] = "disabled"  # NOTE: then no token is sent, not even ~/.ray's
+    env.setdefault("RAY_py_gcs_connect_timeout_s", PROBE_CONNECT_TIMEOUT_S)
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, address], env=env,
+                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RayClusterError(f"the Ray cluster at {address} did not answer within "
+                              f"{PROBE_TIMEOUT_S:g} s") from None
+    if probe.returncode == 3:
+        return False
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise RayClusterError(f"cannot reach the Ray cluster at {address} (is `ray start "
+                              f"--head` running there, and is the port right?): {last}")
+    return True
+
+
+def check_cluster_auth(address: str, allow_unauthenticated: bool,
+                       accepts_anyone=cluster_accepts_anyone) -> None:
+    """Refuse (RayClusterError) a cluster that runs code for anyone, unless
+    `allow_unauthenticated`: then warn loudly. A cluster that cannot be checked counts as
+    one without authentication."""
+    try:
+        open_to_all = accepts_anyone(address)
+        reason = "does not use token authentication"
+    except RayClusterError as exc:
+        if not allow_unauthenticated or "cannot check" not in str(exc):
+            raise
+        open_to_all, reason = True, "could not be checked for token authentication"
+    if not open_to_all:
+        return
+    if not allow_unauthenticated:
+        raise RayClusterError(
+            f"the Ray cluster at {address} {reason}: anyone who reaches its ports can run "
+            "code on its machines. Start it with RAY_AUTH_MODE=token (`ray get-auth-token "
+            "--generate`, then `RAY_AUTH_MODE=token ray start --head ...` and the same token "
+            "on every machine), or pass --allow-unauthenticated-ray to join it anyway")
+    logger.warning("!" * 78)
+    logger.warning("WARNING: the Ray cluster at %s %s: anyone who reaches its ports can run "
+                   "code on its machines (--allow-unauthenticated-ray). Use RAY_AUTH_MODE="
+                   "token on every machine of it.", address, reason)
+    logger.warning("!" * 78)
 
 
 def join_cluster(address: str) -> None:
@@ -158,11 +250,12 @@ def serve_replicas(args: argparse.Namespace) -> int:
     policy = access_policy(args)
     limits = server_limits(args)
     try:
-        start_ray(args.ray_address)
+        start_ray(args.ray_address,
+                  allow_unauthenticated=getattr(args, "allow_unauthenticated_ray", False))
     except RayClusterError as exc:
         logger.error("%s", exc)
         return 2
-    spec = _replica_spec(args)
+    spec = _replica_spec(args, policy)
     handles = {}
     try:
         handles = deploy_replicas(spec, args.replicas)
@@ -178,13 +271,17 @@ def serve_replicas(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replica_spec(args: argparse.Namespace):
-    """The ReplicaSpec every replica of `serve --replicas` is deployed from."""
+def _replica_spec(args: argparse.Namespace, policy):
+    """The ReplicaSpec every replica of `serve --replicas` is deployed from: the engine flags
+    and what the access policy gives the engine (the keys file's tenant weights), as
+    the single-process `serve` builds its engine."""
     from slotserve.engine_args import engine_kwargs
     from slotserve.scaleout.replica import ReplicaSpec
+    from slotserve.server.startup import tenant_weights
 
     threads = args.threads_per_replica or default_threads(args.replicas)
-    spec = ReplicaSpec(model=args.model, engine_kwargs=engine_kwargs(args), threads=threads,
+    kwargs = {**engine_kwargs(args), "tenant_weights": tenant_weights(policy)}
+    spec = ReplicaSpec(model=args.model, engine_kwargs=kwargs, threads=threads,
                        max_waiting=args.max_waiting)
     logger.info("deploying %d replicas, %d threads each, router %s", args.replicas, threads,
                 args.router)
