@@ -306,3 +306,20 @@ def test_the_replica_front_pre_checks_constraints_too(tiny_engine_parts):
             assert error["param"] == param and words in error["message"], error
     assert ("regex", "(ab") in front.grammars._cache  # compiled at the ingress
     assert not front.routing  # no replica was asked
+
+
+def test_both_engine_clients_have_every_method_the_server_uses():
+    """EngineClient (engine/client.py) names what the server asks of an engine; AsyncEngine
+    and ReplicaFront each have all of it (the pre-check included)."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from slotserve.engine.client import EngineClient
+    from slotserve.scaleout.front import ReplicaFront
+
+    members = [name for name in vars(EngineClient) if not name.startswith("_")]
+    assert {"check_structured", "generate", "snapshot"} <= set(members)
+    set_in_init = {"ReplicaFront": {"tokenizer"}}  # instance attributes, not on the class
+    for cls in (AsyncEngine, ReplicaFront):
+        missing = [name for name in members if not hasattr(cls, name)
+                   and name not in set_in_init.get(cls.__name__, set())]
+        assert not missing, f"{cls.__name__} lacks {missing}"
+        assert asyncio.iscoroutinefunction(cls.check_structured)

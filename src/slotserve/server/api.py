@@ -56,7 +56,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slotserve.engine.async_engine import AsyncEngine
+from slotserve.engine.async_engine import EngineClient
 from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from slotserve.server import protocol as p
 from slotserve.server.auth import AccessControl, AccessPolicy
@@ -75,7 +75,7 @@ ERROR_RESPONSE = {"model": p.ErrorResponse, "description": "OpenAI's error body"
 GENERATION_ERRORS = {status: ERROR_RESPONSE for status in (400, 404, 413, 429, 500, 503)}
 
 
-def build_app(async_engine: AsyncEngine, model_name: str, *, aliases: tuple[str, ...] = (),
+def build_app(async_engine: EngineClient, model_name: str, *, aliases: tuple[str, ...] = (),
               metrics: ServerMetrics | None = None, retry_after_s: int = 1,
               limits: ServerLimits | None = None,
               access: AccessPolicy | None = None) -> FastAPI:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from slotserve.engine.async_engine import AsyncEngine, EngineClosedError
+from slotserve.engine.async_engine import EngineClient, EngineClosedError
 from slotserve.obs.metrics import ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
@@ -35,9 +35,9 @@ RESET_TIMEOUT_S = 60
 
 
 class Server:
-    """The endpoints' logic, over one AsyncEngine."""
+    """The endpoints' logic, over one engine client (an AsyncEngine or a ReplicaFront)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, aliases: tuple[str, ...],
+    def __init__(self, engine: EngineClient, model_name: str, aliases: tuple[str, ...],
                  metrics: ServerMetrics, retry_after_s: int,
                  limits: ServerLimits | None = None, user_tenants: bool = True) -> None:
         """user_tenants: a request's `user` field names its tenant (no API keys are set)."""
