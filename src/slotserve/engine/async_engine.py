@@ -311,7 +311,8 @@ class AsyncEngine:
     async def check_structured(self, spec: StructuredOutputs) -> None:
         """Compile `spec` for this engine's tokenizer on a grammar thread (cached: the
         request's own matchers are then copies); ValueError naming the field if the grammar
-        engine rejects it."""
+        engine rejects it; EngineClosedError once the engine stops."""
+        self._raise_if_closed()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._grammar_pool, self.engine.grammars.compile, spec)
 
@@ -323,12 +324,16 @@ class AsyncEngine:
         """
         if params.structured_outputs is None:
             return None
-        self._raise_if_dead()  # NOTE: a closed engine compiles nothing
-        if not self._accepting or self._stopping:
-            raise EngineClosedError("the server is shutting down")
+        self._raise_if_closed()  # NOTE: a closed engine compiles nothing
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._grammar_pool, build_matchers,
                                           self.engine.grammars, params)
+
+    def _raise_if_closed(self) -> None:
+        """EngineDeadError / EngineClosedError unless the engine admits new requests."""
+        self._raise_if_dead()
+        if not self._accepting or self._stopping:
+            raise EngineClosedError("the server is shutting down")
 
     def _raise_if_dead(self) -> None:
         if self._fatal is not None:

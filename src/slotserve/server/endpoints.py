@@ -175,6 +175,8 @@ class Server:
             await self.engine.check_structured(spec)
         except ValueError as exc:
             raise p.structured_error(str(exc), param or "structured_outputs") from exc
+        except EngineClosedError as exc:
+            raise APIError(str(exc), 503, "service_unavailable") from exc
 
     # ---------------------------------------------------------------- tokenize
     async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
