@@ -277,3 +277,153 @@ def test_a_panic_in_an_admin_call_is_its_callers_error_and_the_loop_goes_on(serv
     assert served.healthy
     finals = asyncio.run(generate_all(served, workload()))
     assert {rid: out.token_ids for rid, out in finals.items()} == clean
+
+
+# --------------------------------------------------------------------------- query of death
+# Under --replicas, a request that kills its replica (a native crash that takes the process)
+# must not go on to kill every replica in turn: ReplicaFront retries a request at most once
+# after a replica died under it. Fake replica handles, one behaviour per call.
+OUTPUT = object()  # what a replica streams (the front passes it through untouched)
+
+
+class FakeCall:
+    """A streaming call's answer: raises `error` before any output, else yields OUTPUT."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error, self.cancelled = error, False
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        if self.error is not None:
+            raise self.error
+        yield OUTPUT
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """`handle.options(stream=True).generate.remote(...)`: each call fails with the next
+    of `errors` (None: it serves)."""
+
+    def __init__(self, *errors: BaseException | None) -> None:
+        self.errors, self.calls = list(errors), 0
+
+    def options(self, **kwargs):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, *args, **kwargs) -> FakeCall:
+        self.calls += 1
+        return FakeCall(self.errors.pop(0) if self.errors else None)
+
+
+def actor_died():
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError()
+
+
+def unavailable():
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    return ReplicaUnavailableError("restarting")
+
+
+def engine_dead():
+    from slotserve.engine.async_engine import EngineDeadError
+
+    return EngineDeadError("the engine stopped after an internal error")
+
+
+def draining():
+    from slotserve.engine.async_engine import EngineClosedError
+
+    return EngineClosedError("the server is shutting down")
+
+
+@pytest.fixture(scope="module")
+def describe(tiny_llama):
+    engine = new_engine(tiny_llama)
+    return {"model_config": engine.model_config, "tokenizer": engine.tokenizer,
+            "snapshot": engine.snapshot()}
+
+
+class InOrderRouter:
+    """Picks the first replica by name among those offered (the tests' order)."""
+
+    policy = "in_order"
+
+    def pick(self, prompt_ids, loads):
+        from slotserve.scaleout.router import Choice
+
+        return Choice(min(loads), "in order")
+
+    def forget(self, replica: str) -> None:
+        pass
+
+
+def front_over(describe, **handles):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from slotserve.scaleout.front import ReplicaFront
+
+    return ReplicaFront(handles, describe, InOrderRouter())
+
+
+def outcome(front, request_id: str = "q"):
+    """The request's outputs, or the exception it ended with."""
+    async def consume():
+        return [out async for out in front.generate(request_id, [5, 6, 7], PARAMS)]
+
+    try:
+        return asyncio.run(asyncio.wait_for(consume(), TIMEOUT))
+    except Exception as exc:  # noqa: BLE001 - the outcome is what is tested
+        return exc
+
+
+@pytest.mark.parametrize("death", [actor_died, engine_dead])
+def test_a_request_whose_replica_died_is_retried_once(describe, death):
+    front = front_over(describe, a=FakeHandle(death()), b=FakeHandle(None))
+    assert outcome(front) == [OUTPUT]
+    assert [r["replica"] for r in front.routing] == ["a", "b"]
+    assert not front.replicas["a"].up and front.replicas["b"].up
+
+
+@pytest.mark.parametrize("second", [actor_died, engine_dead])
+def test_a_request_that_two_replicas_died_under_is_not_retried_again(describe, second):
+    from slotserve.scaleout.front import ReplicaDeathError
+
+    handles = dict(a=FakeHandle(actor_died()), b=FakeHandle(second()), c=FakeHandle(None))
+    front = front_over(describe, **handles)
+    error = outcome(front)
+    assert isinstance(error, ReplicaDeathError) and isinstance(error, RuntimeError)
+    assert "2 replicas died" in str(error) and "not retried" in str(error)
+    assert handles["c"].calls == 0  # the third replica never saw it
+    assert front.replicas["c"].up and front.num_active == 0
+    assert all(r.in_flight == 0 for r in front.replicas.values())
+
+
+def test_refusals_before_the_request_ran_do_not_count_as_deaths(describe):
+    """Unavailable (restarting) and draining replicas refused it: it never ran there, so
+    one death later it is still retried once, and served."""
+    handles = dict(a=FakeHandle(unavailable()), b=FakeHandle(draining()),
+                   c=FakeHandle(actor_died()), d=FakeHandle(None))
+    front = front_over(describe, **handles)
+    assert outcome(front) == [OUTPUT]
+    assert [r["replica"] for r in front.routing] == ["a", "b", "c", "d"]
+
+
+def test_the_death_budget_is_per_request(describe):
+    """Each request may be retried once after a death: one request's deaths do not count
+    against another's."""
+    handles = dict(a=FakeHandle(actor_died(), actor_died()), b=FakeHandle(None, None))
+    front = front_over(describe, **handles)
+    assert outcome(front, "first") == [OUTPUT]  # a died under it, b served it
+    front.replicas["a"].up = True  # Serve restarted it
+    assert outcome(front, "second") == [OUTPUT]  # the same again
+    assert handles["a"].calls == 2 and handles["b"].calls == 2

@@ -14,6 +14,12 @@ until a snapshot answers again. A request that got no output yet is retried on a
 replica (each replica at most once); one that streamed already fails with RuntimeError (the
 client gets a 500 error event). /health stays 200 while one replica is up.
 
+Query of death: a replica that dies with a request on it (its actor died: RayActorError; or
+its engine loop died: EngineDeadError) may have been killed by that request. Such a request
+is retried at most once (MAX_RETRIES_AFTER_A_DEATH); if a second replica dies under it, it
+fails with ReplicaDeathError (500) instead of going on to kill the next. Refusals before it
+ran there (the replica unavailable or restarting, its engine draining) do not count.
+
 Load: the sequences this ingress has in flight on each replica (admitted, not finished):
 the replica's waiting + running as this ingress knows them, exact and without a poll's lag.
 A poller (`poll_interval_s`) reads each replica's snapshot: up or down, its EngineSnapshot
@@ -42,7 +48,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from slotserve.engine.async_engine import EngineClosedError
+from slotserve.engine.async_engine import EngineClosedError, EngineDeadError
 from slotserve.engine.events import EngineSnapshot, TenantView
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
@@ -56,10 +62,15 @@ from slotserve.structured.grammar import GrammarCompiler
 logger = logging.getLogger("slotserve.scaleout")
 
 POLL_INTERVAL_S = 0.5
+MAX_RETRIES_AFTER_A_DEATH = 1  # see "Query of death" in the module doc
 SNAPSHOT_TIMEOUT_S = 5.0
 GRAMMAR_THREADS = 2  # the pre-check's grammar compiles (AsyncEngine's, in a replica)
 ROUTING_RECORDS = 4096  # routing decisions kept for /debug/trace
 RECENT_ITERATIONS = 600  # iteration records kept per replica (the page's backfill, the trace)
+
+
+class ReplicaDeathError(RuntimeError):
+    """A second replica died with this request on it: it is not retried again (HTTP 500)."""
 
 
 @dataclass
@@ -235,7 +246,8 @@ class ReplicaFront:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **request_fields) -> AsyncIterator[RequestOutput]:
         """The request's outputs from the replica the router picks; retried elsewhere if
-        that replica fails before its first output.
+        that replica fails before its first output (after a replica died under it: once,
+        see "Query of death" in the module doc).
 
         request_fields: AsyncEngine.generate's keywords (cache_salt, priority, tenant,
         slo_ttft_ms, slo_tpot_ms), passed through to the replica's engine.
@@ -244,6 +256,7 @@ class ReplicaFront:
             raise EngineClosedError("the server is shutting down")
         self.tokenize(prompt_ids)  # NOTE: bad ids are a 400 here, not in a replica
         tried: set[str] = set()
+        deaths = 0  # replicas that died with this request on them
         while True:
             replica = self._route(request_id, prompt_ids, tried)
             streamed = done = False
@@ -263,6 +276,8 @@ class ReplicaFront:
                     raise RuntimeError(f"replica {replica.name} failed while serving this "
                                        "request") from exc
                 tried.add(replica.name)
+                deaths += self._died_under(exc)
+                self._check_deaths(request_id, replica, deaths, exc)
                 logger.warning("%s: replica %s failed before the first output; retrying "
                                "elsewhere", request_id, replica.name)
             except Exception as exc:  # the engine's own error (ValueError, 429, ...)
@@ -272,6 +287,8 @@ class ReplicaFront:
                 # NOTE: that replica's engine died or drains: another one may serve it
                 self._mark_down(replica, error)
                 tried.add(replica.name)
+                deaths += self._died_under(error)
+                self._check_deaths(request_id, replica, deaths, error)
                 logger.warning("%s: replica %s refused it (%s); retrying elsewhere",
                                request_id, replica.name, error)
             finally:
@@ -279,6 +296,27 @@ class ReplicaFront:
                 self._active.pop(request_id, None)
                 if not done:
                     call.cancel()  # NOTE: the replica's stream closes: it aborts the request
+
+    @staticmethod
+    def _died_under(error: BaseException) -> bool:
+        """The replica died while the request was on it (not a refusal before it ran):
+        its actor died (Ray's RayActorError) or its engine loop did (EngineDeadError)."""
+        from ray.exceptions import RayActorError
+
+        return isinstance(error, (RayActorError, EngineDeadError))
+
+    @staticmethod
+    def _check_deaths(request_id: str, replica: ReplicaState, deaths: int,
+                      error: BaseException) -> None:
+        """ReplicaDeathError once more replicas died under the request than it may be
+        retried after (it may be what kills them: a query of death)."""
+        if deaths > MAX_RETRIES_AFTER_A_DEATH:
+            logger.error("%s: replica %s died with it too (%d replicas in all): not retried "
+                         "again", request_id, replica.name, deaths)
+            raise ReplicaDeathError(
+                f"{deaths} replicas died while serving this request (the last: "
+                f"{replica.name}); it is not retried again, as it may be what kills "
+                "them") from error
 
     def _route(self, request_id: str, prompt_ids: list[int], tried: set[str]) -> ReplicaState:
         loads = {r.name: r.in_flight for r in self.replicas.values()
