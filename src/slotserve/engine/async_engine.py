@@ -44,9 +44,10 @@ from slotserve.structured import StructuredOutputs
 
 logger = logging.getLogger("slotserve.engine")
 
-# Threads that compile structured-output grammars (NOTE: each compile is bounded by the
-# server's size caps and llguidance's limits; two bound the CPU they take from the engine).
-GRAMMAR_THREADS = 2
+# Threads that compile structured-output grammars. NOTE: each compile is bounded by the
+# server's size caps and llguidance's limits; one thread bounds the CPU that a client sending
+# many distinct schemas takes from the engine's forward passes to one core.
+GRAMMAR_THREADS = 1
 MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
 
 

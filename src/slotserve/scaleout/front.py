@@ -64,7 +64,7 @@ logger = logging.getLogger("slotserve.scaleout")
 POLL_INTERVAL_S = 0.5
 MAX_RETRIES_AFTER_A_DEATH = 1  # see "Query of death" in the module doc
 SNAPSHOT_TIMEOUT_S = 5.0
-GRAMMAR_THREADS = 2  # the pre-check's grammar compiles (AsyncEngine's, in a replica)
+GRAMMAR_THREADS = 1  # the pre-check's grammar compiles (as AsyncEngine's, see its NOTE)
 ROUTING_RECORDS = 4096  # routing decisions kept for /debug/trace
 RECENT_ITERATIONS = 600  # iteration records kept per replica (the page's backfill, the trace)
 
