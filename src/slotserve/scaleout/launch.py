@@ -94,8 +94,14 @@ class RayClusterError(RuntimeError):
     """The Ray cluster named by --ray-address cannot be joined (the message says why)."""
 
 
+class UncheckedClusterError(RayClusterError):
+    """Whether the cluster uses token authentication cannot be checked (a ray:// address)."""
+
+
 # Run in a fresh interpreter, without this process's token: exit 0 if the cluster's GCS
 # answers it, 3 if it refuses it for want of a token, anything else if it is unreachable.
+# NOTE: Ray's own client of the GCS and address resolution (`ray._raylet`, `ray._private`:
+# Ray 2.60): 127.0.0.1 resolves to this machine's address, as in ray.init.
 _PROBE = """
 import sys
 from ray._private.services import canonicalize_bootstrap_address_or_die
@@ -118,7 +124,7 @@ def cluster_accepts_anyone(address: str) -> bool:
     if it does not answer at all, or `address` is a Ray Client one (ray://), which this
     check cannot ask."""
     if address.startswith("ray://"):
-        raise RayClusterError(
+        raise UncheckedClusterError(
             f"cannot check whether the Ray cluster at {address} uses token authentication: "
             "give its GCS address (HOST:PORT, 6379 by default) instead of a ray:// one, or "
             "--allow-unauthenticated-ray")
@@ -148,8 +154,8 @@ def check_cluster_auth(address: str, allow_unauthenticated: bool,
     try:
         open_to_all = accepts_anyone(address)
         reason = "does not use token authentication"
-    except RayClusterError as exc:
-        if not allow_unauthenticated or "cannot check" not in str(exc):
+    except UncheckedClusterError:
+        if not allow_unauthenticated:
             raise
         open_to_all, reason = True, "could not be checked for token authentication"
     if not open_to_all:
