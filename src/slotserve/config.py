@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slotserve.flat_config import FlatField, build_flat, flat_fields
+from slotserve.layer_windows import hf_layer_windows
 
 
 class _StrEnum(str, enum.Enum):
@@ -94,6 +95,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     name: str = "model"
+    # Each layer's sliding window (attention reads a query's last w positions) or None (full
+    # causal attention); () when no layer has one. See slotserve/layer_windows.py.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
@@ -119,6 +123,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=model_type,
             name=name,
+            sliding_windows=hf_layer_windows(cfg),
         )
 
     @property
