@@ -26,7 +26,7 @@ ABOVE_CORE = ("engine", "server", "obs", "lab", "runner", "model", "loader", "at
               "commands", "cli")
 # What obs/ and server/ may import from engine/.
 ENGINE_READ_SIDE = {"slotserve.engine.events", "slotserve.engine.outputs"}
-ENGINE_FRONT = {"slotserve.engine.async_engine"}  # server/ only: the AsyncEngine it serves
+ENGINE_FRONT = {"slotserve.engine.async_engine", "slotserve.engine.client"}  # server/ only
 ENGINE_PARTS = {"scheduler", "scheduler_config", "kv", "runner", "trace", "stats"}
 
 ALLOWED_ENGINE_IMPORTS: dict[str, set[str]] = {}

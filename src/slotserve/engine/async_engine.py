@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from slotserve.config import check_policy_fields
-from slotserve.engine.client import EngineClient as EngineClient  # NOTE: the server's import
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt

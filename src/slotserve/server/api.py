@@ -56,7 +56,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slotserve.engine.async_engine import EngineClient
+from slotserve.engine.client import EngineClient
 from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from slotserve.server import protocol as p
 from slotserve.server.auth import AccessControl, AccessPolicy

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from slotserve.engine.async_engine import EngineClient, EngineClosedError
+from slotserve.engine.async_engine import EngineClosedError
+from slotserve.engine.client import EngineClient
 from slotserve.obs.metrics import ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
