@@ -147,7 +147,7 @@ def _add_routes(app: FastAPI) -> None:
     async def health() -> dict:
         if server().draining:  # NOTE: load balancers stop sending traffic here
             raise APIError("the server is shutting down", 503, "service_unavailable")
-        if not getattr(server().engine, "healthy", True):
+        if not server().engine.healthy:
             raise APIError("the engine is not healthy", 503, "service_unavailable")
         return {"status": "ok"}
 
