@@ -12,14 +12,16 @@ from torch import nn
 from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
+from slotserve.layer_windows import layer_window
 from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from slotserve.model.linear_kernels import swap_linear_kernels
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, ops=None, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding window (positions a query reads), None: full
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -44,15 +46,16 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.ops)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops)  # (T, nh, hd)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops,
+                              self.window)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, ops=None, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, ops, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops)
 
@@ -77,8 +80,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ops, layer_window(cfg.sliding_windows, i))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
@@ -116,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                             *(linear.cpp_weights(ops) for linear in
-                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                            attn.window or 0)
         return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
