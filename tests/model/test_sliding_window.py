@@ -109,6 +109,17 @@ def test_mistral_prefix_cache_hits_match_hf(tiny_mistral, kernels):
     llm.engine.check_integrity()
 
 
+def test_mistral_preemption_matches_hf(tiny_mistral, mistral_hf_tokens):
+    """A pool too small for all six: requests are preempted and recomputed through the
+    window, and still give HF's tokens."""
+    llm = tiny_llm(tiny_mistral, block_size=BLOCK_SIZE, num_blocks=14, kernels="auto",
+                   max_num_batched_tokens=64)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert sum(out.outputs[0].metrics.num_preemptions for out in outputs) > 0
+    assert [out.token_ids for out in outputs] == mistral_hf_tokens
+    llm.engine.check_integrity()
+
+
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_qwen2_window_layers_match_hf(tiny_qwen2_window, kernels):
     """use_sliding_window with max_window_layers=1: layer 0 attends fully, 1 and 2 slide."""

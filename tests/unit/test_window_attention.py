@@ -236,3 +236,19 @@ def test_gguf_windows():
         gguf_layer_windows({}, "gemma3", 2)
     with pytest.raises(ValueError, match="phi3.attention.sliding_window"):
         gguf_layer_windows({"phi3.attention.sliding_window": 8}, "phi3", 2)
+
+
+def test_windows_survive_the_converted_model_cache():
+    """The on-disk cache stores the config as JSON (lists): it comes back as the same tuple."""
+    import dataclasses
+    import json
+
+    from slotserve.config import ModelConfig
+    from slotserve.loader.cache import _config_from_json
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                      sliding_windows=(None, 24))
+    assert _config_from_json(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+    old_entry = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sliding_windows"}
+    assert _config_from_json(old_entry).sliding_windows == ()

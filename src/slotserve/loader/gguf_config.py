@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotserve.config import ModelConfig
+from slotserve.layer_windows import gguf_layer_windows
 from slotserve.loader.gguf_reader import GGUFTensor
 from slotserve.loader.gguf_vocab import gguf_eos_token_ids
 from slotserve.loader.validation import ModelFileError
@@ -47,6 +48,7 @@ def model_config(
         eos_token_ids=_eos_token_ids(path, meta),
         architecture=key.arch,
         name=name,
+        sliding_windows=_sliding_windows(path, meta, key.arch, key("block_count")),
     )
 
 
@@ -102,6 +104,14 @@ def _head_dim(key: _ArchKeys, hidden: int, heads: int) -> int:
         raise ModelFileError(key.path, "partial rotary embeddings (rope.dimension_count != "
                                        "head_dim) unsupported")
     return head_dim
+
+
+def _sliding_windows(path: str, meta: dict[str, Any], arch: str, layers: int):
+    """Each layer's sliding window, as llama.cpp applies `{arch}.attention.sliding_window`."""
+    try:
+        return gguf_layer_windows(meta, arch, layers)
+    except ValueError as exc:
+        raise ModelFileError(path, str(exc)) from None
 
 
 def _eos_token_ids(path: str, meta: dict[str, Any]) -> tuple[int, ...]:
