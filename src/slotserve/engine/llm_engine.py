@@ -58,6 +58,7 @@ from slotserve.model.kernels import (
     resolve_kv_cache_dtype,
 )
 from slotserve.request import Request
+from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
 from slotserve.runner.model_runner import ModelRunner
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
@@ -110,6 +111,7 @@ class LLMEngine:
         self.eos_token_ids = eos_ids(model_config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner.grammar_of = self._grammar_of
+        self.runner.shaping_of = self._shaping_of
         self.runner.sampler.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
@@ -213,6 +215,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # NOTE: SamplingParams: ints >= 0
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
+        shaping = ShapingSpec.build(params, self.tokenizer, vocab)  # ValueError naming it
         text = text if text is not None else prompt_text
         if grammar_matchers is None:
             grammar_matchers = seqs.build_matchers(self.grammars, params)
@@ -225,6 +228,8 @@ class LLMEngine:
             seq.request.cache_salt = cache_salt
             seq.request.priority, seq.request.tenant = priority, tenant
             seq.request.slo_ttft_ms, seq.request.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+            if shaping is not None:
+                seq.shaping = SequenceShaping(shaping, ids, seq.request.output_token_ids)
         try:
             self._register(request_id, children)
         except BaseException:
@@ -252,6 +257,11 @@ class LLMEngine:
             if self._sequences.get(child_id) is seq:
                 del self._sequences[child_id]
         self._parents.pop(request_id, None)  # add_request checked it was not in use
+
+    def _shaping_of(self, request_id: str) -> SequenceShaping | None:
+        """The penalties and logit shaping of a running completion (None: none); the runner's."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else seq.shaping
 
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""

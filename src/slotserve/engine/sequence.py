@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slotserve.request import Request, RequestStatus
+from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
@@ -52,6 +53,7 @@ class SequenceState:
     hold_back: int = 0  # chars kept from streaming while they may start a stop string
     logprobs: list = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
+    shaping: SequenceShaping | None = None  # penalties, logit_bias, bad_words... (or None)
 
 
 def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],

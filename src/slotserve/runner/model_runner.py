@@ -13,6 +13,7 @@ from slotserve.config import CacheConfig, ModelConfig, SlotKind
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
+from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import (
@@ -63,6 +64,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed, ops=self.kernels.layer_ops)
         # Structured outputs: the engine points this at its sequences' grammar matchers.
         self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
+        # Penalties and logit shaping: the engine points this at its sequences' state.
+        self.shaping_of: Callable[[str], SequenceShaping | None] = lambda request_id: None
         self._mask_worker: ThreadPoolExecutor | None = None
 
     @property
@@ -112,10 +115,12 @@ class ModelRunner:
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)  # (S, V), only where sampling
+        shaping = [self.shaping_of(s.request_id) for s in sampling]
+        extra = {} if all(s is None for s in shaping) else {"shaping": shaping}
         if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
-            tokens, logprobs = self.sampler(logits, sampling)
+            tokens, logprobs = self.sampler(logits, sampling, **extra)
         else:
-            tokens, logprobs = self.sampler(logits, sampling, allowed)
+            tokens, logprobs = self.sampler(logits, sampling, allowed, **extra)
         ids = [s.request_id for s in sampling]
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),

@@ -12,6 +12,11 @@ Log-probabilities stay those of the model (unmasked), as vLLM's default.
 min_tokens: a row whose sequence has fewer output tokens than its min_tokens cannot take
 EOS (unless ignore_eos) nor its stop_token_ids (vLLM's MinTokensLogitsProcessor).
 
+Penalties and logit shaping (runner/logit_shaping.py), in vLLM's order: allowed_token_ids
+and bad_words mask with the grammar, before min_tokens; then logit_bias, the repetition,
+frequency and presence penalties, before the greedy argmax and the temperature. Rows without
+them take the path above unchanged.
+
 NOTE: every SamplingParams value reaches a tensor only after it is clamped to what the tensor
 holds (top_k to the vocabulary, temperature to float32's largest), and the most likely token
 of a row always survives the masks, so a row with one finite logit never samples a -inf one.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from slotserve.core.outputs import ScheduledSeq
+from slotserve.runner.logit_shaping import Shaping, apply_bias_and_penalties, apply_masks
 from slotserve.sampling import SamplingParams
 
 AllowedTokens = tuple[list[int], torch.Tensor]  # (rows, (R, V) bool): see Sampler.__call__
@@ -40,15 +46,20 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
-                 allowed: AllowedTokens | None = None
+                 allowed: AllowedTokens | None = None, shaping: Shaping | None = None
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (S, V) fp32, one row per sampling sequence, in `seqs` order.
 
         allowed: (rows, mask): mask[i] (V,) bool holds the tokens that row rows[i] may take.
+        shaping: one SequenceShaping (or None) per row: its penalties and logit shaping.
         """
         params = [s.sampling_params for s in seqs]
         masked = logits if allowed is None else mask_disallowed(logits, *allowed)
+        if shaping is not None:
+            masked = apply_masks(masked, shaping)
         masked = mask_min_tokens(masked, seqs, self.eos_token_ids)
+        if shaping is not None:
+            masked = apply_bias_and_penalties(masked, shaping)
         tokens = argmax_rows(masked, self.ops)  # (S,)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
