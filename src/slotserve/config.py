@@ -18,6 +18,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from slotserve.config_gate import (
+    RopeScaling,
+    check_hf_config,
+    family_value,
+    rope_scaling_from_json,
+    rope_settings,
+)
 from slotserve.flat_config import FlatField, build_flat, flat_fields
 from slotserve.layer_windows import hf_layer_windows
 
@@ -77,7 +84,13 @@ def values(enum_type: type[enum.Enum]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Shape and math of a decoder: the Llama block, and what a family changes in it.
+
+    The family (model/families.py, by `architecture`: llama, mistral, qwen2, qwen3, gemma2,
+    gemma3_text, phi3) says how its block differs (norm placement and offset, q/k norms,
+    embedding scale); the values below come from its config (config_gate.py refuses what is
+    not computed as HF computes it).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -90,7 +103,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2: always)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
@@ -98,14 +111,39 @@ class ModelConfig:
     # Each layer's sliding window (attention reads a query's last w positions) or None (full
     # causal attention); () when no layer has one. See slotserve/layer_windows.py.
     sliding_windows: tuple[int | None, ...] = ()
+    # RoPE scaling of every layer (Gemma 3: of its full-attention layers), None: plain RoPE.
+    rope_scaling: RopeScaling | None = None
+    # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: every layer as rope_theta.
+    local_rope_theta: float | None = None
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3/Gemma attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama's mlp_bias)
+    hidden_act: str = "silu"  # the MLP's gate activation (HF's ACT2FN name)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2/3: cap * tanh(logits / cap)
+    # Gemma: the attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: the converted-model cache gives JSON back: lists and a plain dict
+        object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "rope_scaling", rope_scaling_from_json(self.rope_scaling))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict."""
+        """Build from a Hugging Face `config.json` dict.
+
+        A key whose value is not computed as HF computes it raises UnsupportedConfig (a
+        ValueError naming the key and value; config_gate.py's table).
+        """
+        check_hf_config(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         model_type = cfg.get("model_type", "llama")
+        rope = rope_settings(cfg)
+        bias = _biases(cfg, model_type)
+        act_key = "hidden_activation" if model_type.startswith("gemma") else "hidden_act"
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -113,17 +151,25 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=family_value(cfg, "head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(family_value(cfg, "tie_word_embeddings", False)),
+            attention_bias=bias["qkv"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=model_type,
             name=name,
             sliding_windows=hf_layer_windows(cfg),
+            rope_scaling=rope.scaling,
+            local_rope_theta=rope.local_theta,
+            o_bias=bias["o"],
+            mlp_bias=bias["mlp"],
+            hidden_act=family_value(cfg, act_key, "silu"),
+            attn_logit_softcapping=_number(family_value(cfg, "attn_logit_softcapping")),
+            final_logit_softcapping=_number(family_value(cfg, "final_logit_softcapping")),
+            query_pre_attn_scalar=_number(family_value(cfg, "query_pre_attn_scalar")),
         )
 
     @property
@@ -137,11 +183,19 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + head
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+def _biases(cfg: dict[str, Any], model_type: str) -> dict[str, bool]:
+    """Which projections have a bias, as each family's HF class builds them."""
+    configured = bool(cfg.get("attention_bias", False))
+    if model_type == "qwen2":  # NOTE: HF's Qwen2 ignores attention_bias: q/k/v always
+        return {"qkv": True, "o": False, "mlp": False}
+    if model_type in ("mistral", "phi3"):  # NOTE: no bias anywhere, whatever the config says
+        return {"qkv": False, "o": False, "mlp": False}
+    return {"qkv": configured, "o": configured,
+            "mlp": model_type == "llama" and bool(cfg.get("mlp_bias", False))}
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -154,6 +208,13 @@ class CacheConfig:
         at what max_num_seqs full-length sequences can use.
     enable_prefix_caching: keep full blocks of computed K/V under a hash of their tokens (and
         everything before them) and share them with later requests with the same prefix.
+    prefix_cache_scope: who may share cached blocks. tenant: the request's tenant is part of
+        the block hash chain, so a tenant never hits (in `cached_tokens` or in time) blocks
+        another tenant computed; global: any request with the same tokens (and cache_salt)
+        does. auto: tenant when `slotserve serve` requires API keys (tenants are then
+        authenticated), else global (offline; a server without keys, whose `user` field
+        anyone may claim). A request's cache_salt narrows either further. The n completions
+        of one request always share (one tenant).
     kv_cache_dtype: the cached K/V's element type. auto: bfloat16 where the linear weights
         are bf16 or int8 on the CPU (half the bytes decode attention reads; K/V rounded to
         bf16 as stored), else the model's dtype (float32: the reference).
@@ -164,18 +225,41 @@ class CacheConfig:
     # NOTE: flat name kv_cache_memory (engine_config's keyword and --kv-cache-memory).
     memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
+    prefix_cache_scope: Literal["auto", "tenant", "global"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, "
+                             f"got {self.prefix_cache_scope!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.memory_bytes is not None and self.memory_bytes < 1:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
+
+
+    @property
+    def tenant_scoped(self) -> bool:
+        """Whether cached blocks are shared within a tenant only ("auto" counts as global:
+        only `slotserve serve` knows whether keys authenticate tenants; see
+        `resolve_prefix_cache_scope`)."""
+        return self.prefix_cache_scope == "tenant"
+
+
+PREFIX_CACHE_SCOPES = ("auto", "tenant", "global")
+
+
+def resolve_prefix_cache_scope(scope: str, keys_required: bool) -> str:
+    """CacheConfig.prefix_cache_scope's "auto" for a server: tenant when API keys are
+    required (tenants are authenticated), else global; an explicit scope stays."""
+    if scope != "auto":
+        return scope
+    return "tenant" if keys_required else "global"
 
 
 # NOTE: off by default, by measurement (benchmarks/stall_free.py; docs/ARCHITECTURE.md has the

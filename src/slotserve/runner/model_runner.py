@@ -57,6 +57,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
         self.model = build_model(model_config, self.kernels)
+        # NOTE: the model may run less (no decode stack for some families: KernelSet.for_model)
+        self.kernels = getattr(self.model, "kernels", self.kernels)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         self.model.load_hf_weights(weights)  # NOTE: after .to(): it builds the kernels
