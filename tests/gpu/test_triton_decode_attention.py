@@ -176,3 +176,15 @@ def test_check_decode_inputs_finds_what_the_kernel_trusts(device):
         ops.check_decode_inputs(k_cache, bad, lens)
     bad[0, 0], bad[0, 1] = -1, tables[0, 1]  # before a window of 4: never read
     ops.check_decode_inputs(k_cache, bad, lens, window=4)
+
+
+def test_the_fused_cpu_kernels_call_form(device):
+    """paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window) with window 0
+    for none, as attention/torch_paged.py calls its layer ops."""
+    q, k_cache, v_cache, tables, lens = make_case(device, lens=[30, 4], seed=4)
+    full = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0)
+    assert torch.equal(full, ops.paged_decode_attention(q, k_cache, v_cache, tables, lens,
+                                                        0.25))
+    windowed = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 8)
+    torch.testing.assert_close(windowed, reference(q, k_cache, v_cache, tables, lens, 0.25, 8),
+                               **FP32_TOL)

@@ -147,6 +147,18 @@ def test_rotary_in_place_equals_apply_rotary_and_touches_only_the_view(device, d
     assert torch.equal(qkv[:, heads * head_dim:], untouched)
 
 
+def test_rotary_takes_the_fused_cpu_kernels_form_too(device):
+    """rotary_(x, cos, sin) with the tokens' own rows (RotaryEmbedding.tables), as the model
+    calls its layer ops' rotary_."""
+    rope = RotaryEmbedding(32, 128, 500_000.0).to(device)
+    x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(2)).to(device)
+    positions = torch.tensor([127, 0, 5, 5], device=device)
+    expected = apply_rotary(x, rope.tables(positions))
+    torch.testing.assert_close(ops.rotary_(x, *rope.tables(positions)), expected)
+    with pytest.raises(ValueError, match="must hold 4 rows of 16 without positions"):
+        ops.rotary_(x, rope.cos, rope.sin)
+
+
 def test_rotary_rejects_bad_arguments(device):
     x = torch.randn(2, 3, 8, device=device)
     table = torch.randn(10, 4, device=device)

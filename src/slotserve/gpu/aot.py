@@ -101,10 +101,11 @@ def variants():
                         stride_x=4096, stride_delta=4096, stride_out=4096),
                    dict(H=4096, H_P=4096, ADD=add), ops._row_warps(4096))
         cos = torch.empty(8, 64)
-        yield (ops._rotary_kernel, name,
-               dict(x_ptr=x, cos_ptr=cos, sin_ptr=cos, positions_ptr=table, stride_xt=6144,
-                    stride_xh=128, stride_cos=64, stride_sin=64),
-               dict(NH=40, HALF=64, NH_P=64, HALF_P=64), 4)
+        for by_token in (False, True):
+            yield (ops._rotary_kernel, f"{name}{'-by-token' if by_token else ''}",
+                   dict(x_ptr=x, cos_ptr=cos, sin_ptr=cos, positions_ptr=table,
+                        stride_xt=6144, stride_xh=128, stride_cos=64, stride_sin=64),
+                   dict(NH=40, HALF=64, NH_P=64, HALF_P=64, BY_TOKEN=by_token), 4)
         yield (ops._silu_mul_kernel, name,
                dict(gate_up_ptr=x, out_ptr=x, stride_in=28672, stride_out=14336),
                dict(I=14336, BLOCK=ops.SILU_BLOCK), 4)

@@ -12,6 +12,11 @@ op it replaces, which is also its test oracle:
 | `rotary_` | layers.py `apply_rotary` with `RotaryEmbedding.tables(positions)`, in place |
 | `silu_mul` | `F.silu(gate) * up` of `GatedMLP` |
 
+The launchers' signatures are those of the fused CPU kernels' layer ops (model/cpu_ops.py:
+`rms_norm`, `add_rms_norm_`, `silu_mul`, `rotary_(x, cos, sin)`, `write_kv_`,
+`paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)`), so a CUDA
+KernelSet can hand this module to the model as its `ops` (issue 36, item 1; not done yet).
+
 Prefill attention has no kernel here yet: torch_paged.py's `_prefill_attention` (SDPA over
 the chunk's gathered blocks, with its causal / window mask) is device-neutral and is the GPU
 path's first step, as issue 36 allows.
@@ -406,11 +411,15 @@ def _launch_rms_norm(x, delta, weight, eps):
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, positions_ptr,
                    stride_xt, stride_xh, stride_cos, stride_sin,
                    NH: tl.constexpr, HALF: tl.constexpr,
-                   NH_P: tl.constexpr, HALF_P: tl.constexpr):
+                   NH_P: tl.constexpr, HALF_P: tl.constexpr, BY_TOKEN: tl.constexpr):
     """One program per token: all its heads rotated by its position's angles, in place
-    (rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin))."""
+    (rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)). BY_TOKEN: the tables
+    hold one row per token (already looked up), else row positions[token]."""
     token = tl.program_id(0)
-    position = tl.load(positions_ptr + token)
+    if BY_TOKEN:
+        position = token
+    else:
+        position = tl.load(positions_ptr + token)
     heads = tl.arange(0, NH_P)[:, None]
     cols = tl.arange(0, HALF_P)[None, :]
     col_ok = cols < HALF
@@ -427,27 +436,39 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, positions_ptr,
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, n, hd) in place by its tokens' positions (T,) int64, looking up the
-    (max_positions, hd/2) tables of RotaryEmbedding; returns x. x may be a view into a wider
-    row (the q and k heads of a qkv row, rotated in one call)."""
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x (T, n, hd) in place; returns x. x may be a view into a wider row (the q and
+    k heads of a qkv row, rotated in one call).
+
+    With positions (T,) int64: cos and sin are RotaryEmbedding's (max_positions, hd/2)
+    tables, looked up here. Without: they are the tokens' own rows, (T, 1, hd/2) as
+    RotaryEmbedding.tables returns them (the fused CPU kernel's `rotary_(x, cos, sin)`).
+    """
     _check(x.dim() == 3 and x.shape[2] % 2 == 0, f"x must be (T, n, even hd), got "
                                                   f"{tuple(x.shape)}")
     half = x.shape[2] // 2
+    if positions is None:
+        _check(cos.numel() == sin.numel() == x.shape[0] * half,
+               f"cos and sin must hold {x.shape[0]} rows of {half} without positions")
+        cos, sin = cos.reshape(x.shape[0], half), sin.reshape(x.shape[0], half)
     _check(x.stride(2) == 1, "x's last dimension must be contiguous")
     _check_dtype("x", x)
     for name, table in (("cos", cos), ("sin", sin)):
         _check(table.dim() == 2 and table.shape[1] == half and table.stride(1) == 1,
                f"{name} must be (max_positions, {half}) with contiguous rows")
-    _check(positions.shape == (x.shape[0],) and positions.dtype == torch.int64,
-           f"positions must be ({x.shape[0]},) int64")
-    _check_devices(x=x, cos=cos, sin=sin, positions=positions)
+    if positions is not None:
+        _check(positions.shape == (x.shape[0],) and positions.dtype == torch.int64,
+               f"positions must be ({x.shape[0]},) int64")
+        _check_devices(x=x, cos=cos, sin=sin, positions=positions)
+    else:
+        _check_devices(x=x, cos=cos, sin=sin)
     if x.shape[0] == 0:
         return x
     _rotary_kernel[(x.shape[0],)](
-        x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        NH=x.shape[1], HALF=half, NH_P=triton.next_power_of_2(x.shape[1]),
-        HALF_P=triton.next_power_of_2(half))
+        x, cos, sin, cos if positions is None else positions, x.stride(0), x.stride(1),
+        cos.stride(0), sin.stride(0), NH=x.shape[1], HALF=half,
+        NH_P=triton.next_power_of_2(x.shape[1]), HALF_P=triton.next_power_of_2(half),
+        BY_TOKEN=positions is None)
     return x
 
 
