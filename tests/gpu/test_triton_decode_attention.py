@@ -126,12 +126,15 @@ def test_decode_attention_with_a_window_in_bf16(device):
 
 
 def test_number_of_splits_comes_from_the_table_width_and_the_window():
-    assert ops.num_decode_splits(7, 16, None, 512) == (1, 32)
+    assert ops.num_decode_splits(7, 16, None, 512) == (1, 8)  # 7 blocks: a loop of 8
+    assert ops.num_decode_splits(40, 16, None, 1024) == (1, 64)
+    assert ops.num_decode_splits(100, 16, None, 10**9) == (1, 128)
     assert ops.num_decode_splits(7, 16, None, 32) == (4, 2)
     assert ops.num_decode_splits(100, 16, None, 512) == (4, 32)
     # a window of 24 reads at most 3 blocks of 16 (24 positions not aligned to a block)
     assert ops.num_decode_splits(100, 16, 24, 16) == (3, 1)
     assert ops.num_decode_splits(2, 16, 1000, 16) == (2, 1)  # never more than the table
+    assert ops.num_decode_splits(2, 16, 1000, 512) == (1, 2)
     assert ops.num_decode_splits(7, 64, None, 32) == (7, 1)  # a partition is whole blocks
 
 

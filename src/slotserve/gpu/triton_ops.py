@@ -246,12 +246,20 @@ def num_decode_splits(max_blocks: int, block_size: int, window: int | None,
     """(splits, blocks per split) for block tables `max_blocks` wide: the most blocks one
     sequence reads (its whole table, or its window's blocks) cut into partitions of
     partition_size positions (whole blocks, at least one). Known on the host, no sync: a
-    CUDA graph captured at one table width keeps its grid."""
+    CUDA graph captured at one table width keeps its grid.
+
+    NOTE: one split covers the blocks read rounded up to a power of two, not a whole
+    partition: the kernel loops over a split's blocks a constant number of times (a
+    compile-time constant: a few variants, not one per table width).
+    """
     blocks_read = max_blocks
     if window:
         blocks_read = min(max_blocks, -(-window // block_size) + 1)
     partition_blocks = max(1, partition_size // block_size)
-    return max(1, -(-blocks_read // partition_blocks)), partition_blocks
+    splits = max(1, -(-blocks_read // partition_blocks))
+    if splits == 1:
+        partition_blocks = min(partition_blocks, triton.next_power_of_2(max(1, blocks_read)))
+    return splits, partition_blocks
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
