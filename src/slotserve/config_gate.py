@@ -31,7 +31,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0},
     "qwen2": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0},
     "qwen3": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0},
-    "phi3": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0},
+    "phi3": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0,
+             "original_max_position_embeddings": 4096},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
                "rope_theta": 10000.0, "head_dim": 256, "query_pre_attn_scalar": 256,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -54,9 +55,9 @@ class UnsupportedConfig(ValueError):
 
     The message names the key and its value."""
 
-    def __init__(self, key: str, value: Any, why: str) -> None:
+    def __init__(self, key: str, value: Any, why: str, message: str | None = None) -> None:
         self.key, self.value = key, value
-        super().__init__(f"{key}={value!r}: {why}")
+        super().__init__(message or f"{key}={value!r}: {why}")
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,9 @@ def _windows(_value: Any, cfg: dict[str, Any]) -> str | None:
     # layer_types). This is the one entry that says so.
     try:
         hf_layer_windows(cfg)
-    except ValueError as exc:
-        return str(exc)
+    except ValueError as exc:  # its message names the key and value
+        raise UnsupportedConfig("sliding_window", cfg.get("sliding_window"), str(exc),
+                                message=str(exc)) from None
     return None
 
 
@@ -236,11 +238,8 @@ _ROPE_FIELDS = {f for f in RopeScaling.__dataclass_fields__} - {"rope_type"}
 # Keys HF's rope_parameters may hold that change nothing here ("type": the old rope_type).
 _ROPE_IGNORED = {"rope_theta", "rope_type", "type", "partial_rotary_factor"}
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                             "original_max_position_embeddings"),
-                  "yarn": ("original_max_position_embeddings",),
-                  "longrope": ("short_factor", "long_factor",
-                               "original_max_position_embeddings")}
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                  "yarn": (), "longrope": ("short_factor", "long_factor")}
 _LAYER_KINDS = ("sliding_attention", "full_attention")
 
 
@@ -252,6 +251,9 @@ def rope_settings(cfg: dict[str, Any]) -> RopeSettings:
     params = cfg.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise UnsupportedConfig("rope_parameters", params, "must be an object")
+    old = cfg.get("rope_scaling")
+    if old is not None and not isinstance(old, dict):
+        raise UnsupportedConfig("rope_scaling", old, "must be an object or null")
     local_theta = None
     if params and set(params) <= set(_LAYER_KINDS):  # v5, per layer type (Gemma 3)
         if model_type != "gemma3_text":
@@ -264,14 +266,13 @@ def rope_settings(cfg: dict[str, Any]) -> RopeSettings:
         local_theta = _theta(local.get("rope_theta",
                                        family_value(cfg, "rope_local_base_freq")),
                              "rope_parameters.sliding_attention.rope_theta")
-        params = dict(params.get("full_attention") or {})
+        # NOTE: HF's Gemma3TextConfig merges a rope_scaling into the global layers' params
+        params = {**(params.get("full_attention") or {}), **(old or {})}
         where = "rope_parameters.full_attention"
     else:
-        old = cfg.get("rope_scaling")
-        if old is not None and not isinstance(old, dict):
-            raise UnsupportedConfig("rope_scaling", old, "must be an object or null")
-        where = "rope_parameters" if params else "rope_scaling"
-        params = dict(params or old or {})
+        # NOTE: as HF's convert_rope_params_to_dict: a (non-empty) rope_scaling wins
+        where = "rope_scaling" if old else "rope_parameters"
+        params = dict(old or params or {})
         if model_type == "gemma3_text":
             local_theta = _theta(family_value(cfg, "rope_local_base_freq"),
                                  "rope_local_base_freq")
@@ -303,9 +304,15 @@ def _scaling(cfg: dict[str, Any], params: dict[str, Any], where: str) -> RopeSca
         raise UnsupportedConfig(f"{where}.{unknown[0]}", params[unknown[0]],
                                 f"unknown key of {rope_type} RoPE scaling")
     values = {k: params[k] for k in _ROPE_FIELDS if params.get(k) is not None}
-    if rope_type == "longrope" and "original_max_position_embeddings" in cfg:
-        # NOTE: HF's standardize_rope_params gives Phi-3's top-level value priority
-        values["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # NOTE: as HF's standardize_rope_params: a top-level original_max_position_embeddings
+        # (Phi-3's config always has one, default 4096) wins, else the scaling's own, else
+        # max_position_embeddings
+        top = family_value(cfg, "original_max_position_embeddings")
+        if top is not None:
+            values["original_max_position_embeddings"] = top
+        values.setdefault("original_max_position_embeddings",
+                          cfg.get("max_position_embeddings", 2048))
     for key in _ROPE_REQUIRED[rope_type]:
         if key not in values:
             raise UnsupportedConfig(f"{where}.{key}", None, f"{rope_type} RoPE needs it")
@@ -320,6 +327,13 @@ def _scaling(cfg: dict[str, Any], params: dict[str, Any], where: str) -> RopeSca
                 raise UnsupportedConfig(f"{where}.{key}", value, "must be true or false")
         elif not _positive_number(value):
             raise UnsupportedConfig(f"{where}.{key}", value, "must be a positive number")
+    if rope_type == "longrope":
+        half = (family_value(cfg, "head_dim")
+                or cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads", 1), 1)) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(values[key]) != half:
+                raise UnsupportedConfig(f"{where}.{key}", values[key],
+                                        f"needs head_dim / 2 = {half} values")
     if rope_type in ("yarn", "longrope") and "factor" not in values:
         # NOTE: HF: max_position_embeddings / original_max_position_embeddings
         values["factor"] = (cfg.get("max_position_embeddings", 2048)
