@@ -244,3 +244,23 @@ def test_engine_completions_follow_the_reference_at_every_step(tiny_llama, num_b
     assert changed >= {"r1", "r2", "r3"}, changed
     if num_blocks == 12:
         assert engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_the_model_logits_and_logprobs_stay_unshaped(constrained):
+    """Shaping works on a copy: the caller's logits and the returned logprobs are the
+    model's (vLLM's default), with or without a grammar mask first."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    original = logits.clone()
+    params = SamplingParams(temperature=0, logprobs=2, frequency_penalty=2,
+                            repetition_penalty=3.0, logit_bias={"4": -50})
+    seqs = [ScheduledSeq(f"r{i}", [1], 0, [0], True, params, 3, "decode") for i in range(2)]
+    shaping = [shaping_for(params, [1, 2], [4, 4, 5]) for _ in range(2)]
+    allowed = ([1], torch.ones(1, VOCAB, dtype=torch.bool)) if constrained else None
+    tokens, logprobs = Sampler(torch.device("cpu"))(logits, seqs, allowed, shaping=shaping)
+    assert torch.equal(logits, original)
+    model_logp = original.log_softmax(-1)
+    for row, entry in enumerate(logprobs):
+        assert entry[tokens[row]] == pytest.approx(float(model_logp[row, tokens[row]]))
+    assert tokens == [int(np.argmax(reference_penalties(row.numpy(), [1, 2], [4, 4, 5], params)))
+                      for row in original]

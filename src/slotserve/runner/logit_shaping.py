@@ -208,8 +208,10 @@ class SequenceShaping:
 Shaping = list[SequenceShaping | None]  # one per sampled row, None: nothing to shape
 
 
-def apply_masks(logits: torch.Tensor, shaping: Shaping) -> torch.Tensor:
-    """`logits`, or a copy with -inf at the tokens allowed_token_ids and bad_words rule out.
+def apply_masks(logits: torch.Tensor, shaping: Shaping, *, in_place: bool = False
+                ) -> torch.Tensor:
+    """`logits`, or a copy with -inf at the tokens allowed_token_ids and bad_words rule out
+    (in_place: `logits` itself changed, when the caller owns a copy already).
 
     ValueError if that leaves a row (that had a token) without any: nothing may be sampled
     (its grammar, allowed_token_ids and bad_words together exclude every token).
@@ -217,7 +219,8 @@ def apply_masks(logits: torch.Tensor, shaping: Shaping) -> torch.Tensor:
     rows = [i for i, s in enumerate(shaping) if s is not None and s.spec.masks]
     if not rows:
         return logits
-    out = logits.clone()
+    before = logits[torch.tensor(rows, device=logits.device)]  # (R, V) a copy
+    out = logits if in_place else logits.clone()
     device = logits.device
     allow_rows = [i for i in rows if shaping[i].spec.blocked is not None]
     if allow_rows:
@@ -232,14 +235,15 @@ def apply_masks(logits: torch.Tensor, shaping: Shaping) -> torch.Tensor:
         flat_rows.append(np.full(len(banned), i, dtype=np.int64))
         flat_ids.append(banned)
     if sum(len(ids) for ids in flat_ids):
-        out[_tensor(flat_rows, device), _tensor(flat_ids, device)] = NEG_INF
-    _check_not_emptied(logits, out, rows)
+        out.view(-1).index_fill_(0, _flat_index(flat_rows, flat_ids, out), NEG_INF)
+    _check_not_emptied(before, out, rows)
     return out
 
 
 def _check_not_emptied(before: torch.Tensor, after: torch.Tensor, rows: list[int]) -> None:
-    index = torch.tensor(rows, device=before.device)
-    had = (before[index] != NEG_INF).any(dim=-1)
+    """before: (R, V), the rows' logits before the masks; after: (S, V)."""
+    index = torch.tensor(rows, device=after.device)
+    had = (before != NEG_INF).any(dim=-1)
     has = (after[index] != NEG_INF).any(dim=-1)
     emptied = (had & ~has).nonzero().flatten().tolist()
     if emptied:
@@ -247,14 +251,16 @@ def _check_not_emptied(before: torch.Tensor, after: torch.Tensor, rows: list[int
                          f"(row {rows[emptied[0]]})")
 
 
-def apply_bias_and_penalties(logits: torch.Tensor, shaping: Shaping) -> torch.Tensor:
+def apply_bias_and_penalties(logits: torch.Tensor, shaping: Shaping, *,
+                             in_place: bool = False) -> torch.Tensor:
     """`logits`, or a copy with logit_bias added, then the repetition, frequency and presence
-    penalties applied (in that order, as vLLM), on the rows that ask for them."""
+    penalties applied (in that order, as vLLM), on the rows that ask for them (in_place: as
+    apply_masks')."""
     bias_rows = [i for i, s in enumerate(shaping) if s is not None and s.spec.params.logit_bias]
     penalty_rows = [i for i, s in enumerate(shaping) if s is not None and s.spec.params.penalized]
     if not bias_rows and not penalty_rows:
         return logits
-    out = logits.clone()
+    out = logits if in_place else logits.clone()
     if bias_rows:
         _add_bias(out, [(i, shaping[i].spec) for i in bias_rows])
     for i in penalty_rows:
@@ -270,13 +276,11 @@ def apply_bias_and_penalties(logits: torch.Tensor, shaping: Shaping) -> torch.Te
 
 
 def _add_bias(out: torch.Tensor, rows: list[tuple[int, ShapingSpec]]) -> None:
-    device = out.device
-    index_rows = torch.cat([torch.full((len(s.bias_ids),), i, dtype=torch.int64)
-                            for i, s in rows]).to(device)
-    ids = torch.cat([s.bias_ids for _, s in rows]).to(device)
-    values = torch.cat([s.bias_values for _, s in rows]).to(device)
-    # NOTE: (row, id) pairs are distinct (SamplingParams merges an id given twice): no race
-    out[index_rows, ids] = out[index_rows, ids] + values
+    flat_rows = [np.full(len(s.bias_ids), i, dtype=np.int64) for i, s in rows]
+    index = _flat_index(flat_rows, [s.bias_ids.numpy() for _, s in rows], out)
+    values = torch.cat([s.bias_values for _, s in rows]).to(out.device)
+    # NOTE: (row, id) pairs are distinct (SamplingParams refuses an id given twice)
+    _update(out, index, lambda logits: logits + values)
 
 
 def _repetition_penalty(out: torch.Tensor, rows: list[tuple[int, SequenceShaping]]) -> None:
@@ -285,10 +289,9 @@ def _repetition_penalty(out: torch.Tensor, rows: list[tuple[int, SequenceShaping
     flat_rows = [np.full(len(ids), i, dtype=np.int64) for (i, _), ids in zip(rows, seen)]
     penalty = [np.full(len(ids), s.spec.repetition_penalty, dtype=np.float32)
                for (_, s), ids in zip(rows, seen)]
-    index_rows, ids = _tensor(flat_rows, out.device), _tensor(seen, out.device)
+    index = _flat_index(flat_rows, seen, out)
     p = torch.from_numpy(np.concatenate(penalty)).to(out.device)
-    values = out[index_rows, ids]
-    out[index_rows, ids] = torch.where(values > 0, values / p, values * p)
+    _update(out, index, lambda logits: torch.where(logits > 0, logits / p, logits * p))
 
 
 def _frequency_presence_penalty(out: torch.Tensor, rows: list[tuple[int, SequenceShaping]]
@@ -301,15 +304,26 @@ def _frequency_presence_penalty(out: torch.Tensor, rows: list[tuple[int, Sequenc
     pres = [np.full(len(ids), s.spec.params.presence_penalty, dtype=np.float32)
             for (_, s), (ids, _) in zip(rows, items)]
     device = out.device
-    index_rows = _tensor(flat_rows, device)
-    ids = _tensor([i for i, _ in items], device)
+    index = _flat_index(flat_rows, [i for i, _ in items], out)
     counts = torch.from_numpy(np.concatenate([c for _, c in items]).astype(np.float32))
     frequency = torch.from_numpy(np.concatenate(freq)).to(device)
     presence = torch.from_numpy(np.concatenate(pres)).to(device)
     # NOTE: two float32 steps (not one fused a - b*c - d), as the reference and vLLM compute
-    values = out[index_rows, ids] - frequency * counts.to(device)
-    out[index_rows, ids] = values - presence
+    _update(out, index, lambda logits: (logits - frequency * counts.to(device)) - presence)
 
 
-def _tensor(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
+def _flat_index(rows: list[np.ndarray], ids: list[np.ndarray], out: torch.Tensor
+                ) -> torch.Tensor:
+    """Positions row * V + id in out.view(-1) (out: (S, V), contiguous).
+
+    NOTE: one flat index_select / index_copy_ instead of out[rows, ids]: torch's 2-D
+    advanced indexing took 25 ms for 29k entries of a (32, 49152) tensor here, these 0.02 ms.
+    """
+    flat = np.concatenate(rows) * out.shape[-1] + np.concatenate(ids).astype(np.int64)
+    return torch.from_numpy(flat).to(out.device)
+
+
+def _update(out: torch.Tensor, index: torch.Tensor, change) -> None:
+    """out.view(-1)[index] = change(out.view(-1)[index]); index: distinct positions."""
+    flat = out.view(-1)
+    flat.index_copy_(0, index, change(flat.index_select(0, index)))

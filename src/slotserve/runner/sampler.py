@@ -55,11 +55,11 @@ class Sampler:
         """
         params = [s.sampling_params for s in seqs]
         masked = logits if allowed is None else mask_disallowed(logits, *allowed)
-        if shaping is not None:
-            masked = apply_masks(masked, shaping)
+        if shaping is not None:  # NOTE: in place only in a copy, never in `logits`
+            masked = apply_masks(masked, shaping, in_place=masked is not logits)
         masked = mask_min_tokens(masked, seqs, self.eos_token_ids)
         if shaping is not None:
-            masked = apply_bias_and_penalties(masked, shaping)
+            masked = apply_bias_and_penalties(masked, shaping, in_place=masked is not logits)
         tokens = argmax_rows(masked, self.ops)  # (S,)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -142,10 +142,11 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[ScheduledSeq],
         params = seq.sampling_params
         if seq.num_output_tokens >= params.min_tokens:
             continue
-        stops = set(params.stop_token_ids)
+        # NOTE: stop_token_ids may lie past the vocab; an id twice (EOS among them) is
+        # harmless (set to -inf twice), so no set is built per step
+        ids = [t for t in params.stop_token_set if t < vocab]
         if not params.ignore_eos:
-            stops.update(eos_token_ids)
-        ids = [t for t in stops if t < vocab]  # NOTE: stop_token_ids may lie past the vocab
+            ids += [t for t in eos_token_ids if t < vocab]
         rows += [row] * len(ids)
         cols += ids
     if not rows:
