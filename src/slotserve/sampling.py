@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from slotserve.structured.params import StructuredOutputs
 
@@ -153,6 +154,15 @@ class SamplingParams:
         """Whether penalties, logit_bias, allowed_token_ids or bad_words change the logits."""
         return bool(self.penalized or self.logit_bias or self.bad_words
                     or self.allowed_token_ids is not None)
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set, built once per params (each of n completions has its
+        own, `for_choice`): the engine tests every new token against it.
+
+        NOTE: cached in the instance's __dict__ (a frozen dataclass allows that), so it is
+        neither a field nor part of equality or the hash."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
