@@ -78,9 +78,12 @@ class RopeScaling:
     truncate: bool = True  # yarn
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()  # longrope
+    # "freq_factors" (GGUF only: llama.cpp's rope_freqs tensor, which convert_hf_to_gguf
+    # writes for Llama 3.x): frequency i is divided by freq_factors[i], as llama.cpp does
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("short_factor", "long_factor"):  # NOTE: JSON (the converted-model cache)
+        for name in ("short_factor", "long_factor", "freq_factors"):  # NOTE: JSON (the cache)
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
@@ -234,7 +237,7 @@ def family_value(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
 
 # -- RoPE -------------------------------------------------------------------------------------
 
-_ROPE_FIELDS = {f for f in RopeScaling.__dataclass_fields__} - {"rope_type"}
+_ROPE_FIELDS = {f for f in RopeScaling.__dataclass_fields__} - {"rope_type", "freq_factors"}
 # Keys HF's rope_parameters may hold that change nothing here ("type": the old rope_type).
 _ROPE_IGNORED = {"rope_theta", "rope_type", "type", "partial_rotary_factor"}
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),

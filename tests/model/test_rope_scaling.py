@@ -5,6 +5,9 @@ end to end is in test_families.py."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -121,3 +124,100 @@ def test_the_scalings_change_hf_tokens(scaled_llamas):
         model, _, hf_tokens = scaled_llamas[name]
         assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)
         assert hf_tokens != plain_tokens, name
+
+
+# -- GGUF: rope_freqs (Llama 3.x as convert_hf_to_gguf writes it) and rope.scaling.* ----------
+
+
+def llama3_rope_freqs(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """The rope_freqs tensor convert_hf_to_gguf writes for a llama3-scaled Llama."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(path, model, rope_keys: dict, rope_freqs: np.ndarray | None = None) -> str:
+    """`model` (a tiny HF Llama) as an F32 GGUF with these `llama.rope.*` keys."""
+    from gguf import GGUFWriter
+
+    from tests.model.test_loader import gguf_name, permute
+
+    cfg = model.config
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key, value in rope_keys.items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(
+            f"llama.{key}", value)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        w = tensor.float().numpy()
+        part = name.split(".")[-2]
+        writer.add_tensor(gguf_name(name), permute(w, heads[part]) if part in heads else w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private converted-model cache (never the user's ~/.cache)."""
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_gguf_rope_freqs_equals_hf_llama3(scaled_llamas, tmp_path, cache_dir):
+    """A Llama 3 GGUF's rope_freqs (llama.cpp divides each frequency by its factor) gives the
+    tokens of HF's llama3 model of the same weights; the converted-model cache keeps it."""
+    from slotserve.loader import load_model
+
+    hf_model, _, hf_tokens = scaled_llamas["llama3"]
+    theta = hf_model.config.rope_parameters["rope_theta"]
+    factors = llama3_rope_freqs(theta, 16, SCALINGS["llama3"])
+    path = write_gguf(tmp_path / "llama3.gguf", hf_model, {}, factors)
+    fresh = load_model(path, use_cache=False).config
+    assert load_model(path).config == fresh and load_model(path).config == fresh  # cached
+    assert fresh.rope_scaling.freq_factors == tuple(factors.tolist())
+    llm = load_llm(path)
+    assert llm.engine.model_config.rope_scaling.rope_type == "freq_factors"
+    assert_greedy_matches_hf(hf_model, llm, hf_tokens=hf_tokens)
+
+
+def test_gguf_linear_scaling_equals_hf(scaled_llamas, tmp_path, cache_dir):
+    hf_model, _, hf_tokens = scaled_llamas["linear"]
+    path = write_gguf(tmp_path / "linear.gguf", hf_model,
+                      {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
+    assert_greedy_matches_hf(hf_model, load_llm(path), hf_tokens=hf_tokens)
+
+
+@pytest.mark.parametrize(("keys", "shown"), [
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "rope.scaling.type='yarn'"),
+    ({"rope.scaling.type": "linear"}, "llama.rope.scaling.factor"),
+    ({"rope.scaling.attn_factor": 1.5}, "rope.scaling.attn_factor=1.5"),
+])
+def test_gguf_rope_scaling_not_computed_is_refused(scaled_llamas, tmp_path, keys, shown):
+    from slotserve.loader import ModelFileError, load_model
+
+    path = write_gguf(tmp_path / "m.gguf", scaled_llamas["linear"][0], keys)
+    with pytest.raises(ModelFileError, match=shown.replace(".", r"\.")):
+        load_model(path, use_cache=False)

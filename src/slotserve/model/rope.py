@@ -123,8 +123,19 @@ def longrope_inv_freqs(dim: int, base: float, s: RopeScaling, max_positions: int
     return inv_freq(s.short_factor), inv_freq(s.long_factor), attention_factor
 
 
+def freq_factors_inv_freq(dim: int, base: float, s: RopeScaling, max_positions: int
+                          ) -> tuple[torch.Tensor, float]:
+    """GGUF's rope_freqs tensor (llama.cpp: frequency i / freq_factors[i]); convert_hf_to_gguf
+    writes the factors of Llama 3's llama3 scaling there."""
+    if len(s.freq_factors) != dim // 2:
+        raise ValueError(f"rope_freqs: {len(s.freq_factors)} factors, the head needs {dim // 2}")
+    inv_freq, _ = default_inv_freq(dim, base)
+    return inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32), 1.0
+
+
 INV_FREQ = {"linear": linear_inv_freq, "dynamic": dynamic_inv_freq,
-            "llama3": llama3_inv_freq, "yarn": yarn_inv_freq}
+            "llama3": llama3_inv_freq, "yarn": yarn_inv_freq,
+            "freq_factors": freq_factors_inv_freq}
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float,
