@@ -156,8 +156,11 @@ def test_every_family_is_described():
         assert decode_stack_gaps(dataclasses.replace(cfg, architecture=name)) == []
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3"])
-def test_bf16_weights_agree_with_fp32(family_models, model_type):
+@pytest.mark.parametrize(("model_type", "quantization"), [
+    ("gemma3_text", "bf16"), ("qwen3", "bf16"), ("gemma2", "int8"), ("phi3", "int8")])
+def test_quantized_weights_agree_with_fp32(family_models, model_type, quantization):
+    """bf16 / int8 weights at the agreement bar the Llama family has (teacher-forced >= 97%
+    against fp32)."""
     from slotserve.lab.quality import greedy_agreement
 
     hf_model = family_models[model_type][0]
@@ -166,5 +169,15 @@ def test_bf16_weights_agree_with_fp32(family_models, model_type):
         return tiny_engine(hf_model, block_size=8, num_blocks=128, max_model_len=256,
                            quantization=quantization)
 
-    agreement = greedy_agreement(engine("none"), engine("bf16"), PROMPTS, max_tokens=16)
+    agreement = greedy_agreement(engine("none"), engine(quantization), PROMPTS, max_tokens=16)
     assert agreement.teacher_forced >= 0.97, agreement
+
+
+def test_phi3_decode_stack_equals_python_layers(cpu_ops, family_models):
+    """Phi-3 (longrope tables, fused HF weights) runs the C++ decode stack, bit for bit as
+    its Python layers."""
+    from tests.model.test_decode_stack import run_comparing_stack_and_python
+
+    engine = tiny_engine(family_models["phi3"][0], block_size=8, kernels="auto")
+    assert engine.runner.model.decode_stack is not None
+    assert run_comparing_stack_and_python(engine, PROMPTS[:3], max_tokens=12) >= 8
