@@ -176,9 +176,11 @@ class CompletionRequest(CommonRequest, StructuredFields):
             prompt = prompt[0]
         return prompt
 
-    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None,
+                           default_max_tokens: int | None = None) -> SamplingParams:
         """SamplingParams, or APIError (400) naming the field; max_tokens_cap: the server's
-        bound on max_tokens (it also caps the default)."""
+        bound on max_tokens (it also caps the default); default_max_tokens: the max_tokens
+        of a request that names none (None: DEFAULT_COMPLETION_MAX_TOKENS)."""
         if self.echo:
             raise APIError("echo is not supported", param="echo")
         if self.suffix:
@@ -188,7 +190,8 @@ class CompletionRequest(CommonRequest, StructuredFields):
                            param="best_of")
         max_tokens = self.max_tokens
         if max_tokens is None or "max_tokens" not in self.model_fields_set:
-            max_tokens = _capped(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_cap)
+            max_tokens = _capped(default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                                 max_tokens_cap)
         params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
         return with_structured(params, self.structured_spec()[0])
 
@@ -241,8 +244,10 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
-        """SamplingParams, or APIError (400) naming the field (as to CompletionRequest's)."""
+    def to_sampling_params(self, max_tokens_cap: int | None = None,
+                           default_max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field (as CompletionRequest's;
+        default_max_tokens None: DEFAULT_CHAT_MAX_TOKENS)."""
         spec, _ = self.structured_spec()
         plan = self.tool_plan()
         if plan is not None and spec is not None:
@@ -256,7 +261,7 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
                    is not None else "max_tokens"}
         max_tokens = self.chat_max_tokens
         if self.max_completion_tokens is None and self.max_tokens is None:
-            max_tokens = _capped(max_tokens, max_tokens_cap)
+            max_tokens = _capped(default_max_tokens or max_tokens, max_tokens_cap)
         params = self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
         return with_structured(params, plan.spec if plan is not None else spec)
 
