@@ -266,6 +266,11 @@ def resolve_prefix_cache_scope(scope: str, keys_required: bool) -> str:
 # figures): on W (64 chat prompts at t=0, 64 slots, budget 512) a cap did not lower TPOT
 # p99 / p50 on the engine, and in replay only small caps did, at a cost in tok/s and TTFT.
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING: int | None = None
+# Waiting sequences of a weight-1 tenant (a request with n completions counts n): deep
+# enough for bursts of a busy client, small enough that one tenant's flood of queued work
+# stays bounded in memory and in the time the others' requests wait behind it.
+DEFAULT_MAX_WAITING_PER_TENANT: int | None = 256
+MAX_SLO_MS = 3_600_000.0  # one hour: a request's SLOs above it are refused
 
 
 @dataclass(frozen=True)
@@ -291,11 +296,30 @@ class SchedulerConfig:
         capped to keep running requests' TPOT SLO), fair (per-tenant virtual token counters).
     slo_ttft_ms / slo_tpot_ms: default SLOs of a request (None: none); a request's own
         `slo_ttft_ms` / `slo_tpot_ms` override them. Used by `deadline` to order and cap,
-        and by every policy for goodput bookkeeping (`Request.met_slo`).
+        and by every policy for goodput bookkeeping (`Request.met_slo`). At most 3600000
+        (one hour), a request's too (larger: a ValueError naming the field, HTTP 400).
+    min_slo_ttft_ms / min_slo_tpot_ms: floors a request's SLOs are raised to (no token
+        comes faster; a smaller SLO means "as fast as possible" and must not starve others).
+        Whatever the SLOs, `deadline` lets an iteration with decodes take at least one block
+        (block_size tokens) of prefill, so one request's tiny TPOT SLO never stops other
+        requests' prefill.
     slo_reject: under `deadline`, a waiting request that can no longer meet its TTFT
         deadline finishes with status FINISHED_REJECTED (finish_reason "rejected", error
         "slo: ...", for an HTTP 503) instead of being served last.
-    tenant_weights: (tenant, weight) pairs (or a dict) for `fair`; unnamed tenants weigh 1.
+    tenant_weights: (tenant, weight) pairs (or a dict) for `fair`, the slot shares and the
+        waiting bounds; unnamed tenants weigh 1.
+    tenant_slot_share: while a tenant below its share of the slots has a request waiting,
+        no other tenant holds more than its share: share = max_num_seqs x weight / the
+        weights of the tenants with work (running or waiting), at least 1. Such a tenant's
+        request is not admitted past its share, and a waiting tenant below its share, with
+        no slot free, preempts (recompute) the running sequence its policy would give up
+        first (fcfs: the newest) of the tenant furthest over its share. Under every
+        scheduling policy (`priority` then preempts across tenants only so); one tenant
+        alone uses every slot.
+    max_waiting_per_tenant: most sequences one tenant of weight 1 may have waiting for a
+        slot (weight w: w times as many, at least 1); past it the tenant's new requests get
+        HTTP 429 (others' are unaffected). Besides the server's --max-waiting. None:
+        unbounded. NOTE: AsyncEngine enforces it, as max_waiting.
     fair_input_weight / fair_output_weight: VTC's cost of a processed prompt token and of
         a generated token (the paper's w_p = 1, w_q = 2).
     """
@@ -315,6 +339,10 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = field(default=(), metadata={"flag": False})
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    min_slo_ttft_ms: float = 1.0
+    min_slo_tpot_ms: float = 1.0
+    tenant_slot_share: bool = True
+    max_waiting_per_tenant: int | None = DEFAULT_MAX_WAITING_PER_TENANT
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -327,8 +355,18 @@ class SchedulerConfig:
         object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
         object.__setattr__(self, "scheduling_policy", _member(
             SchedulingPolicy, "scheduling_policy", self.scheduling_policy))
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "min_slo_ttft_ms", "min_slo_tpot_ms"):
             check_slo_ms(name, getattr(self, name))
+        for name in ("min_slo_ttft_ms", "min_slo_tpot_ms"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name} must be a positive number of milliseconds")
+        if not isinstance(self.tenant_slot_share, bool):
+            raise ValueError(f"tenant_slot_share must be a bool, got {self.tenant_slot_share!r}")
+        bound = self.max_waiting_per_tenant
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)
+                                  or bound < 1):
+            raise ValueError(f"max_waiting_per_tenant must be an integer >= 1 or None, "
+                             f"got {bound!r}")
         if not isinstance(self.slo_reject, bool):
             raise ValueError(f"slo_reject must be a bool, got {self.slo_reject!r}")
         if self.slo_reject and self.scheduling_policy != "deadline":
@@ -359,12 +397,31 @@ def check_policy_fields(priority: Any, tenant: Any, slo_ttft_ms: Any,
 
 
 def check_slo_ms(name: str, value: Any) -> None:
-    """ValueError naming the field unless value is None or a positive finite number."""
+    """ValueError naming the field unless value is None or a positive number of at most
+    MAX_SLO_MS (one hour; NOTE: a huge TTFT SLO would otherwise be a request's way ahead of
+    every request without one under `deadline`)."""
     if value is None:
         return
     if not _is_number(value) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number of milliseconds or None, "
                          f"got {value!r}")
+    if value > MAX_SLO_MS:
+        raise ValueError(f"{name} must be at most {MAX_SLO_MS:.0f} ms (one hour), "
+                         f"got {value!r}")
+
+
+def tenant_weight(config: SchedulerConfig, tenant: str) -> float:
+    """A tenant's weight (tenant_weights; unnamed tenants weigh 1)."""
+    return dict(config.tenant_weights).get(tenant, 1.0)
+
+
+def tenant_waiting_bound(config: SchedulerConfig, tenant: str) -> int | None:
+    """Most sequences `tenant` may have waiting (max_waiting_per_tenant x its weight, at
+    least 1); None: unbounded."""
+    bound = config.max_waiting_per_tenant
+    if bound is None:
+        return None
+    return max(1, int(bound * tenant_weight(config, tenant)))
 
 
 def _tenant_weight_pairs(weights: Any) -> tuple[tuple[str, float], ...]:

@@ -9,6 +9,7 @@ import sys
 
 import uvicorn
 
+from slotserve.config import resolve_prefix_cache_scope
 from slotserve.engine_args import add_engine_args, build_engine, parse_size
 from slotserve.server.startup import (
     CLOSE_GRACE_S,
@@ -174,7 +175,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)
     weights = tenant_weights(policy)
-    async_engine = AsyncEngine.launch(lambda: build_engine(args, tenant_weights=weights))
+    scope = resolve_prefix_cache_scope(args.prefix_cache_scope, policy.keys_required)
+    async_engine = AsyncEngine.launch(lambda: build_engine(
+        args, tenant_weights=weights, prefix_cache_scope=scope))
     snapshot = async_engine.snapshot()  # NOTE: the waiting bound is in the engine config
     name, aliases = served_model_names(snapshot.model, args.model, args.served_model_name)
     app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)

@@ -103,7 +103,8 @@ class LLMEngine:
                                   config.device, config.dtype, config.seed,
                                   kernels=kernels, kv_cache_dtype=kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching)
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 tenant_scoped=config.cache.tenant_scoped)
         self.scheduler = Scheduler(sched, self.kv)
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
@@ -144,6 +145,10 @@ class LLMEngine:
     def num_waiting(self) -> int:
         """Sequences waiting for a slot (one len() read: safe from any thread)."""
         return self.scheduler.num_waiting
+
+    def num_waiting_of(self, tenant: str) -> int:
+        """Sequences of one tenant waiting for a slot (one dict read: any thread)."""
+        return self.scheduler.num_waiting_of(tenant)
 
     # ------------------------------------------------------------------ read side
     def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
