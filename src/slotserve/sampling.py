@@ -41,6 +41,9 @@ class SamplingParams:
     stop: non-empty strings that end generation; the text is cut before the stop string.
     stop_token_ids: token ids (non-negative int64s) that end generation (kept in token ids).
     logprobs: number of top log-probabilities returned at each sampled position (None: none).
+    prompt_logprobs: vLLM's: the top this many log-probabilities at every prompt position
+        (and the prompt token's own), computed in the prefill (None: none). Only the first of
+        n completions computes them (they are the prompt's); it bypasses the prefix cache.
     n: completions per prompt (the offline API and the server fan them out).
     structured_outputs: a StructuredOutputs (or a dict of its fields): the output must match
         a JSON schema, any JSON object, a regex, one of a list of strings or a grammar. Its
@@ -61,6 +64,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
@@ -116,6 +120,9 @@ class SamplingParams:
                "stop_token_ids", "must be integers in [0, 2**63 - 1]")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         _check(_is_int(self.n) and 1 <= self.n <= 128, "n",
                f"must be an integer in [1, 128], got {self.n!r}")
         _check(self.structured_outputs is None
@@ -174,9 +181,11 @@ class SamplingParams:
 
         NOTE: seed + index wraps around within int64 (seed 2**63 - 1, index 1 -> -2**63), so
         every valid seed gives n valid and distinct seeds.
+        NOTE: only completion 0 keeps prompt_logprobs: they are the prompt's, the same for all.
         """
         seed = None if self.seed is None else _wrap_int64(self.seed + index)
-        return replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _as_tuple(value: object, name: str, expected: str) -> tuple:

@@ -60,6 +60,7 @@ from slotserve.model.kernels import (
 from slotserve.request import Request
 from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
 from slotserve.runner.model_runner import ModelRunner
+from slotserve.runner.prompt_logprobs import PromptLogprobs
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
@@ -113,6 +114,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner.grammar_of = self._grammar_of
         self.runner.shaping_of = self._shaping_of
+        self.runner.prompt_logprobs_of = self._prompt_logprobs_of
         self.runner.sampler.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
@@ -231,6 +233,7 @@ class LLMEngine:
                     for i in range(params.n)]
         for seq in children:
             seq.request.cache_salt = cache_salt
+            seqs.ask_prompt_logprobs(seq, cache_salt)  # NOTE: its own salt (no cache hits)
             seq.request.priority, seq.request.tenant = priority, tenant
             seq.request.slo_ttft_ms, seq.request.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
             if shaping is not None:
@@ -267,6 +270,11 @@ class LLMEngine:
         """The penalties and logit shaping of a running completion (None: none); the runner's."""
         seq = self._sequences.get(request_id)
         return None if seq is None else seq.shaping
+
+    def _prompt_logprobs_of(self, request_id: str) -> PromptLogprobs | None:
+        """A running completion's prompt-logprobs accumulator (None: none); the runner's."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else seq.prompt_logprobs
 
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""

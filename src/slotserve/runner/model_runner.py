@@ -14,6 +14,7 @@ from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.logit_shaping import SequenceShaping
+from slotserve.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import (
@@ -68,6 +69,9 @@ class ModelRunner:
         self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
         # Penalties and logit shaping: the engine points this at its sequences' state.
         self.shaping_of: Callable[[str], SequenceShaping | None] = lambda request_id: None
+        # Prompt logprobs: the engine points this at its completions' accumulators.
+        self.prompt_logprobs_of: Callable[[str], PromptLogprobs | None] = (
+            lambda request_id: None)
         self._mask_worker: ThreadPoolExecutor | None = None
 
     @property
@@ -112,6 +116,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
         finally:
             allowed = None if masks is None else masks.result()  # (raises what the worker did)
+        self._fill_prompt_logprobs(seqs, hidden)  # NOTE: before hidden keeps only sample rows
         if not sampling:
             return RunnerOutput(sampled={})
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
@@ -127,6 +132,22 @@ class ModelRunner:
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
             logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _fill_prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """The prompt rows' logprobs of the completions that ask for them (runner/
+        prompt_logprobs.py); nothing for the others, whose prompt rows get no logits."""
+        rows = []
+        chunk_row = 0
+        for s in seqs:
+            acc = (self.prompt_logprobs_of(s.request_id)
+                   if s.sampling_params.prompt_logprobs is not None else None)
+            if acc is not None:
+                offsets = acc.rows_to_compute(s.start_pos, s.num_tokens)
+                if offsets:
+                    rows.append((acc, chunk_row, offsets))
+            chunk_row += s.num_tokens
+        if rows:
+            compute_prompt_logprobs(hidden, rows, self.model.compute_logits)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
