@@ -49,22 +49,40 @@ def test_null_means_default():
 
 
 @pytest.mark.parametrize("prompt,expected", [
-    ("text", "text"), ([1, 2, 3], [1, 2, 3]), (["text"], "text"), ([[4, 5]], [4, 5]),
+    ("text", ["text"]), ([1, 2, 3], [[1, 2, 3]]), (["text"], ["text"]), ([[4, 5]], [[4, 5]]),
+    (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
 ])
-def test_engine_prompt(prompt, expected):
-    assert completion(prompt=prompt).engine_prompt() == expected
+def test_engine_prompts(prompt, expected):
+    assert completion(prompt=prompt).engine_prompts() == expected
+    assert completion(prompt=prompt).num_prompts == len(expected)
 
 
-def test_prompt_batches_are_refused():
+@pytest.mark.parametrize("prompt", [[], ["a", "b", "c"]])
+def test_empty_or_too_many_prompts_are_refused(prompt):
     with pytest.raises(APIError) as err:
-        completion(prompt=["a", "b"]).engine_prompt()
+        completion(prompt=prompt).engine_prompts(max_prompts=2)
     assert err.value.param == "prompt" and err.value.status == 400
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs():
+    assert completion(echo=True).to_sampling_params().prompt_logprobs is None
+    assert completion(echo=True, logprobs=3).to_sampling_params().prompt_logprobs == 3
+    assert completion(echo=True, logprobs=1, prompt_logprobs=4).to_sampling_params(
+        ).prompt_logprobs == 4
+    assert completion(prompt_logprobs=0).to_sampling_params().prompt_logprobs == 0
+    with pytest.raises(APIError) as err:
+        completion(echo=True, logprobs=5, prompt_logprobs=-1).to_sampling_params()
+    assert err.value.param == "prompt_logprobs"
+    with pytest.raises(APIError) as err:  # chat does not implement it: refused, not ignored
+        chat(prompt_logprobs=2).to_sampling_params()
+    assert err.value.param == "prompt_logprobs"
 
 
 @pytest.mark.parametrize("field,value,param", [
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
     ("min_p", 1.5, "min_p"), ("n", 0, "n"), ("max_tokens", 0, "max_tokens"),
-    ("logprobs", 21, "logprobs"), ("stop", [""], "stop"), ("echo", True, "echo"),
+    ("logprobs", 21, "logprobs"), ("stop", [""], "stop"), ("prompt_logprobs", 21,
+                                                              "prompt_logprobs"),
     ("presence_penalty", 2.5, "presence_penalty"), ("best_of", 3, "best_of"),
     ("logit_bias", {"x": 2.0}, "logit_bias"), ("use_beam_search", True, "use_beam_search"),
 ])

@@ -72,7 +72,12 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-logprobs-volume", type=_positive_int, default=1 << 18, metavar="N",
                    help="a request asking for logprobs gets 400 when n x max_tokens (at most "
                         "the context) x max(top logprobs, 1) is above N: what one answer "
-                        "may carry (default: 262144, about 20 MB of JSON)")
+                        "may carry (default: 262144, about 20 MB of JSON); prompt logprobs "
+                        "(prompt_logprobs, echo with logprobs) count prompt tokens x max(top "
+                        "N, 1), and a list of prompts multiplies the completions' volume")
+    p.add_argument("--max-prompts", type=_positive_int, default=1024, metavar="N",
+                   help="/v1/completions requests with a list of more than N prompts get 400 "
+                        "(default: 1024)")
     add_structured_args(p)
     add_access_args(p)
     p.add_argument("--log-level", default="info",

@@ -17,11 +17,10 @@ from pydantic import BaseModel
 
 from slotserve.config import FinishReason
 from slotserve.engine.outputs import CompletionOutput
-from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
 
 if TYPE_CHECKING:
-    from slotserve.server.generation import Generation
+    from slotserve.server.generation import Generation, Generations
 
 
 async def whole_answer(build: Callable[..., BaseModel], *args) -> Response:
@@ -33,16 +32,48 @@ async def whole_answer(build: Callable[..., BaseModel], *args) -> Response:
     return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
-def completion_response(stream: Generation, finals: list[CompletionOutput],
-                        params: SamplingParams, tokenizer, model_name: str
+def completion_response(stream: Generations, finals: list[CompletionOutput],
+                        body: p.CompletionRequest, tokenizer, model_name: str
                         ) -> p.CompletionResponse:
     choices = [p.CompletionChoice(
-        index=c.index, text=c.text, finish_reason=c.finish_reason,
-        logprobs=None if params.logprobs is None else
-        p.completion_logprobs(tokenizer, c.token_ids, c.logprobs or []))
+        index=c.index, text=_echoed(stream, c, body) + c.text, finish_reason=c.finish_reason,
+        logprobs=completion_choice_logprobs(stream, c, body, tokenizer, c.token_ids,
+                                            c.logprobs),
+        prompt_logprobs=choice_prompt_logprobs(stream, c.index, body, tokenizer))
         for c in finals]
     return p.CompletionResponse(id=stream.request_id, model=model_name,
                                 choices=choices, usage=stream.usage(finals))
+
+
+def _echoed(stream: Generations, c: CompletionOutput, body: p.CompletionRequest) -> str:
+    """The prompt's text when the request asks for echo, else ""."""
+    return (stream.generation_of(c.index).prompt_text or "") if body.echo else ""
+
+
+def completion_choice_logprobs(stream: Generations, c: CompletionOutput,
+                               body: p.CompletionRequest, tokenizer, token_ids: list[int],
+                               logprobs, echo: bool = True) -> p.CompletionLogprobs | None:
+    """A completion choice's logprobs of `token_ids` (None unless asked); with echo (and
+    `echo` true: the choice's first piece), the prompt tokens' before them."""
+    if body.logprobs is None:
+        return None
+    result = p.completion_logprobs(tokenizer, token_ids, logprobs or [])
+    if not (echo and body.echo):
+        return result
+    prompt = stream.generation_of(c.index)
+    entries = prompt.prompt_logprobs or [None] * len(prompt.prompt_ids)
+    return p.join_logprobs(p.echo_logprobs(tokenizer, prompt.prompt_ids, entries,
+                                           body.logprobs), result)
+
+
+def choice_prompt_logprobs(stream: Generations, index: int, body: p.CompletionRequest,
+                           tokenizer) -> list | None:
+    """vLLM's prompt_logprobs of a choice (None unless the request set prompt_logprobs)."""
+    prompt = stream.generation_of(index)
+    if body.prompt_logprobs is None or prompt.prompt_logprobs is None:
+        return None
+    return p.prompt_logprobs(tokenizer, prompt.prompt_ids, prompt.prompt_logprobs,
+                             prompt.prompt_logprob_ranks, body.prompt_logprobs)
 
 
 def chat_response(stream: Generation, finals: list[CompletionOutput],

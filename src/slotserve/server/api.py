@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: `build_app(async_engine, model_name)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stateless;
+JSON or SSE streams),
 GET /v1/models (and /v1/models/{name}), /health, /metrics (Prometheus), /debug/trace
 (the engine's iteration trace), POST /reset_prefix_cache (admin: drop the cached free KV
 blocks). The server reads the engine only through its read side (`snapshot()`,
@@ -75,6 +76,7 @@ from slotserve.server.limits import (
 )
 from slotserve.server.live import build_live_router
 from slotserve.server.protocol import APIError
+from slotserve.server.protocol.responses_api import ResponsesRequest
 
 __all__ = ["Server", "ServerLimits", "build_app"]
 
@@ -137,6 +139,10 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         check_priority(request, body.priority)
         return await server().chat(body, request)
+
+    @app.post("/v1/responses", responses=GENERATION_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request):
+        return await server().responses(body, request)
 
     @app.post("/tokenize", responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})
     async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:

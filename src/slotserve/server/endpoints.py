@@ -18,9 +18,11 @@ from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
 from slotserve.server.answers import chat_response, completion_response, whole_answer
 from slotserve.server.auth import tenant_of
-from slotserve.server.generation import Generation, scheduling_keywords
+from slotserve.server.generation import Generation, Generations, scheduling_keywords
 from slotserve.server.limits import ServerLimits, client_request_id
 from slotserve.server.protocol import APIError
+from slotserve.server.protocol import responses_api as r
+from slotserve.server.responses_api import events_response, response_events, response_object
 from slotserve.server.sse import chat_chunks, completion_chunks, sse_response
 from slotserve.server.tenants import UserTenants
 
@@ -117,13 +119,18 @@ class Server:
         return len(generations)
 
     # ---------------------------------------------------------------- endpoints
-    def _generation(self, prefix: str, prompt_ids: list[int], params: SamplingParams,
+    def _generation(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt_param: str, request: Request,
-                    body: p.CompletionRequest | p.ChatCompletionRequest) -> Generation:
-        generation = Generation(self, p.new_id(prefix), prompt_ids, params, prompt_param,
-                                 tenant=self.user_tenants.tenant(tenant_of(request), body.user),
-                                 client_id=client_request_id(request.scope),
-                                 cache_salt=body.cache_salt, scheduling=scheduling_keywords(body))
+                    body: p.CompletionRequest | p.ChatCompletionRequest,
+                    prompt_text: str | None = None) -> Generation:
+        """One engine request. NOTE: it takes the engine and the Retry-After value, not the
+        Server (no import cycle between the server's modules)."""
+        generation = Generation(self.engine, self.retry_after_s, request_id, prompt_ids, params,
+                                prompt_param,
+                                tenant=self.user_tenants.tenant(tenant_of(request), body.user),
+                                client_id=client_request_id(request.scope),
+                                cache_salt=body.cache_salt, scheduling=scheduling_keywords(body),
+                                prompt_text=prompt_text)
         self._generations.add(generation)
         return generation
 
@@ -134,29 +141,69 @@ class Server:
         return self.limits.sampling_params(body, self.engine.max_total_tokens)
 
     async def completions(self, body: p.CompletionRequest, request: Request):
+        """One choice per prompt and per n (see CompletionRequest); every prompt is admitted
+        or none (Generations)."""
         params = self._sampling_params(body)
+        prompts = body.engine_prompts(self.limits.max_prompts)
         await self._check_structured(params, body.structured_spec()[1])
-        ids = await self._prompt_ids(body.engine_prompt())
-        stream = self._generation("cmpl", ids, params, "prompt", request, body)
-        first = await stream.start(request)
+        ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
+        self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))
+        texts = await self._prompt_texts(prompts, ids) if body.echo else [None] * len(ids)
+        request_id = p.new_id("cmpl")
+        stream = Generations(request_id, [
+            self._generation(request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids,
+                             params, "prompt", request, body, text)
+            for i, (prompt_ids, text) in enumerate(zip(ids, texts))])
+        firsts = await stream.start(request)
         if body.stream:
-            return sse_response(completion_chunks(stream, first, body, self.tokenizer,
+            return sse_response(completion_chunks(stream, firsts, body, self.tokenizer,
                                                   self.model_name), stream)
-        finals = await stream.collect(request, first)
-        return await whole_answer(completion_response, stream, finals, params, self.tokenizer,
+        finals = await stream.collect(request, firsts)
+        return await whole_answer(completion_response, stream, finals, body, self.tokenizer,
                                   self.model_name)
+
+    async def _prompt_texts(self, prompts: list[str | list[int]], ids: list[list[int]]
+                            ) -> list[str]:
+        """Each prompt's text (echo): as sent, or its token ids decoded (off the loop)."""
+        if self.tokenizer is None:
+            return [prompt if isinstance(prompt, str) else "" for prompt in prompts]
+        return [prompt if isinstance(prompt, str) else
+                await self._off_loop(self.tokenizer.decode, prompt_ids,
+                                     skip_special_tokens=False)
+                for prompt, prompt_ids in zip(prompts, ids)]
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         params = self._sampling_params(body)
         await self._check_structured(params, body.constraint_param())
         ids = await self._chat_ids(body)
-        stream = self._generation("chatcmpl", ids, params, "messages", request, body)
+        stream = self._generation(p.new_id("chatcmpl"), ids, params, "messages", request, body)
         first = await stream.start(request)
         if body.stream:
             return sse_response(chat_chunks(stream, first, body, self.tokenizer,
                                             self.model_name), stream)
         finals = await stream.collect(request, first)
         return await whole_answer(chat_response, stream, finals, body, self.tokenizer,
+                                  self.model_name)
+
+    async def responses(self, body: r.ResponsesRequest, request: Request):
+        """POST /v1/responses (stateless): the request runs as its chat request (template,
+        sampling, tools, structured outputs and their pre-check); errors name this API's
+        fields (input, max_output_tokens, text.format)."""
+        try:
+            chat = body.to_chat()
+            params = self._sampling_params(chat)
+            await self._check_structured(params, chat.constraint_param())
+            ids = await self._chat_ids(chat)
+        except APIError as exc:
+            raise r.renamed(exc) from exc
+        plan = chat.tool_plan()
+        stream = self._generation(r.new_response_id(), ids, params, "input", request, chat)
+        first = await stream.start(request)
+        if body.stream:
+            return events_response(response_events(stream, first, body, plan,
+                                                   self.model_name), stream)
+        finals = await stream.collect(request, first)
+        return await whole_answer(response_object, stream, finals, body, plan,
                                   self.model_name)
 
     async def _check_structured(self, params: SamplingParams, param: str | None) -> None:

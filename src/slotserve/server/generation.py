@@ -1,25 +1,24 @@
 """One request's run on the engine: admission, its outputs, errors as APIError, aborts
-when the client leaves, and one log line per finished completion."""
+when the client leaves, and one log line per finished completion (`Generation`); the
+prompts of one /v1/completions request run as one (`Generations`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from slotserve.config import FinishReason
 from slotserve.engine.async_engine import EngineClosedError, QueueFullError
+from slotserve.engine.client import EngineClient
 from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
 from slotserve.server.protocol import APIError
-
-if TYPE_CHECKING:
-    from slotserve.server.endpoints import Server
 
 logger = logging.getLogger("slotserve.server")
 
@@ -33,24 +32,31 @@ class Generation:
     """One request's engine stream, with errors mapped to APIError and one log line per
     finished completion.
 
+    engine: the engine client; retry_after_s: the Retry-After of a 429 or an SLO's 503.
     request_id: the server's own (the engine's id). tenant: whose request it is (from the
     API key; "default" without keys). client_id: the client's X-Request-Id (logged only).
-    cache_salt: the request's, for the engine's prefix cache.
+    cache_salt: the request's, for the engine's prefix cache. prompt_text: the prompt as
+    text (echo), when known.
     """
 
-    def __init__(self, server: Server, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, prompt_param: str, tenant: str = "default",
-                 client_id: str | None = None, cache_salt: str | None = None,
-                 scheduling: dict | None = None) -> None:
-        self.server = server
+    def __init__(self, engine: EngineClient, retry_after_s: int, request_id: str,
+                 prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                 tenant: str = "default", client_id: str | None = None,
+                 cache_salt: str | None = None, scheduling: dict | None = None,
+                 prompt_text: str | None = None) -> None:
+        self.retry_after_s = retry_after_s
         self.request_id = request_id
         self.params = params
         self.prompt_param = prompt_param
         self.tenant = tenant
         self.client_id = client_id
-        self.outputs = server.engine.generate(request_id, prompt_ids, params,
-                                              cache_salt=cache_salt, tenant=tenant,
-                                              **(scheduling or {}))
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.outputs = engine.generate(request_id, prompt_ids, params, cache_salt=cache_salt,
+                                       tenant=tenant, **(scheduling or {}))
+        # With params.prompt_logprobs: completion 0's, once its prefill is done
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
         self.prompt_tokens = 0
         # NOTE: choice 0's, as the usage counts the prompt once (its siblings may find
         # more of it cached: choice 0 computed it)
@@ -62,10 +68,14 @@ class Generation:
     async def start(self, request: Request) -> RequestOutput:
         """Admit the request and wait for its first output (server/api.py's NOTE says why)."""
         try:
-            first = await self._guarded(unless_disconnected(request, self._next()))
+            return await unless_disconnected(request, self.admit())
         except ClientGone:
             logger.info("aborted %s: the client left before the first token", self.log_name)
             raise
+
+    async def admit(self) -> RequestOutput:
+        """`start` without watching the connection (the caller does)."""
+        first = await self._guarded(self._next())
         self._check_rejected(first)  # NOTE: before any response starts: a real 503
         self.prompt_tokens = len(first.prompt_token_ids)
         self.cached_tokens = first.num_cached_tokens  # NOTE: final once a token came
@@ -74,35 +84,56 @@ class Generation:
 
     async def collect(self, request: Request, first: RequestOutput) -> list[CompletionOutput]:
         """Run to the end (aborting if the client leaves); the final completions by index."""
-        async def drain() -> None:
-            async for _ in self.completions(first):
-                pass
-
         try:
-            await self._guarded(unless_disconnected(request, drain()))
+            await unless_disconnected(request, self.drain(first))
         finally:
             await self.aclose()
         return sorted(self.finals, key=lambda c: c.index)
 
+    async def drain(self, first: RequestOutput) -> None:
+        """Run to the end (the caller watches the connection and closes the stream)."""
+        async for _ in self.completions(first):
+            pass
+
     async def completions(self, first: RequestOutput) -> AsyncIterator[CompletionOutput]:
-        """Every output's completion, first included; raises APIError on a failure."""
-        self._count(first)
-        yield self._check(first.outputs[0], first.error)
+        """Every output's completion, first included; raises APIError on a failure.
+
+        NOTE: with prompt logprobs, a completion other than 0 is held back until completion
+        0's first output brings them (it computes them for all), so that every choice's
+        first piece can carry them (echo with logprobs)."""
+        held: list[CompletionOutput] = []
+        out = first
         while True:
+            self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
+            self._count(out)
+            c = self._check(out.outputs[0], out.error)
+            if self._waits_for_prompt_logprobs(c):
+                held.append(c)
+            else:
+                yield c
+                while held:
+                    yield held.pop(0)
             try:
                 out = await self._guarded(self._next())
             except StopAsyncIteration:
+                for c in held:  # NOTE: only if completion 0 never brought them
+                    yield c
                 return
-            self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
-            self._count(out)
-            yield self._check(out.outputs[0], out.error)
+
+    def _waits_for_prompt_logprobs(self, c: CompletionOutput) -> bool:
+        return (self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+                and c.index != 0)
 
     def _count(self, out: RequestOutput) -> None:
-        """Note an output's tokens so far and (choice 0) its prompt tokens found cached."""
+        """Note an output's tokens so far, (choice 0) its prompt tokens found cached and the
+        prompt logprobs."""
         c = out.outputs[0]
         self.tokens_so_far[c.index] = len(c.token_ids)
         if c.index == 0:
             self.cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprob_ranks = out.prompt_logprob_ranks
 
     async def _next(self) -> RequestOutput:
         return await anext(self.outputs)
@@ -132,7 +163,7 @@ class Generation:
         raise APIError(f"the server cannot meet this request's latency objective now "
                        f"({out.error or 'slo_ttft_ms'}); retry later", 503,
                        "service_unavailable", code="slo_unattainable",
-                       headers={"Retry-After": str(self.server.retry_after_s)})
+                       headers={"Retry-After": str(self.retry_after_s)})
 
     def _check(self, c: CompletionOutput, error: str | None = None) -> CompletionOutput:
         grammar_rejected = (error or "").startswith("GrammarRejectedToken")
@@ -175,7 +206,7 @@ class Generation:
         except QueueFullError as exc:
             raise APIError(f"the server is busy: {exc}; retry later", 429,
                            "rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.server.retry_after_s)}) from exc
+                           headers={"Retry-After": str(self.retry_after_s)}) from exc
         except EngineClosedError as exc:
             raise APIError(str(exc), 503, "service_unavailable") from exc
         except ValueError as exc:
@@ -183,6 +214,135 @@ class Generation:
             raise error from exc
         except RuntimeError as exc:  # the engine failed (its loop goes on)
             raise APIError(str(exc), 500, "server_error") from exc
+
+
+class Generations:
+    """The prompts of one /v1/completions request, run as one answer: a Generation per
+    prompt (n completions each); choice index = prompt index x n + completion index
+    (OpenAI's order). Admission is all or nothing: if one prompt is refused (a 429 when
+    the prompts x n sequences pass the waiting bound), the others are aborted."""
+
+    def __init__(self, request_id: str, generations: list[Generation]) -> None:
+        self.request_id = request_id
+        self.generations = generations
+        self.params = generations[0].params
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    def generation_of(self, index: int) -> Generation:
+        """The Generation of the prompt whose choice `index` is."""
+        return self.generations[index // self.n]
+
+    @property
+    def finals(self) -> list[CompletionOutput]:
+        return [self._renumbered(i, c) for i, g in enumerate(self.generations)
+                for c in g.finals]
+
+    async def start(self, request: Request) -> list[RequestOutput]:
+        """Admit every prompt and wait for each one's first output (as Generation.start)."""
+        try:
+            return await unless_disconnected(request, self._admit_all())
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _admit_all(self) -> list[RequestOutput]:
+        if len(self.generations) == 1:
+            return [await self.generations[0].admit()]
+        tasks = [asyncio.ensure_future(g.admit()) for g in self.generations]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
+        if failed:
+            raise failed[0]
+        return [t.result() for t in tasks]
+
+    async def collect(self, request: Request, firsts: list[RequestOutput]
+                      ) -> list[CompletionOutput]:
+        """Run every prompt to the end; the final completions by (renumbered) index."""
+        try:
+            await unless_disconnected(request, asyncio.gather(
+                *(g.drain(first) for g, first in zip(self.generations, firsts))))
+        finally:
+            await self.aclose()
+        return sorted(self.finals, key=lambda c: c.index)
+
+    async def completions(self, firsts: list[RequestOutput]
+                          ) -> AsyncIterator[CompletionOutput]:
+        """Every prompt's completions as they come, renumbered (see the class)."""
+        if len(self.generations) == 1:  # NOTE: the common case: no tasks, no copies
+            async for c in self.generations[0].completions(firsts[0]):
+                yield c
+            return
+        streams = [self._numbered(i, g.completions(first))
+                   for i, (g, first) in enumerate(zip(self.generations, firsts))]
+        async for c in merged(streams):
+            yield c
+
+    async def _numbered(self, prompt_index: int, completions: AsyncIterator[CompletionOutput]
+                        ) -> AsyncIterator[CompletionOutput]:
+        async for c in completions:
+            yield self._renumbered(prompt_index, c)
+
+    def _renumbered(self, prompt_index: int, c: CompletionOutput) -> CompletionOutput:
+        if prompt_index == 0:
+            return c
+        return dataclasses.replace(c, index=prompt_index * self.n + c.index)
+
+    def usage(self, finals: list[CompletionOutput]) -> p.UsageInfo:
+        """Every prompt's tokens, once each, and every completion's."""
+        return p.UsageInfo.of(sum(g.prompt_tokens for g in self.generations),
+                              sum(len(c.token_ids) for c in finals),
+                              sum(g.cached_tokens for g in self.generations))
+
+    def usage_so_far(self) -> p.UsageInfo:
+        return p.UsageInfo.of(sum(g.prompt_tokens for g in self.generations),
+                              sum(sum(g.tokens_so_far.values()) for g in self.generations),
+                              sum(g.cached_tokens for g in self.generations))
+
+    async def aclose(self) -> None:
+        for g in self.generations:
+            await g.aclose()
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators as they come; the first error ends it (and
+    closes them all)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except BaseException as exc:  # NOTE: handed to the consumer, which raises it
+            await queue.put(exc)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 def scheduling_keywords(body: p.CompletionRequest | p.ChatCompletionRequest) -> dict:

@@ -34,6 +34,7 @@ DEFAULT_MAX_STOP_TOKEN_IDS = 128
 # Log-probabilities one answer may carry: n x max_tokens x max(top logprobs, 1). About 80
 # bytes of JSON each: this bound is about 20 MB (n=16 x 256 tokens x top 20 is 81,920).
 DEFAULT_MAX_LOGPROBS_VOLUME = 1 << 18
+DEFAULT_MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 # Host names a server bound to a loopback address always answers (a page elsewhere that
 # resolves its own name to 127.0.0.1, DNS rebinding, sends its own name instead).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -72,8 +73,11 @@ class ServerLimits:
     (StructuredLimits; past one: 400 naming the field).
     max_n: completions per request (n); more get 400.
     max_stop_token_ids: more stop_token_ids get 400.
-    max_logprobs_volume: a request asking for logprobs gets 400 when n x max_tokens (bounded
-    by the context) x max(top logprobs, 1) is larger (the answer's size and build time).
+    max_logprobs_volume: a request asking for logprobs gets 400 when prompts x n x max_tokens
+    (bounded by the context) x max(top logprobs, 1) is larger (the answer's size and build
+    time); one asking for prompt logprobs (prompt_logprobs, echo with logprobs) when its
+    prompt tokens x max(top N, 1) is.
+    max_prompts: prompts in one /v1/completions request (a list); more get 400.
     default_max_tokens: the max_tokens of a request that names none (None: chat 1024,
     completions 16, OpenAI's legacy default); max_tokens caps it too.
     allowed_hosts: the Host names (a name, `*.domain`, or an IP; any port) requests must
@@ -93,6 +97,7 @@ class ServerLimits:
     max_logprobs_volume: int | None = DEFAULT_MAX_LOGPROBS_VOLUME
     default_max_tokens: int | None = None
     allowed_hosts: tuple[str, ...] | None = None
+    max_prompts: int = DEFAULT_MAX_PROMPTS
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
@@ -102,7 +107,7 @@ class ServerLimits:
                              f"{self.max_user_tenants!r}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
                      "max_stop_chars", "max_n", "max_stop_token_ids", "max_logprobs_volume",
-                     "default_max_tokens"):
+                     "default_max_tokens", "max_prompts"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
@@ -134,15 +139,32 @@ class ServerLimits:
             return
         tokens = params.max_tokens if max_context is None else min(params.max_tokens,
                                                                      max_context)
-        volume = params.n * tokens * max(params.logprobs, 1)
+        prompts = getattr(body, "num_prompts", 1)
+        volume = prompts * params.n * tokens * max(params.logprobs, 1)
         if volume <= self.max_logprobs_volume:
             return
         param = "top_logprobs" if getattr(body, "top_logprobs", None) else "logprobs"
-        raise APIError(f"{param}: n ({params.n}) x max_tokens ({tokens}) x top logprobs "
-                       f"({max(params.logprobs, 1)}) = {volume} log-probabilities, more than "
-                       f"one answer may carry on this server ({self.max_logprobs_volume}, "
-                       "--max-logprobs-volume); ask for fewer", param=param,
+        times_prompts = f"prompts ({prompts}) x " if prompts > 1 else ""
+        raise APIError(f"{param}: {times_prompts}n ({params.n}) x max_tokens ({tokens}) x top "
+                       f"logprobs ({max(params.logprobs, 1)}) = {volume} log-probabilities, "
+                       "more than one answer may carry on this server "
+                       f"({self.max_logprobs_volume}, --max-logprobs-volume); ask for fewer",
+                       param=param,
                        code="logprobs_limit_exceeded")
+
+
+    def check_prompt_logprobs_volume(self, params: SamplingParams, prompt_tokens: int) -> None:
+        """APIError (400, param "prompt_logprobs") when the prompt logprobs asked (all
+        prompts' tokens x max(top N, 1)) pass max_logprobs_volume."""
+        if params.prompt_logprobs is None or self.max_logprobs_volume is None:
+            return
+        volume = prompt_tokens * max(params.prompt_logprobs, 1)
+        if volume > self.max_logprobs_volume:
+            raise APIError(f"prompt_logprobs: prompt tokens ({prompt_tokens}) x top logprobs "
+                           f"({max(params.prompt_logprobs, 1)}) = {volume} log-probabilities, "
+                           "more than one answer may carry on this server "
+                           f"({self.max_logprobs_volume}, --max-logprobs-volume); ask for fewer",
+                           param="prompt_logprobs", code="logprobs_limit_exceeded")
 
 
 def check_host_pattern(pattern: str) -> str:

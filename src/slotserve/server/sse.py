@@ -12,42 +12,71 @@ from fastapi.responses import StreamingResponse
 
 from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.server import protocol as p
-from slotserve.server.answers import chat_choice_logprobs, chat_finish_reason
+from slotserve.server.answers import (
+    chat_choice_logprobs,
+    chat_finish_reason,
+    choice_prompt_logprobs,
+    completion_choice_logprobs,
+)
 from slotserve.server.protocol import APIError
 
 if TYPE_CHECKING:
-    from slotserve.server.generation import Generation
+    from slotserve.server.generation import Generation, Generations
 
 
-async def completion_chunks(stream: Generation, first: RequestOutput, body: p.CompletionRequest,
-                            tokenizer, model_name: str) -> AsyncIterator[dict]:
+async def completion_chunks(stream: Generations, firsts: list[RequestOutput],
+                            body: p.CompletionRequest, tokenizer, model_name: str
+                            ) -> AsyncIterator[dict]:
     """A completion's stream chunks (one per choice's new text, logprobs or finish; then
-    the usage when include_usage)."""
+    the usage when include_usage). With echo, each choice's first chunk is its prompt."""
     offsets: dict[int, int] = {}
-    plain = PlainChunks(body.logprobs is None and not body.continuous_usage)
-    async for c in stream.completions(first):
+    plain = PlainChunks(body.logprobs is None and not body.continuous_usage and not body.echo
+                        and body.prompt_logprobs is None)
+
+    def chunk(choice: p.CompletionChoice) -> dict:
+        return _chunk(p.CompletionResponse(id=stream.request_id, model=model_name,
+                                           choices=[choice],
+                                           usage=_running_usage(stream, body)),
+                      body.include_usage)
+
+    async for c in stream.completions(firsts):
+        if c.index not in offsets:
+            offsets[c.index] = 0
+            if body.echo or body.prompt_logprobs is not None:
+                opening, offsets[c.index] = _opening_choice(stream, c, body, tokenizer)
+                yield chunk(opening)
         with_logprobs = body.logprobs is not None and c.delta_token_ids
         if not (c.delta_text or with_logprobs or c.finished):
             continue
         if plain.enabled and c.delta_text and not c.finished:
-            yield plain.chunk(c.index, c.delta_text, lambda index: _chunk(p.CompletionResponse(
-                id=stream.request_id, model=model_name,
-                choices=[p.CompletionChoice(index=index, text="")]), body.include_usage))
+            yield plain.chunk(c.index, c.delta_text, lambda index: chunk(
+                p.CompletionChoice(index=index, text="")))
             continue
         logprobs = None
         if body.logprobs is not None:
             ids, lps = _delta_logprobs(c)
-            logprobs = p.completion_logprobs(tokenizer, ids, lps, offsets.get(c.index, 0))
-        offsets[c.index] = offsets.get(c.index, 0) + len(c.delta_text)
-        choice = p.CompletionChoice(index=c.index, text=c.delta_text, logprobs=logprobs,
-                                    finish_reason=c.finish_reason)
-        yield _chunk(p.CompletionResponse(id=stream.request_id, model=model_name,
-                                          choices=[choice],
-                                          usage=_running_usage(stream, body)),
-                     body.include_usage)
+            logprobs = p.completion_logprobs(tokenizer, ids, lps, offsets[c.index])
+        offsets[c.index] += len(c.delta_text)
+        yield chunk(p.CompletionChoice(index=c.index, text=c.delta_text, logprobs=logprobs,
+                                       finish_reason=c.finish_reason))
     if body.include_usage:
         yield p.CompletionResponse(id=stream.request_id, model=model_name, choices=[],
                                    usage=stream.usage(stream.finals)).model_dump()
+
+
+def _opening_choice(stream: Generations, c: CompletionOutput, body: p.CompletionRequest,
+                    tokenizer) -> tuple[p.CompletionChoice, int]:
+    """A choice's first chunk with echo or prompt_logprobs: the prompt's text (echo), its
+    tokens' logprobs (echo with logprobs) and vLLM's prompt_logprobs; and the text offset
+    its completion's logprobs start at."""
+    text = (stream.generation_of(c.index).prompt_text or "") if body.echo else ""
+    logprobs = completion_choice_logprobs(stream, c, body, tokenizer, [], [])
+    offset = 0
+    if logprobs is not None and logprobs.tokens:
+        offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    return p.CompletionChoice(
+        index=c.index, text=text, logprobs=logprobs,
+        prompt_logprobs=choice_prompt_logprobs(stream, c.index, body, tokenizer)), offset
 
 
 async def chat_chunks(stream: Generation, first: RequestOutput, body: p.ChatCompletionRequest,
@@ -163,8 +192,8 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
             yield _ToolCallPiece(c, None, chat_finish_reason(c, plan))
 
 
-def _running_usage(stream: Generation, body: p.CompletionRequest | p.ChatCompletionRequest
-                   ) -> p.UsageInfo | None:
+def _running_usage(stream: Generation | Generations,
+                   body: p.CompletionRequest | p.ChatCompletionRequest) -> p.UsageInfo | None:
     """A content chunk's usage: the usage so far with continuous_usage_stats, else None."""
     return stream.usage_so_far() if body.continuous_usage else None
 
@@ -199,12 +228,14 @@ def _delta_logprobs(c: CompletionOutput) -> tuple[list[int], list[dict[int, floa
     return ids, c.logprobs[len(c.token_ids) - len(ids):]
 
 
-def sse_response(chunks: AsyncIterator[dict], stream: Generation) -> StreamingResponse:
+def sse_response(chunks: AsyncIterator[dict], stream: Generation | Generations
+                 ) -> StreamingResponse:
     return StreamingResponse(_sse_lines(chunks, stream), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse_lines(chunks: AsyncIterator[dict], stream: Generation) -> AsyncIterator[str]:
+async def _sse_lines(chunks: AsyncIterator[dict], stream: Generation | Generations
+                     ) -> AsyncIterator[str]:
     """`data: {json}` events, an error event if the generation fails, then `data: [DONE]`."""
     try:
         async for data in chunks:

@@ -89,6 +89,7 @@ def server_limits(args: argparse.Namespace):
                         max_stop_token_ids=args.max_stop_token_ids,
                         max_logprobs_volume=args.max_logprobs_volume,
                         default_max_tokens=args.default_max_tokens,
+                        max_prompts=args.max_prompts,
                         allowed_hosts=allowed_hosts_for(args.host or DEFAULT_HOST,
                                                         args.allowed_hosts))
 

@@ -9,6 +9,7 @@ from slotserve.server.protocol.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
     TopLogprob,
 )
 
@@ -64,6 +65,59 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
         result.top_logprobs.append({token_text(tokenizer, t): _finite(lp) for t, lp in ranked})
         result.text_offset.append(offset)
         offset += len(text)
+    return result
+
+
+def echo_logprobs(tokenizer, prompt_ids: list[int],
+                  entries: list[dict[int, float] | None], top_n: int) -> CompletionLogprobs:
+    """The prompt's tokens in the legacy shape (echo with logprobs): the first token's
+    logprob and top logprobs null (nothing comes before it), the others with their `top_n`
+    most likely alternatives (the engine computed at least that many)."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        text = token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(_logprob(entry, token_id))
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        result.top_logprobs.append({token_text(tokenizer, t): _finite(lp) for t, lp in ranked})
+    return result
+
+
+def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """`second` after `first` (its text offsets moved past first's text)."""
+    shift = first.text_offset[-1] + len(first.tokens[-1]) if first.tokens else 0
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + [o + shift
+                                                               for o in second.text_offset])
+
+
+def prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None],
+                    ranks: list[int | None], top_n: int
+                    ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, rank, decoded_token}}
+    with the token itself and the `top_n` most likely (None for the first token)."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for token_id, entry, rank in zip(prompt_ids, entries, ranks):
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        shown = {t: PromptLogprob(logprob=_finite(lp), rank=i + 1,
+                                  decoded_token=token_text(tokenizer, t))
+                 for i, (t, lp) in enumerate(ranked)}
+        if token_id not in shown:
+            shown[token_id] = PromptLogprob(logprob=_logprob(entry, token_id), rank=rank,
+                                            decoded_token=token_text(tokenizer, token_id))
+        result.append({str(t): v for t, v in shown.items()})
     return result
 
 

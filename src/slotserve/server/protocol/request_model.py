@@ -88,17 +88,23 @@ class RequestModel(BaseModel):
     def _report_ignored(cls, data: Any, handler):
         model = handler(data)  # NOTE: an invalid body is a 400; nothing to report
         if isinstance(data, dict):
-            refused = [name for name, value in data.items() if name not in cls.model_fields
+            declared = cls._declared_names()
+            refused = [name for name, value in data.items() if name not in declared
                        and name in cls.refused_fields
                        and not _is_one_of(value, cls.refused_fields[name])]
             model._refused = refused
             ignored = [name for name, value in data.items() if name not in refused and (
-                name not in cls.model_fields
+                name not in declared
                 or (name in cls.unused_fields and value is not None))]
             if ignored:
                 IGNORED_FIELDS.note(f"{cls.field_prefix}{name}" for name in ignored)
         return model
 
+
+    @classmethod
+    def _declared_names(cls) -> set[str]:
+        """The body keys the model reads: its fields' names and aliases."""
+        return set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
 
 
 def _is_one_of(value: Any, harmless: tuple[Any, ...]) -> bool:

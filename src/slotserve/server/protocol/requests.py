@@ -3,6 +3,7 @@ and their conversion to the engine's SamplingParams."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -85,7 +86,7 @@ class CommonRequest(ModelNamed):
     refused_fields: ClassVar[dict[str, tuple]] = {
         "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
         "include_stop_str_in_output": (False,), "truncate_prompt_tokens": (),
-        "spaces_between_special_tokens": (True,), "prompt_logprobs": (),
+        "spaces_between_special_tokens": (True,),
         "guided_whitespace_pattern": (), "logits_processors": (), "logits_processor_pattern": (),
         "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
         "bad_words_token_ids": (), "detokenize": (True,),
@@ -155,7 +156,13 @@ class CommonRequest(ModelNamed):
 
 
 class CompletionRequest(CommonRequest, StructuredFields):
-    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of one of those."""
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either
+    (one choice per prompt and per n, OpenAI's order: prompt i's j-th is choice i x n + j).
+
+    echo: the answer's text starts with the prompt's (with logprobs: the prompt tokens'
+    logprobs too, the first one null, as OpenAI's). prompt_logprobs (vLLM's): the top N at
+    every prompt position, in each choice's `prompt_logprobs`.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     refused_fields: ClassVar[dict[str, tuple]] = {
@@ -163,26 +170,52 @@ class CompletionRequest(CommonRequest, StructuredFields):
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool | None = False
+    prompt_logprobs: int | None = None  # extension (vLLM's)
     best_of: int | None = None
     suffix: str | None = None
 
-    def engine_prompt(self) -> str | list[int]:
-        """The one prompt to run (batches of prompts are refused: send one request each)."""
+    def engine_prompts(self, max_prompts: int | None = None) -> list[str | list[int]]:
+        """The prompts to run, each a string or a list of token ids. APIError (400, param
+        "prompt") for an empty list or more than `max_prompts` prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError("prompt must not be empty (a string, token ids, or a list of "
+                           "either)", param="prompt")
+        if not isinstance(prompt[0], (str, list)):
+            return [prompt]  # one prompt of token ids
+        if max_prompts is not None and len(prompt) > max_prompts:
+            raise APIError(f"prompt: at most {max_prompts} prompts per request on this server "
+                           f"(--max-prompts), got {len(prompt)}", param="prompt",
+                           code="prompt_limit_exceeded")
+        return list(prompt)
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the body holds (before any check)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError("a batch of prompts is not supported; send one prompt per "
-                               "request", param="prompt")
-            prompt = prompt[0]
-        return prompt
+            return len(prompt)
+        return 1
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The answer carries the prompt tokens' logprobs (echo with logprobs)."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def _prompt_logprobs(self) -> int | None:
+        """The top N the engine computes at each prompt position: prompt_logprobs, and
+        echo's logprobs (the larger of the two when both are asked)."""
+        wanted = [n for n in (self.prompt_logprobs,
+                              self.logprobs if self.echo_logprobs else None) if n is not None]
+        return max(wanted) if wanted else None
 
     def to_sampling_params(self, max_tokens_cap: int | None = None,
                            default_max_tokens: int | None = None) -> SamplingParams:
         """SamplingParams, or APIError (400) naming the field; max_tokens_cap: the server's
         bound on max_tokens (it also caps the default); default_max_tokens: the max_tokens
         of a request that names none (None: DEFAULT_COMPLETION_MAX_TOKENS)."""
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of not in (None, 1, self.n):
@@ -193,6 +226,8 @@ class CompletionRequest(CommonRequest, StructuredFields):
             max_tokens = _capped(default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                  max_tokens_cap)
         params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
+        params = with_prompt_logprobs(params, self.prompt_logprobs)  # NOTE: checks it first
+        params = with_prompt_logprobs(params, self._prompt_logprobs())
         return with_structured(params, self.structured_spec()[0])
 
 
@@ -231,6 +266,7 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     messages: list[ChatMessage] = Field(min_length=1)
     refused_fields: ClassVar[dict[str, tuple]] = {
         **CommonRequest.refused_fields, "add_special_tokens": (False,), "echo": (False,),
+        "prompt_logprobs": (),
         "add_generation_prompt": (True,), "continue_final_message": (False,),
         "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
         "mm_processor_kwargs": (), "functions": (), "function_call": (),
@@ -285,6 +321,17 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
+
+
+def with_prompt_logprobs(params: SamplingParams, top_n: int | None) -> SamplingParams:
+    """`params` computing the prompt's logprobs (top_n at each position); unchanged when
+    None. APIError (400, param "prompt_logprobs") for a bad value."""
+    if top_n is None:
+        return params
+    try:
+        return dataclasses.replace(params, prompt_logprobs=top_n)
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from exc
 
 
 def _capped(default: int, cap: int | None) -> int:

@@ -36,10 +36,20 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """The legacy shape. With echo, the prompt's first token has null logprobs (OpenAI's)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -47,6 +57,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token {token id: PromptLogprob}, null for the first (prompt_logprobs)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class _Response(BaseModel):
