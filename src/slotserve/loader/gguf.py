@@ -37,6 +37,20 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# gemma3: its sandwich norms and q/k norms; `ffn_norm` is the norm before the MLP there.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_OF_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# The architectures whose RMSNorm weights convert_hf_to_gguf stores as 1 + w (Gemma's
+# `(1 + w)` norm): the loader subtracts the 1 again (in float32, as HF's GGUF loader does), so
+# the family's norm_offset adds it back.
+_NORM_SHIFTED_ARCHS = ("gemma3",)
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -54,30 +68,32 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     meta, tensors = read_gguf(path)
     config = model_config(meta, tensors, name=_model_name(path), path=path)
     check_config(path, config)
-    names = {_hf_name_in(path, t.name): t for t in tensors if t.name not in CONFIG_TENSORS}
+    arch = meta["general.architecture"]
+    names = {_hf_name_in(path, t.name, arch): t for t in tensors if t.name not in CONFIG_TENSORS}
     gguf_names = {hf: t.name for hf, t in names.items()}
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
-                        describe=lambda hf: gguf_names.get(hf, _gguf_name(hf)))
+                        describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
-    weights = {hf: _convert(t, config) for hf, t in names.items()}
+    weights = {hf: _convert(t, config, arch) for hf, t in names.items()}
     return config, weights, tokenizer
 
 
-def _hf_name_in(path: str, gguf_name: str) -> str:
+def _hf_name_in(path: str, gguf_name: str, arch: str) -> str:
     try:
-        return hf_name(gguf_name)
+        return hf_name(gguf_name, arch)
     except ValueError as exc:
         raise ModelFileError(path, str(exc)) from None
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     """The GGUF name of an HF weight name (for messages about missing tensors)."""
     for gguf, hf_base in _GLOBAL_NAMES.items():
         if hf.startswith(hf_base + "."):
             return gguf + hf.removeprefix(hf_base)
     _, _, layer, rest = hf.split(".", 3)
     base, _, kind = rest.rpartition(".")
-    short = {v: k for k, v in _LAYER_NAMES.items()}.get(base, base)
+    layer_names = _LAYER_NAMES_OF_ARCH.get(arch, _LAYER_NAMES)
+    short = {v: k for k, v in layer_names.items()}.get(base, base)
     return f"blk.{layer}.{short}.{kind}"
 
 
@@ -103,7 +119,7 @@ def _check_tokenizer_metadata(path: str, meta: dict[str, Any], vocab_size: int) 
         raise ModelFileError(path, "missing key tokenizer.ggml.tokens")
     if any(" " not in m for m in meta.get("tokenizer.ggml.merges", [])):
         raise ModelFileError(path, "tokenizer.ggml.merges holds an entry without a space")
-    for key in ("bos", "eos", "eot", "eom"):
+    for key in ("bos", "eos", "eot", "eom", "unknown"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and (type(token_id) is not int
                                      or not 0 <= token_id < vocab_size):
@@ -122,17 +138,19 @@ def _model_name(path: str) -> str:
 # -- tensors ----------------------------------------------------------------------------------
 
 
-def hf_name(gguf_name: str) -> str:
-    """HF Llama name of a GGUF tensor.
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """HF name of a GGUF tensor of architecture `arch`.
 
     `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, `output.weight` ->
-    `lm_head.weight`; a ValueError for anything else (`rope_freqs.weight` is config:
-    gguf_config reads it).
+    `lm_head.weight` (gemma3: `blk.3.ffn_norm.weight` ->
+    `model.layers.3.pre_feedforward_layernorm.weight`); a ValueError for anything else
+    (`rope_freqs.weight` is config: gguf_config reads it).
     """
+    layer_names = _LAYER_NAMES_OF_ARCH.get(arch, _LAYER_NAMES)
     if m := _LAYER_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part in layer_names:
+            return f"model.layers.{layer}.{layer_names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES:
@@ -142,10 +160,13 @@ def hf_name(gguf_name: str) -> str:
     )
 
 
-def _convert(tensor: GGUFTensor, config: ModelConfig) -> torch.Tensor:
-    """Dequantize one reader tensor to float32 in HF layout (Q/K rows un-permuted for llama)."""
+def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama") -> torch.Tensor:
+    """Dequantize one reader tensor to float32 in HF layout (Q/K rows un-permuted for llama,
+    Gemma's norms back to HF's w from llama.cpp's 1 + w)."""
     shape = tuple(reversed(tensor.shape))  # NOTE: GGUF lists ne0 (fastest) first
     weight = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(shape)
+    if arch in _NORM_SHIFTED_ARCHS and tensor.name.endswith("norm.weight"):
+        weight = weight - np.float32(1.0)
     if config.architecture == "llama":
         if ".attn_q." in tensor.name:
             weight = unpermute_qk(weight, config.num_attention_heads)

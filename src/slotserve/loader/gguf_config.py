@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,9 @@ from slotserve.loader.gguf_reader import GGUFTensor
 from slotserve.loader.gguf_vocab import gguf_eos_token_ids
 from slotserve.loader.validation import ModelFileError
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+# GGUF architecture -> ModelConfig.architecture (the family, model/families.py), where they differ.
+FAMILY_OF_ARCH = {"gemma3": "gemma3_text"}
 
 
 def model_config(
@@ -35,7 +38,7 @@ def model_config(
     bos = meta.get("tokenizer.ggml.bos_token_id")
     # NOTE: the keys below are read in this order, so a file with several problems names the
     # same one first as before.
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -50,11 +53,14 @@ def model_config(
         attention_bias=key.arch == "qwen2",
         bos_token_id=bos if type(bos) is int else None,  # NOTE: checked with the tokenizer
         eos_token_ids=_eos_token_ids(path, meta),
-        architecture=key.arch,
+        architecture=FAMILY_OF_ARCH.get(key.arch, key.arch),
         name=name,
         sliding_windows=_sliding_windows(path, meta, key.arch, key("block_count")),
         rope_scaling=_rope_scaling(key, tensors, head_dim),
     )
+    if key.arch == "gemma3":
+        config = dataclasses.replace(config, **_gemma3_fields(key, config))
+    return config
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,42 @@ class _ArchKeys:
 
     def present(self, suffix: str) -> bool:
         return f"{self.arch}.{suffix}" in self.meta
+
+
+# Gemma 3 as llama.cpp computes a `gemma3` file (llama-model.cpp, LLM_ARCH_GEMMA3): its 62-layer
+# model (27B) scales queries by (hidden / heads) ** -0.5, every other one by head_dim ** -0.5.
+GEMMA3_27B_LAYERS = 62
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # the sliding layers' RoPE base unless rope.freq_base_swa
+
+
+def _gemma3_fields(key: _ArchKeys, config: ModelConfig) -> dict[str, Any]:
+    """What a `gemma3` file's metadata says beyond the Llama keys, as llama.cpp reads it:
+    GeGLU (tanh GELU), the sliding layers' RoPE base, the query scale, the final soft-cap.
+
+    NOTE: the norms' +1 is undone where the weights are converted (gguf.py); the windows
+    (every 6th layer global) come from layer_windows.gguf_layer_windows.
+    """
+    if key.present("attention.value_length") and (
+            key("attention.value_length") != config.head_dim):
+        raise ModelFileError(key.path, f"gemma3.attention.value_length "
+                                       f"{key.meta['gemma3.attention.value_length']!r} != "
+                                       f"key_length {config.head_dim}: unsupported")
+    if key.present("attn_logit_softcapping"):  # NOTE: Gemma 3 has none; llama.cpp reads none
+        raise ModelFileError(key.path, f"gemma3.attn_logit_softcapping="
+                                       f"{key.meta['gemma3.attn_logit_softcapping']!r}: "
+                                       "attention soft-capping is not part of Gemma 3")
+    scalar = (config.hidden_size / config.num_attention_heads
+              if config.num_hidden_layers == GEMMA3_27B_LAYERS else config.head_dim)
+    # NOTE: convert_hf_to_gguf writes final_logit_softcapping only when the HF config sets
+    # it; HF's own GGUF loader drops the key, which would compute a different model.
+    cap = (float(key("final_logit_softcapping", kind=float))
+           if key.present("final_logit_softcapping") else None)
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        local_rope_theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, kind=float)),
+        query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=cap,
+    )
 
 
 def _architecture(path: str, meta: dict[str, Any]) -> str:

@@ -1,5 +1,7 @@
-"""A GGUF file's vocabulary (`tokenizer.ggml.*`) as a `tokenizers` byte-level BPE, with the
-pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`."""
+"""A GGUF file's vocabulary (`tokenizer.ggml.*`) as a `tokenizers` backend: a byte-level BPE
+(`tokenizer.ggml.model` "gpt2") with the pre-tokenizer llama.cpp uses for the file's
+`tokenizer.ggml.pre`, or Gemma's SentencePiece BPE (`tokenizer.ggml.model` "llama" in a
+`gemma3` file) built as HF transformers builds it from the same file."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 # GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL = 1
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 
@@ -85,3 +88,54 @@ def add_gguf_special_tokens(backend: Backend, tokens: list[str], types: Sequence
     user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+# The GGUF architectures whose SentencePiece vocabulary ("llama") is read, as Gemma's.
+SENTENCEPIECE_ARCHS = ("gemma3",)
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def gemma_sentencepiece(tokens: list[str], types: Sequence[int], unk_token: str) -> Backend:
+    """Gemma's SentencePiece BPE as a `tokenizers` BPE, as HF transformers builds it from a
+    GGUF (its `gemma_tokenizer`: GemmaTokenizer over the file's vocabulary).
+
+    - Tokens of two or more spaces are stored as spaces; the model looks them up as
+      SentencePiece spaces ("\u2581\u2581"), so they are respelled first.
+    - The file holds no merges: every split of a token into two vocabulary entries is a
+      merge, ranked by the token's place in the file (Gemma's scores do not follow its merge
+      order, the file's order does), then longer left part first (HF's `generate_merges`).
+    - Spaces become "\u2581" (no prefix space: Gemma's `add_space_prefix` is false), unknown
+      bytes fall back to the `<0xNN>` tokens, and decoding undoes both.
+    Control tokens become special added tokens; user-defined ones (newline runs, tabs,
+    `<start_of_image>`) plain added tokens where their spelling is in the vocabulary.
+    """
+    respelled = [SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(respelled)}
+    backend = Backend(models.BPE(vocab=vocab, merges=_merges_by_position(respelled, vocab),
+                                 fuse_unk=True, unk_token=unk_token, dropout=None,
+                                 byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "),
+                                         decoders.ByteFallback(), decoders.Fuse()])
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED and t in vocab]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return backend
+
+
+def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every (left, right) split of each token into two vocabulary entries, tokens in file
+    order, each token's splits longest left part first.
+
+    NOTE: the same list, in the same order, as transformers' `generate_merges(vocab,
+    {token: -index})`: its sort key (-index, len(left), len(right)), descending, never ties.
+    """
+    merges = []
+    for token in tokens:
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges

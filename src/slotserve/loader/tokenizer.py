@@ -4,12 +4,12 @@ A tokenizer comes from one of two places:
 
 - a GGUF file's `tokenizer.ggml.*` metadata (`Tokenizer.from_gguf_metadata`): a byte-level BPE
   is rebuilt from the token list and the merges, with the pre-tokenizer llama.cpp uses for the
-  file's `tokenizer.ggml.pre`;
+  file's `tokenizer.ggml.pre`, or Gemma's SentencePiece BPE from its token list;
 - a Hugging Face model directory (`Tokenizer.from_hf_dir`): `tokenizer.json` and
   `tokenizer_config.json`.
 
 `save` / `load` write and read the same thing as `tokenizer.json` + `tokenizer_meta.json`.
-The pieces live beside it: `gguf_vocab` (a GGUF vocabulary -> a byte-level BPE),
+The pieces live beside it: `gguf_vocab` (a GGUF vocabulary -> a `tokenizers` backend),
 `chat_template` (the sandboxed Jinja environment HF templates expect) and `detokenize`
 (the streaming detokenizer).
 """
@@ -27,8 +27,10 @@ from tokenizers import Tokenizer as Backend
 
 from slotserve.loader.chat_template import compile_chat_template, hf_chat_template
 from slotserve.loader.gguf_vocab import (
+    SENTENCEPIECE_ARCHS,
     add_gguf_special_tokens,
     byte_level_bpe,
+    gemma_sentencepiece,
     gguf_eos_token_ids,
 )
 
@@ -65,23 +67,37 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from a GGUF file's metadata (a dict of `tokenizer.ggml.*` keys and values).
 
-        Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported.
+        Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and Gemma's
+        SentencePiece one (`"llama"` in a `gemma3` file) are supported; BOS is prepended
+        when `tokenizer.ggml.add_bos_token` says so (llama.cpp's and HF's default for a
+        SentencePiece vocabulary: true).
         """
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is "
-                "supported; load the model's Hugging Face directory instead"
-            )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges, pre = meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre")
-        backend = byte_level_bpe(tokens, merges, pre)
-        add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type") or ())
+        types = meta.get("tokenizer.ggml.token_type") or ()
+        if kind == "gpt2":
+            merges, pre = meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre")
+            backend = byte_level_bpe(tokens, merges, pre)
+            add_gguf_special_tokens(backend, tokens, types)
+            add_bos_default = False
+        elif kind == "llama" and meta.get("general.architecture") in SENTENCEPIECE_ARCHS:
+            if meta.get("tokenizer.ggml.add_space_prefix", False):
+                raise ValueError("tokenizer.ggml.add_space_prefix=True: a SentencePiece prefix "
+                                 "space is not supported (Gemma's vocabulary has none)")
+            backend = gemma_sentencepiece(tokens, types, _unk_token(meta, tokens))
+            add_bos_default = True
+        else:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r} for architecture "
+                f"{meta.get('general.architecture')!r}: supported are byte-level BPE ('gpt2') "
+                f"and SentencePiece ('llama') for {', '.join(SENTENCEPIECE_ARCHS)}; load the "
+                "model's Hugging Face directory instead"
+            )
         return cls(
             backend,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=gguf_eos_token_ids(meta),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
@@ -236,6 +252,13 @@ class Tokenizer:
         if token_id is None:
             return ""
         return self.backend.id_to_token(token_id) or ""
+
+
+def _unk_token(meta: Mapping[str, Any], tokens: list[str]) -> str:
+    """The text of `tokenizer.ggml.unknown_token_id` (range-checked by the loader), else
+    SentencePiece's `<unk>`."""
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    return tokens[unk] if type(unk) is int and 0 <= unk < len(tokens) else "<unk>"
 
 
 def _replace_lone_surrogates(text: str) -> str:
