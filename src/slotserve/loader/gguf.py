@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from slotserve.config import ModelConfig
+from slotserve.loader.gguf_blocks import FLOAT_TYPES, GGUFBlockTensor, to_blocks
 from slotserve.loader.gguf_config import SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
@@ -45,9 +46,13 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+def load_gguf(path: str, keep_quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
 
+    keep_quantized: the linear layers' weights in quantized types (and the embedding table
+    when the LM head is tied to it) stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s:
+    no fp32 copy of them is made. A type without a block form is then a ModelFileError.
     A malformed file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = os.fspath(path)
@@ -59,8 +64,18 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf)))
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
-    weights = {hf: _convert(t, config) for hf, t in names.items()}
+    weights = {hf: _block_tensor(t, config, path)
+               if keep_quantized and _kept_in_blocks(hf, t, config) else _convert(t, config)
+               for hf, t in names.items()}
     return config, weights, tokenizer
+
+
+def has_quantized_linears(path: str) -> bool:
+    """Whether a GGUF file holds a linear weight in a quantized (not float) type."""
+    _, tensors = read_gguf(path)
+    return any(t.tensor_type not in FLOAT_TYPES and t.name.endswith(".weight")
+               and not t.name.startswith(("token_embd", "output_norm")) and "_norm" not in t.name
+               for t in tensors)
 
 
 def _hf_name_in(path: str, gguf_name: str) -> str:
@@ -151,6 +166,25 @@ def _convert(tensor: GGUFTensor, config: ModelConfig) -> torch.Tensor:
         elif ".attn_k." in tensor.name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
     return torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
+    """Whether a tensor stays in its blocks under keep_quantized: a quantized linear weight
+    (the embedding table too when the LM head is tied to it: it is that head's weight)."""
+    linear = hf.endswith("_proj.weight") or hf == "lm_head.weight" or (
+        hf == "model.embed_tokens.weight" and config.tie_word_embeddings)
+    return linear and tensor.tensor_type not in FLOAT_TYPES
+
+
+def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlockTensor:
+    """A linear weight's blocks (rows: output features; Q/K rows un-permuted for llama)."""
+    blocks = to_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
+    if config.architecture == "llama":
+        heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+        for part, n_head in heads.items():
+            if part in tensor.name:
+                blocks = blocks.rows(unpermute_qk(np.arange(blocks.shape[0]), n_head))
+    return GGUFBlockTensor(blocks)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
