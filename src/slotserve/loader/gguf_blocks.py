@@ -241,7 +241,7 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
 # -- carrying blocks through load_hf_weights -------------------------------------------------
 
 # Tensor attribute names a GGUFBlockTensor answers itself (shape checks in the loading code).
-_METADATA = frozenset({"shape", "size", "dim", "dtype", "device", "ndim", "is_sparse",
+_METADATA = frozenset({"shape", "size", "dim", "numel", "dtype", "device", "ndim", "is_sparse",
                        "requires_grad", "__format__", "__repr__", "layout"})
 # The attribute a Linear's weight parameter gets when a transposed GGUFBlockTensor is copied
 # into it: the linear kernel (model/linear_kernels.py, GGUFBlockLinear) takes the blocks from
