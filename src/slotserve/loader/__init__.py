@@ -20,7 +20,7 @@ from slotserve.config import ModelConfig
 from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
 from slotserve.loader.detokenize import IncrementalDetokenizer
-from slotserve.loader.gguf import has_quantized_linears, load_gguf
+from slotserve.loader.gguf import blocks_kept, load_gguf
 from slotserve.loader.safetensors import load_hf_dir
 from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError
@@ -53,7 +53,7 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
     `keep_quantized=True`: a GGUF's quantized linear weights stay in their blocks
     (`gguf_blocks.GGUFBlockTensor`, for quantization="auto"); such a GGUF is read straight
     from the file, never through the fp32 cache (a file without quantized linears loads as
-    before).
+    before; so does one with a quantized type that has no block form, with a warning).
     A malformed model file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = default_model_path() if path is None else os.fspath(path)
@@ -61,7 +61,7 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
         config, weights, tokenizer = load_hf_dir(path)
     elif os.path.isfile(path):
         _check_gguf(path)
-        if keep_quantized and has_quantized_linears(path):
+        if keep_quantized and blocks_kept(path):
             converted = load_gguf(path, keep_quantized=True)
         else:
             converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)

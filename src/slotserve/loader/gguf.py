@@ -7,6 +7,7 @@ tokenizer metadata and converts the weights. The parts' public names are re-expo
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from slotserve.config import ModelConfig
-from slotserve.loader.gguf_blocks import FLOAT_TYPES, GGUFBlockTensor, to_blocks
+from slotserve.loader.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES, GGUFBlockTensor, to_blocks
 from slotserve.loader.gguf_config import SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
@@ -43,6 +44,7 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+log = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -70,12 +72,20 @@ def load_gguf(path: str, keep_quantized: bool = False
     return config, weights, tokenizer
 
 
-def has_quantized_linears(path: str) -> bool:
-    """Whether a GGUF file holds a linear weight in a quantized (not float) type."""
+def blocks_kept(path: str) -> bool:
+    """Whether `load_gguf(path, keep_quantized=True)` keeps blocks: the file has a linear
+    weight in a quantized type, and every such weight's type has a block form. NOTE: a type
+    without one (Q2_K, Q3_K, IQ*) is logged, and the whole file is then dequantized as before.
+    """
     _, tensors = read_gguf(path)
-    return any(t.tensor_type not in FLOAT_TYPES and t.name.endswith(".weight")
-               and not t.name.startswith(("token_embd", "output_norm")) and "_norm" not in t.name
-               for t in tensors)
+    quantized = [t for t in tensors if t.tensor_type not in FLOAT_TYPES
+                 and t.name.endswith(".weight") and "norm" not in t.name]
+    unsupported = [t for t in quantized if t.tensor_type not in BLOCK_FORMATS]
+    if unsupported:
+        log.warning("%s: tensor %s has type %s, which is not kept in blocks: the model is "
+                    "dequantized to fp32 first (as with --quantization none/bf16)", path,
+                    unsupported[0].name, unsupported[0].tensor_type.name)
+    return bool(quantized) and not unsupported
 
 
 def _hf_name_in(path: str, gguf_name: str) -> str:
