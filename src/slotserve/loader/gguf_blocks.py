@@ -58,8 +58,12 @@ def bytes_per_weight(block_len: int, bits: int) -> float:
 class BlockWeights:
     """A (rows, cols) weight as blocks: w[r, b*L + i] = scales[r, b] * codes[r, b, i] + mins[r, b].
 
-    codes: uint8 (rows, blocks, L), below 16 when bits == 4; scales, mins: fp32 (rows, blocks).
+    codes: uint8 (rows, blocks, L) when bits == 8; when bits == 4, two codes a byte,
+        (rows, blocks, L / 2), byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
+    scales, mins: fp32 (rows, blocks).
     types: the GGUF types it came from (several once q/k/v are fused).
+    NOTE: 4-bit codes stay packed while the model loads: the loading's transient copies (the
+    weights dict and the fused q/k/v and gate/up) then take half the bytes.
     """
 
     codes: torch.Tensor
@@ -70,19 +74,29 @@ class BlockWeights:
 
     @property
     def block_len(self) -> int:
-        return self.codes.shape[2]
+        return self.codes.shape[2] * (2 if self.bits == 4 else 1)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * self.codes.shape[2]
+        return self.codes.shape[0], self.codes.shape[1] * self.block_len
 
     @property
     def bytes_per_weight(self) -> float:
         return bytes_per_weight(self.block_len, self.bits)
 
+    def unpacked_codes(self) -> torch.Tensor:
+        """uint8 (rows, blocks, L): one code a byte whatever `bits`."""
+        if self.bits == 8:
+            return self.codes
+        return torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(
+            *self.codes.shape[:2], self.block_len)
+
+    def with_8bit_codes(self) -> BlockWeights:
+        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 (rows, cols) values (tests, the embedding, non-block kernels)."""
-        values = self.codes.float() * self.scales[:, :, None] + self.mins[:, :, None]
+        values = self.unpacked_codes().float() * self.scales[:, :, None] + self.mins[:, :, None]
         return values.reshape(self.shape)
 
     def with_block_len(self, block_len: int) -> BlockWeights:
@@ -90,8 +104,8 @@ class BlockWeights:
         if block_len == self.block_len:
             return self
         split = self.block_len // block_len
-        rows, blocks, _ = self.codes.shape
-        return BlockWeights(self.codes.reshape(rows, blocks * split, block_len),
+        rows, blocks, size = self.codes.shape  # NOTE: packed 4-bit pairs never straddle blocks
+        return BlockWeights(self.codes.reshape(rows, blocks * split, size // split),
                             self.scales.repeat_interleave(split, dim=1),
                             self.mins.repeat_interleave(split, dim=1), self.bits, self.types)
 
@@ -105,11 +119,12 @@ class BlockWeights:
 def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
     """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the widest
     codes of the parts (exact: a block of 32 is two of 16 with the same scale and min)."""
-    block_len = min(p.block_len for p in parts)
+    block_len, bits = min(p.block_len for p in parts), max(p.bits for p in parts)
     parts = [p.with_block_len(block_len) for p in parts]
+    parts = [p.with_8bit_codes() if p.bits != bits else p for p in parts]
     types = tuple(dict.fromkeys(t for p in parts for t in p.types))
     return BlockWeights(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                        torch.cat([p.mins for p in parts]), max(p.bits for p in parts), types)
+                        torch.cat([p.mins for p in parts]), bits, types)
 
 
 # -- conversions: raw GGUF blocks -> (codes (n, L'), scales (n, S), mins (n, S)) -------------
@@ -230,9 +245,11 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
         bad = int(np.flatnonzero(~(np.isfinite(scales) & np.isfinite(mins)).all(axis=1))[0])
         raise ModelFileError(path, f"tensor {name!r}: block {bad} ({qtype.name}) has a "
                                    "non-finite scale or min")
+    codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, -1, block_len)
+    if bits == 4:
+        codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
     return BlockWeights(
-        codes=torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)).reshape(
-            rows, -1, block_len),
+        codes=torch.from_numpy(np.ascontiguousarray(codes)),
         scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1),
         mins=torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(rows, -1),
         bits=bits, types=(qtype.name,))

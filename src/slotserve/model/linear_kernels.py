@@ -230,7 +230,7 @@ class GGUFBlockLinear:
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
         self.out_features = blocks.shape[0]
         self.block_len, self.bits, self.types = blocks.block_len, blocks.bits, blocks.types
-        self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.codes, blocks.scales,
+        self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales,
                                                              blocks.mins, blocks.bits)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
