@@ -230,7 +230,7 @@ def test_the_default_model_in_its_own_types_agrees_with_fp32(ops):
                        quantized.weights, quantized.tokenizer)
     kernels = engine.runner.kernels
     assert kernels.describe().startswith(
-        f"GGUF Q4_1/Q8_0 weights as int8 blocks ({gguf_bytes_text(('Q4_1', 'Q8_0'))})")
+        f"GGUF Q4_1/Q8_0 weights as 4/8-bit code blocks ({gguf_bytes_text(('Q4_1', 'Q8_0'))})")
     linears = [m.kernel for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(k, GGUFBlockLinear) for k in linears)
     reference_model = load_model()
@@ -240,3 +240,13 @@ def test_the_default_model_in_its_own_types_agrees_with_fp32(ops):
     prompts = generate_workload(8, prompts="chat", seed=0).chat_prompt_ids(quantized.tokenizer)
     continuations = greedy_continuations(reference, prompts, 24)
     assert teacher_forced_agreement(engine, prompts, continuations) >= 0.9
+
+
+def test_kernels_that_do_not_run_blocks_get_them_dequantized():
+    """quantization none/bf16/int8 (or kernels passed by hand) over block weights: fp32."""
+    from slotserve.model.kernels import REFERENCE
+
+    blocks = to_blocks(raw_tensor(Q.Q4_K, 16, 256), Q.Q4_K, "w", "test.gguf")
+    prepared = REFERENCE.prepare_weights({"w": GGUFBlockTensor(blocks).t()})["w"]
+    assert type(prepared) is torch.Tensor
+    assert torch.equal(prepared, blocks.dequantize().t())

@@ -149,7 +149,7 @@ class KernelSet:
         """The start-up line's kernel text: the weights, why, and the kernels."""
         why = f" ({self.reason})" if self.reason else ""
         if self.gguf_types:
-            return (f"GGUF {'/'.join(self.gguf_types)} weights as int8 blocks "
+            return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/8-bit code blocks "
                     f"({gguf_bytes_text(self.gguf_types)}){why}; "
                     f"linears: {self.describe_linears()}")
         return f"{self.weights} weights{why}; linears: {self.describe_linears()}"
