@@ -7,7 +7,9 @@ machine is shared: medians over rounds). A process loads the model as `LLMEngine
 does (load time: kernels already built), then measures its resident memory (after the load,
 freed heap returned), its peak, batch-1 ms per output token (median step of one request) and
 the output tok/s of 64 sequences decoding together. Then, in this process, the teacher-forced
-greedy agreement of each mode with the fp32-dequantized reference (quantization=none).
+greedy agreement of each mode with the fp32-dequantized reference (quantization=none), and
+batch-1 ms per token again with the three engines side by side, one step of each in turn
+(on a busy machine the per-process batch-1 numbers are mostly its stalls).
 """
 
 from __future__ import annotations
@@ -94,6 +96,38 @@ def agreement(prompts: int, max_tokens: int) -> dict:
     return {"prompts": prompts, "tokens_each": max_tokens, "teacher_forced": result}
 
 
+def interleaved_batch1(steps: int) -> dict:
+    """Batch-1 ms per output token with the three modes in this one process, one decode
+    step of each in turn (a busy machine's stalls then hit all alike): median and quartiles."""
+    from benchmarks.int8_quality import chat_prompts
+    from slotserve.config import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.engine.sizing import set_torch_threads
+    from slotserve.loader import load_model
+    from slotserve.sampling import SamplingParams
+
+    set_torch_threads()
+    engines = {}
+    for name, quantization in MODES.items():
+        loaded = load_model(keep_quantized=quantization == "auto")
+        engines[name] = LLMEngine(engine_config(max_num_seqs=4, num_blocks=256,
+                                                quantization=quantization),
+                                  loaded.config, loaded.weights, loaded.tokenizer)
+    prompt = chat_prompts(engines["bf16"].tokenizer, 1)[0]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        engine.add_request("b1", prompt, params)
+        engine.step()  # the prefill
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"median": statistics.median(t),
+                   "quartiles": statistics.quantiles(t, n=4)[::2]} for name, t in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +136,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--prompts", type=int, default=32, help="agreement prompts")
     p.add_argument("--agreement-tokens", type=int, default=32)
+    p.add_argument("--batch1-steps", type=int, default=96,
+                   help="decode steps per mode of the interleaved batch-1 measure")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -123,8 +159,10 @@ def main() -> None:
               "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
               "model_file_mib": _model_file_mib(), "rounds": args.rounds, "median": table,
               "runs": runs, "agreement_vs_fp32": agreement(args.prompts,
-                                                           args.agreement_tokens)}
-    print(json.dumps(report["median"], indent=1), report["agreement_vs_fp32"])
+                                                           args.agreement_tokens),
+              "batch1_interleaved_ms": interleaved_batch1(args.batch1_steps)}
+    print(json.dumps(report["median"], indent=1), report["agreement_vs_fp32"],
+          report["batch1_interleaved_ms"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
