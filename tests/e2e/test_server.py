@@ -217,7 +217,7 @@ def test_disconnect_while_waiting_for_a_whole_result_frees_blocks(server):
                        "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         _wait_running(server)

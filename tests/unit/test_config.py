@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import enum
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -234,17 +232,3 @@ def test_slot_kinds_are_the_kinds_the_scheduler_writes():
         sched.update(plan, RunnerOutput(sampled={s.request_id: 7 for s in plan.seqs
                                                  if s.sample}))
     assert seen == set(values(SlotKind))
-
-
-def test_nothing_imports_the_cli():
-    """cli.py imports the subcommand modules; none of them imports it back."""
-    root = Path(slotserve.__file__).parent
-    importers = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if "slotserve.cli" in names or (isinstance(node, ast.Call) and
-                                            getattr(node.func, "id", "") == "__import__"):
-                importers.append(str(path.relative_to(root)))
-    assert importers == []

@@ -23,3 +23,19 @@ def test_flags_page_lists_every_serve_flag():
     missing = [flag for flag in flags if flag != "--help"
                and f"`{flag}" not in text and f", {flag}" not in text]
     assert not missing
+
+
+def test_nothing_points_outside_the_repository():
+    """The project stands alone: no path into a sibling folder or this machine's layout."""
+    import subprocess
+
+    repo = FLAGS_PAGE.parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True,
+                           check=True).stdout.split()
+    outside = ("../shared", "/work/")
+    offenders = [name for name in files
+                 if name.endswith((".py", ".md", ".sh", ".toml", "Makefile", ".js", ".html"))
+                 and name != "tests/unit/test_docs.py"
+                 and any(marker in (repo / name).read_text(errors="replace")
+                         for marker in outside)]
+    assert offenders == []

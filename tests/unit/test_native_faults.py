@@ -427,3 +427,20 @@ def test_the_death_budget_is_per_request(describe):
     front.replicas["a"].up = True  # Serve restarted it
     assert outcome(front, "second") == [OUTPUT]  # the same again
     assert handles["a"].calls == 2 and handles["b"].calls == 2
+
+
+def test_a_subscriber_that_panics_harms_no_other_subscriber():
+    from slotserve.engine.subscribers import Subscribers
+
+    class Panic(BaseException):  # as pyo3's PanicException: not an Exception
+        pass
+
+    seen = []
+    subscribers = Subscribers()
+    subscribers.add(lambda event: (_ for _ in ()).throw(Panic("boom")))
+    subscribers.add(seen.append)
+    subscribers.publish("event")
+    assert seen == ["event"]
+    subscribers.add(lambda event: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        subscribers.publish("event")

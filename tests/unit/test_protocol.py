@@ -65,8 +65,8 @@ def test_prompt_batches_are_refused():
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
     ("min_p", 1.5, "min_p"), ("n", 0, "n"), ("max_tokens", 0, "max_tokens"),
     ("logprobs", 21, "logprobs"), ("stop", [""], "stop"), ("echo", True, "echo"),
-    ("presence_penalty", 0.5, "presence_penalty"), ("best_of", 3, "best_of"),
-    ("logit_bias", {"1": 2.0}, "logit_bias"),
+    ("presence_penalty", 2.5, "presence_penalty"), ("best_of", 3, "best_of"),
+    ("logit_bias", {"x": 2.0}, "logit_bias"), ("use_beam_search", True, "use_beam_search"),
 ])
 def test_bad_values_name_their_field(field, value, param):
     with pytest.raises(APIError) as err:

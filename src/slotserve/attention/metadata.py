@@ -1,16 +1,34 @@
 """AttentionMetadata: where each token of a ragged batch reads and writes K/V.
 
-Built once per iteration from the scheduler's plan, then shared by every layer.
+Built once per iteration from the scheduler's plan, then shared by every layer. A layer with
+a sliding window (HF's: the query at position i sees key j iff j <= i and i - j < window)
+asks for its window's view (`PrefillSeq.keys`, `DecodeGroup.windowed`): the blocks that hold
+the window and a mask over them, built by the first layer that asks and reused by the rest.
+NOTE: no view reads a block before its window, so such blocks may hold anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from slotserve.core.outputs import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """The keys a prefill's queries read under one window: the blocks from block
+    key_start / block_size of its table on, and which of their positions each query sees.
+
+    block_table: (nblocks,) int64; key_start: position of the first key; mask:
+    (num_queries, context_len - key_start) bool.
+    """
+
+    block_table: torch.Tensor
+    key_start: int
+    mask: torch.Tensor
 
 
 @dataclass
@@ -23,6 +41,27 @@ class PrefillSeq:
     context_len: int  # start_pos + num_queries
     block_table: torch.Tensor  # (nblocks,) int64
     mask: torch.Tensor  # (num_queries, context_len) bool: causal, offset by the cached prefix
+    block_size: int = 0  # of the table's blocks (needed by windowed views only)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def keys(self, window: int | None) -> KeyView:
+        """What the queries read with a sliding window of `window` positions (None: all).
+
+        NOTE: built once per window and iteration (the first layer that asks), as the masks.
+        """
+        if window is None or window >= self.context_len:
+            return KeyView(self.block_table, 0, self.mask)
+        if window not in self._views:
+            self._views[window] = self._windowed(window)
+        return self._views[window]
+
+    def _windowed(self, window: int) -> KeyView:
+        first_block = max(0, self.start_pos - window + 1) // self.block_size
+        key_start = first_block * self.block_size
+        mask = window_mask(np.arange(self.start_pos, self.context_len),
+                           np.arange(key_start, self.context_len), window)
+        return KeyView(self.block_table[first_block:], key_start,
+                       torch.from_numpy(mask).to(self.mask.device))
 
 
 @dataclass
@@ -39,6 +78,38 @@ class DecodeGroup:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     mask: torch.Tensor | None
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def windowed(self, window: int | None, block_size: int) -> DecodeGroup:
+        """This group as the torch path reads it with a sliding window (None: itself): each
+        table cut to the blocks that hold its last `window` positions (so a long context costs
+        no more than its window), the mask over them. A group without a mask (the fused
+        kernel's, which skips the blocks itself) is returned as it is.
+
+        NOTE: built once per window and iteration, by the first layer that asks.
+        """
+        if window is None or self.mask is None:
+            return self
+        if window not in self._views:
+            self._views[window] = self._windowed(window, block_size)
+        return self._views[window]
+
+    def _windowed(self, window: int, block_size: int) -> DecodeGroup:
+        tables = self.block_tables.cpu().numpy()
+        lens = self.context_lens.cpu().numpy()
+        first = np.maximum(lens - window, 0) // block_size  # (d,) each row's first block read
+        last = (lens - 1) // block_size
+        width = int((last - first).max()) + 1
+        cols = first[:, None] + np.arange(width)[None, :]  # (d, width) table columns
+        # NOTE: a row shorter than the widest is padded with its own last block (masked): no
+        # view ever gathers a block outside its row's window
+        cut = np.take_along_axis(tables, np.minimum(cols, last[:, None]), axis=1)
+        key_positions = (cols[:, :, None] * block_size
+                         + np.arange(block_size)).reshape(len(lens), -1)  # (d, width * bs)
+        mask = window_mask(lens - 1, key_positions, window)
+        device = self.block_tables.device
+        return DecodeGroup(self.rows, torch.from_numpy(cut).to(device), self.context_lens,
+                           torch.from_numpy(mask).to(device))
 
 
 @dataclass
@@ -95,7 +166,7 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
             prefills.append(PrefillSeq(
                 int(query_starts[i]), seq.num_tokens, seq.start_pos, seq.context_len,
                 torch.tensor(seq.block_table, dtype=torch.int64, device=device),
-                to(_causal_mask(seq.start_pos, seq.context_len))))
+                to(_causal_mask(seq.start_pos, seq.context_len)), block_size))
     table_lens = np.array([len(seqs[i].block_table) for i in decode_idx], dtype=np.int64)
     groups = []
     members_of_groups = (group_by_length(table_lens) if group_decodes
@@ -142,6 +213,20 @@ def _slots(seq: ScheduledSeq, block_size: int) -> np.ndarray:
     positions = np.arange(seq.start_pos, seq.context_len)
     table = np.asarray(seq.block_table, dtype=np.int64)
     return table[positions // block_size] * block_size + positions % block_size
+
+
+def window_mask(query_positions: np.ndarray, key_positions: np.ndarray,
+                window: int) -> np.ndarray:
+    """Which keys each query sees with a sliding window (HF's
+    `sliding_window_causal_mask_function`): key j iff j <= i and i - j < window.
+
+    query_positions (n,); key_positions (m,) shared by all queries, or (n, m) one row each
+    -> (n, m) bool.
+    """
+    if key_positions.ndim == 1:
+        key_positions = key_positions[None, :]
+    behind = query_positions[:, None] - key_positions
+    return (behind >= 0) & (behind < window)
 
 
 def _causal_mask(start_pos: int, context_len: int) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slotserve.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from slotserve.attention.metadata import AttentionMetadata, DecodeGroup, KeyView
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -28,29 +28,36 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, ops=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, ops=None,
+                    window: int | None = None) -> torch.Tensor:
     """Attention of every new token over its own sequence's cached context.
 
     q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
     ops: the fused CPU kernels (model/cpu_ops.py) for the decodes, or None for torch's.
+    window: the layer's sliding window (a query at position i reads positions i - window + 1
+    .. i only; the blocks before them are not read), None for full causal attention.
     """
     groups = meta.decode_groups
     if meta.decode_only:
-        return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, ops)
+        return _decode_group_attention(q, k_cache, v_cache, groups[0], meta.block_size,
+                                       scale, ops, window)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
-        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq, scale)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq.keys(window),
+                                       seq.context_len, scale)
     for group in groups:
         out[group.rows] = _decode_group_attention(q[group.rows], k_cache, v_cache, group,
-                                                  scale, ops)
+                                                  meta.block_size, scale, ops, window)
     return out
 
 
-def _decode_group_attention(q, k_cache, v_cache, group: DecodeGroup, scale: float, ops):
+def _decode_group_attention(q, k_cache, v_cache, group: DecodeGroup, block_size: int,
+                            scale: float, ops, window: int | None):
     if ops is not None:
         return ops.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
-                                          group.context_lens, scale)
+                                          group.context_lens, scale, window or 0)
+    group = group.windowed(window, block_size)
     return decode_attention(q, k_cache, v_cache, group.block_tables, group.mask, scale)
 
 
@@ -66,13 +73,15 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor,
     return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:]).to(dtype)
 
 
-def _prefill_attention(q, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
-    # q: (n, nh, hd); context keys 0..L-1; query i sits at position start_pos + i.
-    k = _gather(k_cache, seq.block_table, q.dtype)[:seq.context_len]  # (L, nkv, hd)
-    v = _gather(v_cache, seq.block_table, q.dtype)[:seq.context_len]
+def _prefill_attention(q, k_cache, v_cache, keys: KeyView, context_len: int,
+                       scale: float) -> torch.Tensor:
+    # q: (n, nh, hd); keys at positions key_start..L-1 (L = context_len), their blocks only.
+    length = context_len - keys.key_start
+    k = _gather(k_cache, keys.block_table, q.dtype)[:length]  # (length, nkv, hd)
+    v = _gather(v_cache, keys.block_table, q.dtype)[:length]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (nh|nkv, n|L, hd)
-        attn_mask=seq.mask, scale=scale, enable_gqa=True)
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (nh|nkv, n|length, hd)
+        attn_mask=keys.mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # (n, nh, hd)
 
 

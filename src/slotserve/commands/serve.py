@@ -9,6 +9,7 @@ import sys
 
 import uvicorn
 
+from slotserve.config import resolve_prefix_cache_scope
 from slotserve.engine_args import add_engine_args, build_engine, parse_size
 from slotserve.server.startup import (
     CLOSE_GRACE_S,
@@ -59,6 +60,19 @@ def add_serve_parser(subparsers) -> None:
                    help="a request body not complete S seconds after the request began gets "
                         "408; only complete requests count against --max-connections "
                         "(default: 30)")
+    p.add_argument("--default-max-tokens", type=_positive_int, default=None, metavar="N",
+                   help="max_tokens of a request that names none (--max-tokens-cap caps it; "
+                        "the context still ends a sequence; default: chat 1024, completions "
+                        "16 as OpenAI's)")
+    p.add_argument("--max-n", type=_positive_int, default=128, metavar="N",
+                   help="requests asking for more than N completions (n) get 400 "
+                        "(default: 128, OpenAI's bound)")
+    p.add_argument("--max-stop-token-ids", type=_positive_int, default=128, metavar="N",
+                   help="requests with more than N stop_token_ids get 400 (default: 128)")
+    p.add_argument("--max-logprobs-volume", type=_positive_int, default=1 << 18, metavar="N",
+                   help="a request asking for logprobs gets 400 when n x max_tokens (at most "
+                        "the context) x max(top logprobs, 1) is above N: what one answer "
+                        "may carry (default: 262144, about 20 MB of JSON)")
     add_structured_args(p)
     add_access_args(p)
     p.add_argument("--log-level", default="info",
@@ -100,11 +114,25 @@ def add_access_args(p) -> None:
                    help="/v1 requests need 'Authorization: Bearer KEY' (repeatable; tenant "
                         "'default'). Visible in the process list: prefer --api-keys-file")
     g.add_argument("--api-keys-file", default=None, metavar="FILE",
-                   help="API keys, one 'KEY TENANT [WEIGHT]' per line (# comments)")
+                   help="API keys, one 'KEY TENANT [WEIGHT] [priority=LO..HI]' per line: "
+                        "WEIGHT the tenant's fair share (default 1), priority=LO..HI (or "
+                        "priority=N) the `priority` values the key may ask for (default 0, "
+                        "others get 400). Lines starting with '#' are comments; keys may not "
+                        "start with '#', nor be given twice (here or with --api-key); "
+                        "tenants 'default', 'admin' and 'other' are reserved")
     g.add_argument("--admin-key", default=None, metavar="KEY",
                    help="the live view (/), /debug/* and /metrics need this key (Bearer, or "
                         "HTTP Basic with it as the password); with API keys and no admin "
-                        "key they are off")
+                        "key they are off. Visible in the process list: prefer "
+                        "--admin-key-file")
+    g.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="read the admin key from FILE (its only word) instead of "
+                        "--admin-key; it must differ from every API key")
+    g.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="comma-separated Host names requests may carry (a name, *.domain, "
+                        "an IP; any port), others get 400; '*' allows any. Loopback names "
+                        "and the --host address always pass (default: on a loopback "
+                        "address only loopback names, elsewhere any)")
     g.add_argument("--disable-admin-routes", action="store_true",
                    help="the live view, /debug/* and /metrics answer 404")
     g.add_argument("--max-user-tenants", type=_non_negative_int, default=1024, metavar="N",
@@ -147,7 +175,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
     limits = server_limits(args)
     weights = tenant_weights(policy)
-    async_engine = AsyncEngine.launch(lambda: build_engine(args, tenant_weights=weights))
+    scope = resolve_prefix_cache_scope(args.prefix_cache_scope, policy.keys_required)
+    async_engine = AsyncEngine.launch(lambda: build_engine(
+        args, tenant_weights=weights, prefix_cache_scope=scope))
     snapshot = async_engine.snapshot()  # NOTE: the waiting bound is in the engine config
     name, aliases = served_model_names(snapshot.model, args.model, args.served_model_name)
     app = build_app(async_engine, name, aliases=aliases, limits=limits, access=policy)

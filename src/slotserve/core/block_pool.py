@@ -16,22 +16,35 @@ from collections import OrderedDict, deque
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], cache_salt: str | None) -> BlockHash:
-    """Stable hash of one full block: its parent's hash, its token ids, the request's salt.
+def hash_block(parent: BlockHash | None, token_ids: list[int], cache_salt: str | None,
+               tenant: str | None = None) -> BlockHash:
+    """Stable hash of one full block: its parent's hash, its token ids, the request's salt
+    and (tenant-scoped prefix caching) its tenant.
 
-    NOTE: stable across processes (sha256, not Python's salted `hash`). The salt is mixed
-    into the first block only; every later block chains its parent, so it inherits it.
+    NOTE: stable across processes (sha256, not Python's salted `hash`). The salt and the
+    tenant are mixed into the first block only; every later block chains its parent, so it
+    inherits them. Each is tagged and length-prefixed, so no (tenant, salt) pair collides
+    with another; without a tenant the hash is the global scope's (unchanged).
     """
     digest = hashlib.sha256()
     if parent is None:
-        salt = (cache_salt or "").encode()
-        digest.update(b"root" if cache_salt is None else b"salt")
-        digest.update(len(salt).to_bytes(8, "little"))
-        digest.update(salt)
+        if tenant is not None:
+            _update_tagged(digest, b"tenant", tenant)
+        if cache_salt is None:
+            _update_tagged(digest, b"root", "")
+        else:
+            _update_tagged(digest, b"salt", cache_salt)
     else:
         digest.update(parent)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def _update_tagged(digest, tag: bytes, text: str) -> None:
+    data = text.encode()
+    digest.update(tag)
+    digest.update(len(data).to_bytes(8, "little"))
+    digest.update(data)
 
 
 class BlockPool:

@@ -4,6 +4,11 @@ Prefix caching (as vLLM v1): once a full block's K/V are computed, the block is 
 under the hash of its tokens and of everything before them (`block_pool.hash_block`). A
 request that starts with the same tokens finds those blocks (`get_computed_blocks`), shares
 them, and starts computing after them.
+
+Scope (CacheConfig.prefix_cache_scope): tenant-scoped, the request's tenant starts the hash
+chain, so only requests of one tenant share blocks (a tenant cannot learn, from
+`cached_tokens` or from timing, what another sent); global, any requests with the same
+tokens do. A request's cache_salt narrows either further.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, tenant_scoped: bool = False) -> None:
+        """tenant_scoped: the tenant is part of every block hash (CacheConfig's
+        prefix_cache_scope "tenant"); False: the global scope."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tenant_scoped = tenant_scoped
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -76,10 +84,11 @@ class KVCacheManager:
         if len(hashes) < num_full:
             tokens = request.all_token_ids
             size = self.block_size
+            tenant = request.tenant if self.tenant_scoped else None
             for i in range(len(hashes), num_full):
                 parent = hashes[-1] if hashes else None
                 hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size],
-                                         request.cache_salt))
+                                         request.cache_salt, tenant))
         return hashes
 
     def _max_hit_blocks(self, request: Request) -> int:

@@ -21,7 +21,9 @@ deadline  least TTFT slack first: slack = arrival + slo_ttft - now - estimated p
           request that already has its first token goes first (its TTFT is history).
           Stall-free chunking: while requests decode, the prefill tokens of an iteration are
           capped (further than every policy's max_prefill_tokens_while_decoding) so the
-          estimated iteration time stays under the tightest running TPOT SLO.
+          estimated iteration time stays under the tightest running TPOT SLO, but never
+          below one block (block_size tokens): a request's tiny TPOT SLO slows others'
+          prefill, it never stops it.
 fair      Virtual Token Counters (VTC, Sheng et al., OSDI'24): each tenant's counter grows by
           (w_in x prompt tokens processed + w_out x tokens generated) / tenant weight as the
           tokens are processed; admission picks the backlogged tenant with the smallest
@@ -124,9 +126,13 @@ class QueuePolicy:
 
     name = "fcfs"
 
-    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+    def __init__(self, config: SchedulerConfig, cost: CostModel,
+                 min_prefill_tokens: int = 1) -> None:
+        """min_prefill_tokens: the least prefill allowance an SLO may leave an iteration
+        (the scheduler passes block_size)."""
         self.config = config
         self.cost = cost
+        self.min_prefill_tokens = min_prefill_tokens
         self._weights = dict(config.tenant_weights)
         self.tenants: dict[str, TenantState] = {}
         self._charged_prompt: dict[str, int] = {}  # request id -> end of its charged tokens
@@ -312,8 +318,9 @@ class DeadlinePolicy(QueuePolicy):
 
     def prefill_allowance(self, running: list[Request], now: float) -> int | None:
         """The general cap (QueuePolicy's), tightened so the estimated iteration time stays
-        within the tightest TPOT SLO of the requests decoding (may be 0: prefill then waits
-        for an iteration without decodes)."""
+        within the tightest TPOT SLO of the requests decoding, but to no less than
+        min_prefill_tokens (one block). NOTE: the floor keeps one request's TPOT SLO (any
+        tenant may set one) from stopping every other request's prefill while it decodes."""
         caps = [super().prefill_allowance(running, now), self._slo_prefill_allowance(running)]
         caps = [cap for cap in caps if cap is not None]
         return min(caps) if caps else None
@@ -327,7 +334,7 @@ class DeadlinePolicy(QueuePolicy):
         if tokens is None:
             return None
         num_decodes = sum(1 for r in running if r.num_pending_tokens <= 1)
-        return max(0, tokens - num_decodes)
+        return max(self.min_prefill_tokens, tokens - num_decodes)
 
     def should_reject(self, request: Request, now: float) -> bool:
         """slo_reject: a request never run (not preempted either) whose slack is negative."""
@@ -349,15 +356,19 @@ class FairPolicy(QueuePolicy):
         return self.tenants[tenant].virtual_counter + self._planned.get(tenant, 0.0)
 
 
-POLICIES: dict[str, Callable[[SchedulerConfig, CostModel], QueuePolicy]] = {
+POLICIES: dict[str, Callable[..., QueuePolicy]] = {
     "fcfs": QueuePolicy, "priority": PriorityPolicy, "deadline": DeadlinePolicy,
     "fair": FairPolicy,
 }
 
 
-def make_policy(config: SchedulerConfig, cost: CostModel) -> QueuePolicy:
+def make_policy(config: SchedulerConfig, cost: CostModel,
+                min_prefill_tokens: int = 1) -> QueuePolicy:
+    """The queue policy `config.scheduling_policy` names (min_prefill_tokens: see
+    QueuePolicy)."""
     try:
-        return POLICIES[config.scheduling_policy](config, cost)
+        factory = POLICIES[config.scheduling_policy]
     except KeyError:
         raise ValueError(f"scheduling_policy must be one of {tuple(POLICIES)}, "
                          f"got {config.scheduling_policy!r}") from None
+    return factory(config, cost, min_prefill_tokens)

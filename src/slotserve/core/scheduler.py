@@ -13,6 +13,10 @@ cache, so only its uncached tokens take budget. A request whose next block is be
 by another request right now (the n completions of one prompt, or several requests with one
 system prompt) takes a slot but computes nothing until that block is cached, then shares it:
 a shared prefix is computed once.
+
+Tenants (core/tenant_share.py): while a tenant below its share of the slots waits, no other
+tenant is admitted past its share, and one far over it gives up a slot (preemption), under
+every policy.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from slotserve.config import SchedulerConfig, check_policy_fields
+from slotserve.config import Policy, SchedulerConfig, check_policy_fields
 from slotserve.core import policy
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, SlotState
 from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
+from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
 
 
@@ -41,7 +46,10 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self.cost = CostModel()
-        self.queue_policy: QueuePolicy = make_policy(config, self.cost)
+        # NOTE: `deadline`'s prefill allowance never falls below one block per iteration.
+        self.queue_policy: QueuePolicy = make_policy(config, self.cost,
+                                                     min_prefill_tokens=kv.block_size)
+        self.load = TenantLoad(config)  # running / waiting sequences per tenant
         self._prefill_allowance: int | None = None  # prefill tokens left this iteration
         self._scheduled_at: float | None = None  # clock when the last plan was made
         self.waiting: deque[Request] = deque()
@@ -71,15 +79,25 @@ class Scheduler:
                 f"KV pool={self.kv.num_blocks * self.kv.block_size}); the prompt and at least "
                 "one output token must fit")
         self._check_policy_fields(request)
-        if request.slo_ttft_ms is None:
-            request.slo_ttft_ms = self.config.slo_ttft_ms
-        if request.slo_tpot_ms is None:
-            request.slo_tpot_ms = self.config.slo_tpot_ms
+        self._set_slos(request)
         request.max_total_tokens = limit
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.load.move(request.tenant, waiting=1)
         self.queue_policy.on_add(request, self.waiting)
+
+    def _set_slos(self, request: Request) -> None:
+        """The SLOs in force: the request's, else the defaults; raised to the floors."""
+        cfg = self.config
+        ttft = cfg.slo_ttft_ms if request.slo_ttft_ms is None else request.slo_ttft_ms
+        tpot = cfg.slo_tpot_ms if request.slo_tpot_ms is None else request.slo_tpot_ms
+        request.slo_ttft_ms = None if ttft is None else max(ttft, cfg.min_slo_ttft_ms)
+        request.slo_tpot_ms = None if tpot is None else max(tpot, cfg.min_slo_tpot_ms)
+
+    def num_waiting_of(self, tenant: str) -> int:
+        """Sequences of `tenant` waiting for a slot (preempted ones included). Any thread."""
+        return self.load.num_waiting(tenant)
 
     @staticmethod
     def _check_policy_fields(request: Request) -> None:
@@ -94,8 +112,10 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release_slot(request)
+            self.load.move(request.tenant, running=-1)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self.load.move(request.tenant, waiting=-1)
         self.kv.free(request_id)
         self.queue_policy.on_finish(request)
         request.status = status
@@ -195,7 +215,11 @@ class Scheduler:
         while self.waiting:
             if needs_tokens and (budget <= 0 or self._prefill_allowance == 0):
                 break
-            request = self.queue_policy.next_waiting(self.waiting, now)
+            shares = self.load.shares()
+            admissible = self._admissible_waiting(shares)
+            if not admissible:
+                break
+            request = self.queue_policy.next_waiting(admissible, now)
             slots_full = len(self.running) >= self.config.max_num_seqs
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             waits = self.kv.next_block_in_flight(request, len(computed_blocks))
@@ -205,7 +229,7 @@ class Scheduler:
                     request, num_hit + num_new, computed_blocks) is None:
                 self._uncap_prefill(request, num_new)
                 freed = self._preempt_for(request, num_hit + num_new, computed_blocks, plan,
-                                          preempted)
+                                          preempted, shares)
                 if freed is None:
                     break  # nobody overtakes the policy's head of the queue
                 budget += freed
@@ -218,6 +242,14 @@ class Scheduler:
                 self.queue_policy.on_planned(request, num_new)
                 budget -= num_new
 
+    def _admissible_waiting(self, shares: dict[str, int] | None):
+        """The waiting requests the queue policy may pick from now: all, but those of the
+        tenants the slot shares block (core/tenant_share.py)."""
+        blocked = self.load.blocked(shares) if shares is not None else ()
+        if not blocked:
+            return self.waiting
+        return [r for r in self.waiting if r.tenant not in blocked]
+
     def _uncap_prefill(self, request: Request, num_new: int) -> None:
         """Give back a chunk `_cap_prefill` counted but that was not scheduled."""
         if self._prefill_allowance is not None and (num_new > 1 or not request.output_token_ids):
@@ -228,14 +260,16 @@ class Scheduler:
             self.waiting.popleft()
         else:
             self.waiting.remove(request)
+        self.load.move(request.tenant, waiting=-1)
 
     def _preempt_for(self, request: Request, num_total: int, computed_blocks: list[int],
-                     plan: dict[str, int], preempted: list[str]) -> int | None:
-        """Preempt the first running request the policy gives up for `request` (priority:
-        the lowest of strictly lower priority). Returns the budget its plan held, or None if
-        none may go, or if even all of them going would not make room for `request`'s
-        num_total tokens (then preempting would be in vain)."""
-        victims = self.queue_policy.victims_for(request, self.running)
+                     plan: dict[str, int], preempted: list[str],
+                     shares: dict[str, int] | None = None) -> int | None:
+        """Preempt the first running request that may go for `request` (`_victims_for`).
+        Returns the budget its plan held, or None if none may go, or if even all of them
+        going would not make room for `request`'s num_total tokens (then preempting would
+        be in vain)."""
+        victims = self._victims_for(request, shares)
         if not victims or not self._room_without(victims, num_total, computed_blocks):
             return None
         victim = victims[0]
@@ -243,6 +277,25 @@ class Scheduler:
         self._preempt(victim)
         preempted.append(victim.request_id)
         return freed
+
+    def _victims_for(self, request: Request, shares: dict[str, int] | None) -> list[Request]:
+        """Running requests that may be preempted for a waiting one, the first to go first.
+
+        One tenant with work: the policy's (priority: strictly lower priority; others:
+        none). Several: first the slot shares' (a tenant over its share gives up a slot to
+        an entitled one; never under static admission, which does not change a batch), then
+        the policy's within the request's own tenant only. NOTE: so priority never preempts
+        across tenants but through the shares, and no two tenants preempt each other back
+        and forth within one plan.
+        """
+        victims = self.queue_policy.victims_for(request, self.running)
+        if shares is None:
+            return victims
+        own = [v for v in victims if v.tenant == request.tenant]
+        if self.config.policy == Policy.STATIC:
+            return own
+        share = self.load.share_victims(request, self.running, shares)
+        return share + [v for v in own if v not in share]
 
     def _room_without(self, victims: list[Request], num_total: int,
                       computed_blocks: list[int]) -> bool:
@@ -269,6 +322,7 @@ class Scheduler:
         if request.times.scheduled is None:
             request.times.scheduled = self.clock()
         self.running.append(request)
+        self.load.move(request.tenant, running=1)
 
     def _preempt(self, request: Request) -> None:
         """Take a running request's blocks back; it resumes later by recomputing."""
@@ -279,6 +333,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
+        self.load.move(request.tenant, running=-1, waiting=1)
         self.num_preemptions += 1
 
     def _release_slot(self, request: Request) -> None:
@@ -394,4 +449,6 @@ class Scheduler:
         tenants = self.queue_policy.tenants
         assert all(tenants[t].active == active.get(t, 0) for t in tenants), "tenant counts"
         assert set(active) <= set(tenants), "a request of an unknown tenant"
+        assert self.load.running == Counter(r.tenant for r in self.running), "running load"
+        assert self.load.waiting == Counter(r.tenant for r in self.waiting), "waiting load"
 

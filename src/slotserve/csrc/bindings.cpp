@@ -44,14 +44,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_force_plain_loops", &set_force_plain_loops,
         "tests: run the bf16 panel kernels' plain-loop fallbacks even where vectorised");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one query per sequence over its paged K/V context");
+        "one query per sequence over its paged K/V context (window > 0: its last `window` "
+        "positions)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0);
   py::class_<LinearWeights>(m, "LinearWeights");
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
         py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
-      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),
+           py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("window") = 0)
       .def("set_lookup_tables", &DecodeStack::set_lookup_tables)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "all decoder layers and the final norm of an all-decode iteration");

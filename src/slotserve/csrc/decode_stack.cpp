@@ -108,7 +108,8 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
 
 void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                             const LinearWeights& qkv, const LinearWeights& o,
-                            const LinearWeights& gate_up, const LinearWeights& down) {
+                            const LinearWeights& gate_up, const LinearWeights& down,
+                            int64_t window) {
   const int64_t hidden = final_norm_.numel(), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   for (const torch::Tensor* norm : {&final_norm_, &input_norm, &post_attention_norm}) {
@@ -126,7 +127,10 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
   down.check_shape(gate_up.outputs() / 2, hidden);
   TORCH_CHECK(layers_.empty() || gate_up.outputs() == layers_[0].gate_up.outputs(),
               "every layer has the same intermediate size");
-  layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down});
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
+  const bool all_windowed = layers_.empty() || read_window_ > 0;
+  read_window_ = all_windowed && window > 0 ? std::max(read_window_, window) : 0;
+  layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down, window});
 }
 
 void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
@@ -155,7 +159,8 @@ StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
                       const std::vector<torch::Tensor>& caches, torch::Tensor slot_mapping,
                       torch::Tensor block_tables, torch::Tensor context_lens,
                       const torch::Tensor& embedding, const torch::Tensor& cos,
-                      int64_t num_kv_heads, int64_t head_dim, size_t layers) {
+                      int64_t num_kv_heads, int64_t head_dim, size_t layers,
+                      int64_t read_window) {
   TORCH_CHECK(embedding.defined(), "set_lookup_tables first");
   TORCH_CHECK(caches.size() == 2 * layers, "one k and one v cache per layer");
   StepInputs in{input_ids.to(torch::kInt64).contiguous(),
@@ -180,7 +185,7 @@ StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
   }
   if (layers == 0) return in;
   const KvCacheView& first = in.caches[0];
-  check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size);
+  check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size, read_window);
   check_indices(in.slots, first.num_blocks * first.block_size, "slot");
   return in;
 }
@@ -200,7 +205,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
   const int64_t hidden = final_norm_.numel(), half = head_dim_ / 2;
   const StepInputs in = check_step(input_ids, positions, caches, slot_mapping, block_tables,
                                    context_lens, embedding_, cos_, num_kv_heads_, head_dim_,
-                                   layers_.size());
+                                   layers_.size(), read_window_);
   const int64_t D = in.ids.numel(), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_, qkv_size = q_size + 2 * kv_size;
   const int64_t gate_up_size = layers_.empty() ? 0 : layers_[0].gate_up.outputs();
@@ -248,7 +253,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
                 sin_rows);
     write_kv_rows(cache, qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, D, slots);
     decode_attention_into(qkv, D, num_heads_, qkv_size, head_dim_, cache, tables,
-                          in.tables.size(1), lens, scale_, attn);
+                          in.tables.size(1), lens, scale_, layer.window, attn);
     // MLP block
     layer.o.into(attn, D, q_size, o);
     add_rms_norm_rows(residual, o, layer.post_attention_norm.data_ptr<float>(), h, D, hidden,

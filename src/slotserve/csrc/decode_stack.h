@@ -43,6 +43,7 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
 struct DecoderLayerWeights {
   torch::Tensor input_norm, post_attention_norm;  // (H,)
   LinearWeights qkv, o, gate_up, down;
+  int64_t window;  // attention's sliding window (the last `window` positions), 0: full
 };
 
 class DecodeStack {
@@ -53,9 +54,11 @@ class DecodeStack {
         scale_(scale), final_norm_(final_norm) {}
 
   // NOTE: every shape is checked here, once: forward's layers run on raw pointers.
+  // window: the layer's sliding window (its attention reads the last `window` positions),
+  // 0 for full attention.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const LinearWeights& qkv, const LinearWeights& o,
-                 const LinearWeights& gate_up, const LinearWeights& down);
+                 const LinearWeights& gate_up, const LinearWeights& down, int64_t window);
 
   // The tables forward looks its tokens up in: the embedding (V, H) and RoPE's cos, sin
   // (max positions, hd/2), fp32 and contiguous; the model's own tensors (no copy).
@@ -77,6 +80,9 @@ class DecodeStack {
   torch::Tensor final_norm_;
   torch::Tensor embedding_, cos_, sin_;  // set_lookup_tables
   std::vector<DecoderLayerWeights> layers_;
+  // The positions any layer reads: the widest window, 0 (all) once a layer has none. NOTE:
+  // forward checks the block tables only where some layer reads.
+  int64_t read_window_ = 0;
 };
 
 }  // namespace slotserve::kernels

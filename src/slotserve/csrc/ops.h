@@ -36,8 +36,14 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
                torch::Tensor slot_mapping);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
+                                     torch::Tensor context_lens, double scale, int64_t window);
 constexpr int64_t MAX_ATTENTION_HEADS = 256;  // query heads per sequence (its tasks' arrays)
+// The first position a query at position context_len - 1 reads: with a sliding window
+// (window > 0, HF's semantics: key j visible iff i - j < window) the last `window`
+// positions, else all of them (window 0).
+inline int64_t first_window_position(int64_t context_len, int64_t window) {
+  return window > 0 && context_len > window ? context_len - window : 0;
+}
 // One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers.
 struct KvCacheView {
   void *k, *v;
@@ -46,7 +52,7 @@ struct KvCacheView {
 };
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                        int64_t num_blocks, int64_t block_size);
+                        int64_t num_blocks, int64_t block_size, int64_t window);
 void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_stride,
                    const float* v, int64_t v_token_stride, int64_t tokens,
                    const int64_t* slots);
@@ -54,7 +60,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
                            int64_t q_token_stride, int64_t q_head_stride,
                            const KvCacheView& cache, const int64_t* block_tables,
                            int64_t max_blocks, const int64_t* context_lens, double scale,
-                           float* out);
+                           int64_t window, float* out);
 
 // int8_linear.cpp
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);

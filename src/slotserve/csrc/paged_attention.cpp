@@ -86,20 +86,25 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
                 k.size(0), slot_mapping.data_ptr<int64_t>());
 }
 
-// Tables and lengths checked once, so that the kernel never reads outside the cache.
+// Tables and lengths checked once, so that the kernel never reads outside the cache. Only the
+// blocks a query reads are checked: with a sliding window (window > 0) those that hold the
+// last `window` positions, so the entries before them may be anything (blocks no layer reads
+// again, which a cache manager may have given back).
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                        int64_t num_blocks, int64_t block_size) {
+                        int64_t num_blocks, int64_t block_size, int64_t window) {
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 &&
                   context_lens.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "block_tables (D, maxb) and context_lens (D,) must be contiguous int64");
   const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(context_lens.numel() == seqs, "one context length per block table");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t seq = 0; seq < seqs; ++seq) {
     TORCH_CHECK(lens[seq] > 0 && lens[seq] <= max_blocks * block_size, "bad context length");
-    for (int64_t b = 0; b * block_size < lens[seq]; ++b) {
+    for (int64_t b = first_window_position(lens[seq], window) / block_size;
+         b * block_size < lens[seq]; ++b) {
       const int64_t block = tables[seq * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
@@ -131,31 +136,32 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
   }
 }
 
-// The n query heads `queries` of one sequence over `len` cached positions: query j reads
-// the K/V head at offset kv_offsets[j] (elements) of each cached row; `row_of(pos)` is the
-// offset of position pos's row in the cache tensors, and [first, first + width) the part of
-// the row any of the n reads. scores: scratch; out: n rows of hd.
+// The n query heads `queries` of one sequence over the cached positions [start, end): query
+// j reads the K/V head at offset kv_offsets[j] (elements) of each cached row; `row_of(pos)`
+// is the offset of position pos's row in the cache tensors, and [first, first + width) the
+// part of the row any of the n reads. scores: scratch; out: n rows of hd.
 template <typename T, typename RowOf>
 void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
-            const T* k_cache, const T* v_cache, int64_t len, RowOf row_of,
+            const T* k_cache, const T* v_cache, int64_t start, int64_t end, RowOf row_of,
             int64_t first, int64_t width, int64_t head_dim, float scale,
             std::vector<float>& scores, float* const* out) {
-  scores.resize(n * len);  // (n, len)
-  for (int64_t pos = 0; pos < len; ++pos) {
-    if (pos + PREFETCH_POSITIONS < len)
-      prefetch_row(k_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
-    const T* keys = k_cache + row_of(pos);
+  const int64_t len = end - start;
+  scores.resize(n * len);  // (n, len): column i is position start + i
+  for (int64_t i = 0; i < len; ++i) {
+    if (i + PREFETCH_POSITIONS < len)
+      prefetch_row(k_cache + row_of(start + i + PREFETCH_POSITIONS) + first, width);
+    const T* keys = k_cache + row_of(start + i);
     for (int64_t j = 0; j < n; ++j)
-      scores[j * len + pos] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
+      scores[j * len + i] = dot(queries[j], keys + kv_offsets[j], head_dim) * scale;
   }
   softmax_rows(scores.data(), n, len);
   for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], head_dim, 0.f);
-  for (int64_t pos = 0; pos < len; ++pos) {
-    if (pos + PREFETCH_POSITIONS < len)
-      prefetch_row(v_cache + row_of(pos + PREFETCH_POSITIONS) + first, width);
-    const T* values = v_cache + row_of(pos);
+  for (int64_t i = 0; i < len; ++i) {
+    if (i + PREFETCH_POSITIONS < len)
+      prefetch_row(v_cache + row_of(start + i + PREFETCH_POSITIONS) + first, width);
+    const T* values = v_cache + row_of(start + i);
     for (int64_t j = 0; j < n; ++j) {
-      const float p = scores[j * len + pos];
+      const float p = scores[j * len + i];
       const T* value = values + kv_offsets[j];
       float* o = out[j];
 #pragma omp simd
@@ -165,18 +171,21 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
 }
 
 #if defined(__AVX512F__)
-// f(pos, offset of pos's row, offset of the row PREFETCH_POSITIONS ahead or -1) for each of a
-// sequence's first `len` cached positions, block by block (no division per position).
+// f(pos - start, offset of pos's row, offset of the row PREFETCH_POSITIONS ahead or -1) for
+// each of a sequence's cached positions [start, end), block by block (no division per
+// position); the blocks before start's are never touched.
 static_assert(PREFETCH_POSITIONS == 16, "the row ahead is the same row of the next block");
 template <typename F>
-inline void for_each_row(const int64_t* table, int64_t len, int64_t block_size, int64_t row,
-                         F f) {
-  for (int64_t b = 0, start = 0; start < len; ++b, start += block_size) {
+inline void for_each_row(const int64_t* table, int64_t start, int64_t end, int64_t block_size,
+                         int64_t row, F f) {
+  for (int64_t b = start / block_size, first = b * block_size; first < end;
+       ++b, first += block_size) {
     const int64_t base = table[b] * block_size * row;
-    const bool next = block_size == PREFETCH_POSITIONS && start + block_size < len;
+    const bool next = block_size == PREFETCH_POSITIONS && first + block_size < end;
     const int64_t ahead = next ? table[b + 1] * block_size * row : -1;
-    for (int64_t i = 0; i < std::min(block_size, len - start); ++i)
-      f(start + i, base + i * row, next ? ahead + i * row : -1);
+    for (int64_t i = std::max<int64_t>(start - first, 0); i < std::min(block_size, end - first);
+         ++i)
+      f(first + i - start, base + i * row, next ? ahead + i * row : -1);
   }
 }
 
@@ -195,12 +204,13 @@ inline __m512 load16(const c10::BFloat16* p) {
 template <int NV, int G, typename T>
 void attend_kv_head_avx512(const float* const* queries, float* const* out,
                            const T* k_cache, const T* v_cache, const int64_t* table,
-                           int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
-                           float scale, float* scores) {
+                           int64_t start, int64_t end, int64_t block_size, int64_t row,
+                           int64_t kv_offset, float scale, float* scores) {
+  const int64_t len = end - start;  // scores' columns: positions start..end-1
   __m512 q[G][NV];
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < NV; ++v) q[j][v] = _mm512_loadu_ps(queries[j] + 16 * v);
-  for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
+  for_each_row(table, start, end, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
     if (ahead >= 0) prefetch_row(k_cache + ahead + kv_offset, 16 * NV);
     __m512 key[NV];
     for (int v = 0; v < NV; ++v) key[v] = load16(k_cache + at + kv_offset + 16 * v);
@@ -214,7 +224,7 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
   __m512 o[G][NV];
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < NV; ++v) o[j][v] = _mm512_setzero_ps();
-  for_each_row(table, len, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
+  for_each_row(table, start, end, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
     if (ahead >= 0) prefetch_row(v_cache + ahead + kv_offset, 16 * NV);
     __m512 value[NV];
     for (int v = 0; v < NV; ++v) value[v] = load16(v_cache + at + kv_offset + 16 * v);
@@ -232,13 +242,13 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
 template <int NV, typename T>
 void attend_kv_head_chunks(const float* const* queries, float* const* out, int64_t group,
                            const T* k_cache, const T* v_cache, const int64_t* table,
-                           int64_t len, int64_t block_size, int64_t row, int64_t kv_offset,
-                           float scale, std::vector<float>& scores) {
+                           int64_t start, int64_t end, int64_t block_size, int64_t row,
+                           int64_t kv_offset, float scale, std::vector<float>& scores) {
   constexpr int MAX_G = 16 / NV;
-  scores.resize(MAX_G * len);
+  scores.resize(MAX_G * (end - start));
   for (int64_t j = 0; j < group; j += MAX_G) {
-    const auto args = std::make_tuple(queries + j, out + j, k_cache, v_cache, table, len,
-                                      block_size, row, kv_offset, scale, scores.data());
+    const auto args = std::make_tuple(queries + j, out + j, k_cache, v_cache, table, start,
+                                      end, block_size, row, kv_offset, scale, scores.data());
     switch (std::min<int64_t>(MAX_G, group - j)) {
       case 1: std::apply(attend_kv_head_avx512<NV, 1, T>, args); break;
       case 2: std::apply(attend_kv_head_avx512<NV, 2, T>, args); break;
@@ -254,13 +264,15 @@ void attend_kv_head_chunks(const float* const* queries, float* const* out, int64
 // One query per sequence over its cached context, read straight from the paged cache: q
 // (D, nh, hd) at the given strides (unit stride in hd), block tables (D, max_blocks) and
 // context lengths (D,) checked by check_block_tables -> out (D, nh, hd), contiguous.
+// window > 0: a sliding window (HF's: the query at position L - 1 sees the last `window`
+// positions, L - window .. L - 1); the blocks before it are skipped, not masked.
 // NOTE: query head h reads KV head h / (nh / nkv), as HF groups them. A task reads whole
 // cached rows (all KV heads of a position, contiguous) when there are enough sequences to
 // keep the threads busy, and one KV head's part of each row otherwise.
 void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
                            int64_t q_token_stride, int64_t q_head_stride,
                            const KvCacheView& cache, const int64_t* tables, int64_t max_blocks,
-                           const int64_t* lens, double scale, float* out) {
+                           const int64_t* lens, double scale, int64_t window, float* out) {
   const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
   const int64_t head_dim = cache.head_dim, group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim;  // elements between two cached positions
@@ -273,7 +285,10 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
   // attention at ~180 positions took 0.55-0.60 ms per step on both threads, 0.78 on one.)
   constexpr int64_t SERIAL_POSITIONS = 64;
   const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
-  const int64_t grain = seqs * max_blocks * block_size < SERIAL_POSITIONS ? tasks : 1;
+  const int64_t positions = max_blocks * block_size;  // a sequence's most positions read
+  const int64_t grain =
+      seqs * (window > 0 ? std::min(window, positions) : positions) < SERIAL_POSITIONS ? tasks
+                                                                                       : 1;
   // (kc, vc): the caches' elements, float or c10::BFloat16
   with_cache_elements(cache, [&](const auto* kc, const auto* vc) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
@@ -286,6 +301,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
         const int64_t seq = task / tasks_per_seq;
         const int64_t kv_first = task % tasks_per_seq * kv_per_task;
         const int64_t* table = tables + seq * max_blocks;
+        const int64_t start = first_window_position(lens[seq], window), end = lens[seq];
         auto row_of = [&](int64_t pos) {
           return (table[pos / block_size] * block_size + pos % block_size) * row;
         };
@@ -300,13 +316,13 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
           for (int64_t h = 0; h < kv_per_task; ++h) {
             const auto chunks =
                 head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
-            chunks(queries + h * group, outs + h * group, group, kc, vc, table, lens[seq],
+            chunks(queries + h * group, outs + h * group, group, kc, vc, table, start, end,
                    block_size, row, (kv_first + h) * head_dim, float(scale), scores);
           }
           continue;
         }
 #endif
-        attend(queries, kv_offsets, heads_per_task, kc, vc, lens[seq], row_of,
+        attend(queries, kv_offsets, heads_per_task, kc, vc, start, end, row_of,
                kv_first * head_dim, kv_per_task * head_dim, head_dim, float(scale), scores,
                outs);
       }
@@ -315,10 +331,11 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
 }
 
 // q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
-// block_tables: (D, maxb) int64; context_lens: (D,) int64 -> out (D, nh, hd).
+// block_tables: (D, maxb) int64; context_lens: (D,) int64; window: a sliding window (the
+// last `window` positions), 0 for full attention -> out (D, nh, hd).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, int64_t window) {
   check_cpu_float(q, "q");
   const KvCacheView cache = kv_cache_view(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (D, nh, hd), unit stride in hd");
@@ -330,11 +347,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
               "q (D, nh, hd), caches (num_blocks, bs, nkv, hd), block_tables (D, maxb)");
   TORCH_CHECK(num_heads % cache.num_kv_heads == 0 && num_heads <= MAX_ATTENTION_HEADS,
               "num_heads must be a multiple of nkv, at most 256");
-  check_block_tables(block_tables, context_lens, cache.num_blocks, cache.block_size);
+  check_block_tables(block_tables, context_lens, cache.num_blocks, cache.block_size, window);
   auto out = torch::empty({seqs, num_heads, head_dim}, q.options());
   decode_attention_into(q.data_ptr<float>(), seqs, num_heads, q.stride(0), q.stride(1), cache,
                         block_tables.data_ptr<int64_t>(), block_tables.size(1),
-                        context_lens.data_ptr<int64_t>(), scale, out.data_ptr<float>());
+                        context_lens.data_ptr<int64_t>(), scale, window,
+                        out.data_ptr<float>());
   return out;
 }
 

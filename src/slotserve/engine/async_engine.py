@@ -32,8 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from slotserve.config import check_policy_fields
-from slotserve.engine.client import EngineClient as EngineClient  # NOTE: the server's import
+from slotserve.config import check_policy_fields, tenant_waiting_bound
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt
@@ -116,6 +115,8 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams, _queued_adds, _queued_seqs, _fatal
         self._queued_adds: dict[str, int] = {}  # request id -> "add" commands not applied yet
         self._queued_seqs = 0  # sequences (n per request) added, not yet seen by the engine
+        # The same per tenant, for SchedulerConfig.max_waiting_per_tenant (`_check_bounds`).
+        self._queued_by_tenant: dict[str, int] = {}
         self._stopping = False
         self._accepting = True
         self._fatal: EngineDeadError | None = None  # set once, when the loop dies
@@ -296,18 +297,36 @@ class AsyncEngine:
             self._raise_if_dead()  # NOTE: under the lock that _die sweeps the streams with
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            waiting = self.engine.num_waiting + self._queued_seqs
-            bound = self.max_waiting
-            if bound is not None and waiting + params.n > bound:
-                raise QueueFullError(f"{waiting} sequences are waiting and this request adds "
-                                     f"{params.n}; the bound is {bound} (--max-waiting)")
+            self._check_bounds(policy.tenant, params.n)
             self._streams[request_id] = stream
             self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
             self._queued_seqs += params.n
+            tenant = policy.tenant
+            self._queued_by_tenant[tenant] = self._queued_by_tenant.get(tenant, 0) + params.n
         self._commands.put(("add", request_id, (text, ids, cache_salt, policy, matchers),
                             params))
         self._wakeup.set()
         return stream
+
+    def _check_bounds(self, tenant: str, n: int) -> None:
+        """QueueFullError if n more waiting sequences would pass the server's bound or the
+        tenant's (max_waiting_per_tenant x its weight). NOTE: the messages name bounds only,
+        never how many sequences wait: that count is other tenants' business. Under _lock."""
+        bound = self.max_waiting
+        if bound is not None and self.engine.num_waiting + self._queued_seqs + n > bound:
+            raise QueueFullError(f"the server's waiting queue is full (at most {bound} "
+                                 "sequences, --max-waiting)")
+        tenant_bound = tenant_waiting_bound(self.engine.scheduler_config, tenant)
+        if tenant_bound is None:
+            return
+        if n > tenant_bound:  # NOTE: can never be queued: a 400, not a 429
+            raise ValueError(f"n={n} completions can never be queued: your requests may "
+                             f"have at most {tenant_bound} sequences waiting for a slot "
+                             "(--max-waiting-per-tenant)")
+        mine = self.engine.num_waiting_of(tenant) + self._queued_by_tenant.get(tenant, 0)
+        if mine + n > tenant_bound:
+            raise QueueFullError(f"your waiting requests are at their bound ({tenant_bound} "
+                                 "sequences waiting for a slot, --max-waiting-per-tenant)")
 
     async def check_structured(self, spec: StructuredOutputs) -> None:
         """Compile `spec` for this engine's tokenizer on a grammar thread (cached: the
@@ -435,6 +454,9 @@ class AsyncEngine:
         text, ids, cache_salt, policy, matchers = prompt
         with self._lock:
             self._queued_seqs -= params.n
+            left_of_tenant = self._queued_by_tenant.pop(policy.tenant) - params.n
+            if left_of_tenant:
+                self._queued_by_tenant[policy.tenant] = left_of_tenant
             left = self._queued_adds.pop(request_id) - 1
             if left:
                 self._queued_adds[request_id] = left

@@ -58,7 +58,9 @@ from slotserve.model.kernels import (
     resolve_kv_cache_dtype,
 )
 from slotserve.request import Request
+from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
 from slotserve.runner.model_runner import ModelRunner
+from slotserve.runner.prompt_logprobs import PromptLogprobs
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
@@ -102,7 +104,8 @@ class LLMEngine:
                                   config.device, config.dtype, config.seed,
                                   kernels=kernels, kv_cache_dtype=kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching)
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 tenant_scoped=config.cache.tenant_scoped)
         self.scheduler = Scheduler(sched, self.kv)
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
@@ -110,6 +113,8 @@ class LLMEngine:
         self.eos_token_ids = eos_ids(model_config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner.grammar_of = self._grammar_of
+        self.runner.shaping_of = self._shaping_of
+        self.runner.prompt_logprobs_of = self._prompt_logprobs_of
         self.runner.sampler.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
@@ -143,6 +148,10 @@ class LLMEngine:
     def num_waiting(self) -> int:
         """Sequences waiting for a slot (one len() read: safe from any thread)."""
         return self.scheduler.num_waiting
+
+    def num_waiting_of(self, tenant: str) -> int:
+        """Sequences of one tenant waiting for a slot (one dict read: any thread)."""
+        return self.scheduler.num_waiting_of(tenant)
 
     # ------------------------------------------------------------------ read side
     def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
@@ -214,6 +223,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # NOTE: SamplingParams: ints >= 0
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
+        shaping = ShapingSpec.build(params, self.tokenizer, vocab)  # ValueError naming it
         text = text if text is not None else prompt_text
         if grammar_matchers is None:
             grammar_matchers = seqs.build_matchers(self.grammars, params)
@@ -224,8 +234,11 @@ class LLMEngine:
                     for i in range(params.n)]
         for seq in children:
             seq.request.cache_salt = cache_salt
+            seqs.ask_prompt_logprobs(seq, cache_salt)  # NOTE: its own salt (no cache hits)
             seq.request.priority, seq.request.tenant = priority, tenant
             seq.request.slo_ttft_ms, seq.request.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+            if shaping is not None:
+                seq.shaping = SequenceShaping(shaping, ids, seq.request.output_token_ids)
         try:
             self._register(request_id, children)
         except BaseException:
@@ -253,6 +266,16 @@ class LLMEngine:
             if self._sequences.get(child_id) is seq:
                 del self._sequences[child_id]
         self._parents.pop(request_id, None)  # add_request checked it was not in use
+
+    def _shaping_of(self, request_id: str) -> SequenceShaping | None:
+        """The penalties and logit shaping of a running completion (None: none); the runner's."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else seq.shaping
+
+    def _prompt_logprobs_of(self, request_id: str) -> PromptLogprobs | None:
+        """A running completion's prompt-logprobs accumulator (None: none); the runner's."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else seq.prompt_logprobs
 
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""

@@ -54,6 +54,10 @@ class RequestOutput:
 
     num_cached_tokens: prompt tokens the completion's first prefill found in the prefix
     cache (vLLM's field; each completion of n counts its own).
+    prompt_logprobs: with SamplingParams.prompt_logprobs, on completion 0's outputs once its
+    prefill is done: per prompt token {token id: logprob} (the top N and the token itself),
+    None for the first token (nothing comes before it); prompt_logprob_ranks: each prompt
+    token's rank (1: the most likely), None for the first.
     """
 
     request_id: str
@@ -62,6 +66,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     error: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:

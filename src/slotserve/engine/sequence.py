@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from slotserve.request import Request, RequestStatus
+from slotserve.runner.logit_shaping import SequenceShaping
+from slotserve.runner.prompt_logprobs import PromptLogprobs, unique_salt
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
@@ -52,6 +54,8 @@ class SequenceState:
     hold_back: int = 0  # chars kept from streaming while they may start a stop string
     logprobs: list = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
+    shaping: SequenceShaping | None = None  # penalties, logit_bias, bad_words... (or None)
+    prompt_logprobs: PromptLogprobs | None = None  # filled by the runner in the prefill
 
 
 def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],
@@ -76,6 +80,18 @@ def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],
     if (grammar is None) != (params.structured_outputs is None):
         raise ValueError("a constrained completion needs its grammar matcher, and only it")
     return SequenceState(request, parent_id, index, text, detok, hold_back=hold, grammar=grammar)
+
+
+def ask_prompt_logprobs(seq: SequenceState, cache_salt: str | None) -> None:
+    """Give a completion whose params ask for prompt logprobs its accumulator and a cache
+    salt of its own: it must compute every prompt row, so it bypasses the prefix cache
+    (runner/prompt_logprobs.py's NOTE). Call after the request's cache_salt is set."""
+    request = seq.request
+    top_n = request.sampling_params.prompt_logprobs
+    if top_n is None:
+        return
+    seq.prompt_logprobs = PromptLogprobs(request.prompt_token_ids, top_n)
+    request.cache_salt = unique_salt(cache_salt)
 
 
 def build_matchers(grammars: GrammarCompiler, params: SamplingParams
@@ -186,8 +202,11 @@ def build_output(seq: SequenceState, visible: int, delta_text: str,
         logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None
         else None,
         delta_text=delta_text, delta_token_ids=delta_ids, metrics=RequestMetrics.of(request))
+    prompt_lp = seq.prompt_logprobs.result() if seq.prompt_logprobs is not None else None
+    entries, ranks = prompt_lp if prompt_lp is not None else (None, None)
     return RequestOutput(seq.parent_id, seq.prompt, request.prompt_token_ids, [completion],
-                         error=request.error, num_cached_tokens=request.num_cached_tokens)
+                         error=request.error, num_cached_tokens=request.num_cached_tokens,
+                         prompt_logprobs=entries, prompt_logprob_ranks=ranks)
 
 
 def mark_failed(request: Request, message: str) -> None:

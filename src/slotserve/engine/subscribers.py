@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from slotserve.engine.events import IterationEvent
+from slotserve.engine.isolation import is_fault
 
 logger = logging.getLogger("slotserve.engine")
 
@@ -30,7 +31,9 @@ class Subscribers:
         for callback in list(self._callbacks):
             try:
                 callback(event)
-            except Exception:
+            except BaseException as exc:  # a native library's panic too (is_fault)
+                if not is_fault(exc):
+                    raise
                 faults = self._faults.get(callback, 0) + 1
                 self._faults[callback] = faults
                 log = logger.exception if faults == 1 else logger.debug

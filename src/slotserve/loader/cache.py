@@ -155,6 +155,7 @@ def _check_manifest(entry: str) -> dict[str, int]:
 
 def _config_from_json(data: dict[str, Any]) -> ModelConfig:
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    data["sliding_windows"] = tuple(data.get("sliding_windows", ()))  # JSON has lists
     return ModelConfig(**data)
 
 

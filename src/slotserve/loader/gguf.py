@@ -17,7 +17,7 @@ import torch
 
 from slotserve.config import ModelConfig
 from slotserve.loader.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES, GGUFBlockTensor, to_blocks
-from slotserve.loader.gguf_config import SUPPORTED_ARCHS, model_config
+from slotserve.loader.gguf_config import CONFIG_TENSORS, SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
 from slotserve.loader.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ def load_gguf(path: str, keep_quantized: bool = False
     meta, tensors = read_gguf(path)
     config = model_config(meta, tensors, name=_model_name(path), path=path)
     check_config(path, config)
-    names = {_hf_name_in(path, t.name): t for t in tensors}
+    names = {_hf_name_in(path, t.name): t for t in tensors if t.name not in CONFIG_TENSORS}
     gguf_names = {hf: t.name for hf, t in names.items()}
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf)))
@@ -151,7 +151,8 @@ def hf_name(gguf_name: str) -> str:
     """HF Llama name of a GGUF tensor.
 
     `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, `output.weight` ->
-    `lm_head.weight`; a ValueError for anything else (e.g. `rope_freqs.weight`).
+    `lm_head.weight`; a ValueError for anything else (`rope_freqs.weight` is config:
+    gguf_config reads it).
     """
     if m := _LAYER_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
@@ -162,7 +163,7 @@ def hf_name(gguf_name: str) -> str:
         if base in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[base]}.{kind}"
     raise ValueError(
-        f"unsupported GGUF tensor {gguf_name!r} (e.g. rope_freqs: RoPE scaling is not supported)"
+        f"unsupported GGUF tensor {gguf_name!r} (not a tensor of the supported architectures)"
     )
 
 

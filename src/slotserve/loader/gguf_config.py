@@ -6,7 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from slotserve.config import ModelConfig
+from slotserve.config_gate import RopeScaling
+from slotserve.layer_windows import gguf_layer_windows
+from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor
 from slotserve.loader.gguf_vocab import gguf_eos_token_ids
 from slotserve.loader.validation import ModelFileError
@@ -47,6 +52,8 @@ def model_config(
         eos_token_ids=_eos_token_ids(path, meta),
         architecture=key.arch,
         name=name,
+        sliding_windows=_sliding_windows(path, meta, key.arch, key("block_count")),
+        rope_scaling=_rope_scaling(key, tensors, head_dim),
     )
 
 
@@ -102,6 +109,60 @@ def _head_dim(key: _ArchKeys, hidden: int, heads: int) -> int:
         raise ModelFileError(key.path, "partial rotary embeddings (rope.dimension_count != "
                                        "head_dim) unsupported")
     return head_dim
+
+
+# The GGUF tensors that are config, not weights (the loader reads them here, maps no name).
+CONFIG_TENSORS = ("rope_freqs.weight",)
+# `{arch}.rope.scaling.type` values computed as llama.cpp does (none: plain RoPE).
+GGUF_ROPE_SCALING = ("none", "linear")
+
+
+def _rope_scaling(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
+                  ) -> RopeScaling | None:
+    """The RoPE scaling of a GGUF file, as llama.cpp applies it: `{arch}.rope.scaling.type`
+    linear (positions / `rope.scaling.factor`; the older `rope.scale_linear` too) and the
+    `rope_freqs` tensor (frequency i / factor i: convert_hf_to_gguf writes Llama 3's llama3
+    scaling so). Other types (yarn, longrope) are refused: a ModelFileError naming the key.
+    """
+    kind = key.meta.get(f"{key.arch}.rope.scaling.type", "none")
+    if kind not in GGUF_ROPE_SCALING:
+        raise ModelFileError(key.path, f"{key.arch}.rope.scaling.type={kind!r}: unsupported "
+                                       f"RoPE scaling (supported from GGUF: "
+                                       f"{', '.join(GGUF_ROPE_SCALING)})")
+    attn_factor = key.meta.get(f"{key.arch}.rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1.0:  # NOTE: llama.cpp scales cos/sin by it whatever the type
+        raise ModelFileError(key.path, f"{key.arch}.rope.scaling.attn_factor={attn_factor!r}: "
+                                       "a RoPE attention factor is not supported from GGUF")
+    factors = [t for t in tensors if t.name == "rope_freqs.weight"]
+    if factors and kind != "none":
+        raise ModelFileError(key.path, f"rope_freqs.weight with {key.arch}.rope.scaling.type="
+                                       f"{kind!r}: both scalings at once are not supported")
+    if factors:
+        return RopeScaling("freq_factors", freq_factors=_freq_factors(key.path, factors[0],
+                                                                      head_dim))
+    if kind == "linear" or key.present("rope.scale_linear"):
+        suffix = "rope.scaling.factor" if kind == "linear" else "rope.scale_linear"
+        factor = float(key(suffix, kind=float))
+        return None if factor == 1.0 else RopeScaling("linear", factor=factor)
+    return None
+
+
+def _freq_factors(path: str, tensor: GGUFTensor, head_dim: int) -> tuple[float, ...]:
+    if tensor.shape != (head_dim // 2,):
+        raise ModelFileError(path, f"wrong shape for rope_freqs.weight: {tensor.shape}, "
+                                   f"expected ({head_dim // 2},)")
+    values = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(-1)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ModelFileError(path, "rope_freqs.weight must hold positive finite factors")
+    return tuple(float(v) for v in values)
+
+
+def _sliding_windows(path: str, meta: dict[str, Any], arch: str, layers: int):
+    """Each layer's sliding window, as llama.cpp applies `{arch}.attention.sliding_window`."""
+    try:
+        return gguf_layer_windows(meta, arch, layers)
+    except ValueError as exc:
+        raise ModelFileError(path, str(exc)) from None
 
 
 def _eos_token_ids(path: str, meta: dict[str, Any]) -> tuple[int, ...]:

@@ -17,10 +17,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from slotserve.config import ModelConfig
+from slotserve.config_gate import UnsupportedConfig
 from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError, check_config, check_weight_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -46,13 +46,10 @@ def hf_model_config(path: str) -> ModelConfig:
     cfg = _read_json(config_file)
     if cfg is None:
         raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model directory)")
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} (supported: {SUPPORTED_MODEL_TYPES})"
-        )
     try:
         config = ModelConfig.from_hf_dict(cfg, name=os.path.basename(os.path.normpath(path)))
+    except UnsupportedConfig as exc:  # the config gate: names the key and its value
+        raise ModelFileError(config_file, str(exc)) from None
     except KeyError as exc:
         raise ModelFileError(config_file, f"missing key {exc.args[0]}") from None
     except (TypeError, ValueError, ZeroDivisionError) as exc:

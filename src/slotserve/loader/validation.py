@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from slotserve.config import ModelConfig
+from slotserve.model.families import family_of
 
 
 class ModelFileError(ValueError):
@@ -31,22 +32,39 @@ def expected_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
+    family = family_of(config)
     yield "model.embed_tokens.weight", (vocab, h)
     yield "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (vocab, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        if family.fused_hf_weights:  # Phi-3: q/k/v and gate/up stored fused
+            yield from {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                        p + "mlp.gate_up_proj.weight": (2 * inter, h)}.items()
+        else:
+            yield from {
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h)}.items()
         yield from {
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         }.items()
         if config.attention_bias:
             yield from {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)}.items()
+        if config.o_bias:
+            yield p + "self_attn.o_proj.bias", (h,)
+        if config.mlp_bias:
+            yield from {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                        p + "mlp.down_proj.bias": (h,)}.items()
+        if family.qk_norm:
+            yield from {p + "self_attn.q_norm.weight": (config.head_dim,),
+                        p + "self_attn.k_norm.weight": (config.head_dim,)}.items()
+        if family.sandwich_norms:
+            yield from {p + "pre_feedforward_layernorm.weight": (h,),
+                        p + "post_feedforward_layernorm.weight": (h,)}.items()
 
 
 def check_config(path: str, config: ModelConfig) -> None:

@@ -44,8 +44,9 @@ LINEARS_ON_OPS = ("panel", "bf16_panel", "int8")
 
 
 def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
-    """The model's dtype: `dtype` by name, or float32 on the CPU and bfloat16 on CUDA."""
-    if dtype is None:
+    """The model's dtype: `dtype` by name, or (None or "auto") float32 on the CPU and
+    bfloat16 on CUDA."""
+    if dtype in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -92,6 +93,7 @@ class KernelSet:
     amx_min_rows: int = 0
     weights: str = "fp32"
     reason: str = ""
+    model_note: str = ""  # what the model's family runs outside these kernels (for_model)
     gguf_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -104,6 +106,21 @@ class KernelSet:
             raise ValueError("decode_stack needs fused_layers (it runs the same kernels)")
         if self.gguf_types and (self.ops is None or self.decode_stack):
             raise ValueError("GGUF block weights need the fused kernels and no decode stack")
+
+    def for_model(self, stack_gaps: list[str], torch_ops: list[str]) -> KernelSet:
+        """This set as a model with these needs runs it: no decode stack where it lacks
+        something the model needs (`stack_gaps`, model/families.decode_stack_gaps), and a
+        note of both for the start-up line."""
+        notes = []
+        if self.fused_layers and torch_ops:
+            notes.append(f"torch for {', '.join(torch_ops)}")
+        if self.decode_stack and stack_gaps:
+            notes.append(f"decodes layer by layer (the decode stack lacks "
+                         f"{', '.join(stack_gaps)})")
+        if not notes:
+            return self
+        return dataclasses.replace(self, decode_stack=self.decode_stack and not stack_gaps,
+                                   model_note="; ".join(notes))
 
     @property
     def layer_ops(self):
@@ -143,6 +160,8 @@ class KernelSet:
             text += " + fused CPU ops"
         if self.decode_stack:
             text += " (decodes: one C++ call for all layers)"
+        if self.model_note:
+            text += f" ({self.model_note})"
         return text
 
     def describe(self) -> str:
@@ -216,7 +235,8 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     kernels: "reference" plain torch; "mkl" MKL's packed GEMM for fp32 linears; "auto" the
     fp32 weight panels where the fused kernels run with AVX-512. quantization (wins over
     kernels): "none"/None fp32, "bf16", "int8", or "auto": bf16 where the CPU has
-    AVX512_BF16 and the bf16 panel kernel is built vectorised, else fp32. The fused kernels
+    AVX512_BF16 and the bf16 panel kernel is built vectorised and no dtype is named (None or
+    "auto"), else fp32. The fused kernels
     apply (kernels != "reference") to a float32 model on the CPU only.
     """
     model_dtype = resolve_dtype(device, dtype)
@@ -226,7 +246,7 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
         raise ValueError(f"quantization={quantization!r} needs the model on the CPU in "
                          "float32 (the weights are quantized, activations stay float32)")
     if quantization == "auto":
-        weights, reason = _auto_weights(kernels, cpu_fp32, ops)
+        weights, reason = _auto_weights(kernels, cpu_fp32, ops, dtype)
     else:
         weights = "fp32" if quantization in ("none", None) else quantization
         reason = f"quantization={quantization or 'none'}"
@@ -252,10 +272,17 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
     return DTYPES[setting]
 
 
-def _auto_weights(kernels: str, cpu_fp32: bool, ops) -> tuple[str, str]:
-    """quantization="auto": ("bf16" or "fp32", why)."""
+def _auto_weights(kernels: str, cpu_fp32: bool, ops, dtype: str | None = None
+                  ) -> tuple[str, str]:
+    """quantization="auto": ("bf16" or "fp32", why).
+
+    NOTE: a dtype named by the user (not None / "auto") is what the weights compute in, as
+    vLLM's --dtype means: auto picks bf16 weights only when the dtype is left to it too.
+    """
     if not cpu_fp32:
         return "fp32", "auto: the model is not float32 on the CPU"
+    if dtype not in (None, "auto"):
+        return "fp32", f"auto: dtype={dtype} named"
     if kernels != "auto":
         return "fp32", f"auto: kernels={kernels}"
     if not cpu_has_avx512_bf16():

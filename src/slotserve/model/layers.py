@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotserve.config_gate import RopeScaling
+from slotserve.model.rope import rope_tables
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops=None) -> None:
@@ -26,27 +29,45 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the HF Llama convention), cos/sin cached for every position."""
+    """Rotate-half RoPE (the HF Llama convention), cos/sin cached for every position.
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    scaling: the RoPE scaling (model/rope.py computes it as HF does), None: plain RoPE.
+    local_theta: Gemma 3's sliding layers' base (plain RoPE): a second pair of tables,
+    `local_tables`; None: one pair for every layer.
+    NOTE: one module for both pairs, so `.float()` keeps every table fp32.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: RopeScaling | None = None, local_theta: float | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
-        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.scaling, self.local_theta = scaling, local_theta
+        half = head_dim // 2
+        self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
+        local = (max_positions, half) if local_theta is not None else (0, half)
+        self.register_buffer("cos_local", torch.empty(local), persistent=False)
+        self.register_buffer("sin_local", torch.empty(local), persistent=False)
         self.reset_tables()
 
     @torch.no_grad()
     def reset_tables(self) -> None:
         """(Re)compute cos/sin in place, on whatever device the buffers live."""
-        d = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        t = torch.arange(self.max_positions, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
-        self.cos.copy_(freqs.cos())
-        self.sin.copy_(freqs.sin())
+        cos, sin = rope_tables(self.head_dim, self.max_positions, self.theta, self.scaling)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        if self.local_theta is not None:
+            cos, sin = rope_tables(self.head_dim, self.max_positions, self.local_theta)
+            self.cos_local.copy_(cos)
+            self.sin_local.copy_(sin)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of each token's position, (T, 1, hd/2) each: looked up once per forward."""
+    def tables(self, positions: torch.Tensor, local: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each token's position, (T, 1, hd/2) each: looked up once per forward.
+
+        local: the sliding layers' tables (Gemma 3; only with local_theta)."""
+        if local:
+            return self.cos_local[positions].unsqueeze(1), self.sin_local[positions].unsqueeze(1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -100,19 +121,34 @@ class Linear(nn.Module):
         self.bias = None
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul."""
+# The MLP gate activations (HF's ACT2FN names): gelu_pytorch_tanh is GELU's tanh form.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
-    def __init__(self, hidden: int, intermediate: int, ops=None) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated MLP (SwiGLU; GeGLU with a GELU activation), gate and up fused into one matmul.
+
+    act: the gate's activation, a key of ACTIVATIONS; bias: on gate/up and down (Llama's
+    mlp_bias). The fused CPU kernels run SiLU only; another activation runs in torch.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, ops=None, act: str = "silu",
+                 bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
-        self.ops = ops  # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act_name, self.act = act, ACTIVATIONS[act]
+        # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
+        self.ops = ops if act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         gate_up = self.gate_up_proj(x)  # (T, 2I)
         if self.ops is not None:
             return self.down_proj(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

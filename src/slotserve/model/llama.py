@@ -1,10 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat ragged batch.
+"""The decoder of every family served (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 2/3, Phi-3)
+over a flat ragged batch.
 
 All scheduled tokens of all requests are one (T, H) tensor: the linear layers see no
-padding; only attention knows where one sequence ends, through AttentionMetadata.
+padding; only attention knows where one sequence ends, through AttentionMetadata. How a
+family's block differs from Llama's is data (model/families.py), read here once at build.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -12,77 +16,129 @@ from torch import nn
 from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
+from slotserve.layer_windows import layer_window
+from slotserve.model.families import Family, decode_stack_gaps, family_of, torch_ops
 from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from slotserve.model.linear_kernels import swap_linear_kernels
+from slotserve.model.softcap_attention import softcapped_paged_attention
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops=None) -> None:
+    def __init__(self, cfg: ModelConfig, family: Family, ops=None,
+                 window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding window (positions a query reads), None: full
+        # Gemma 3: a sliding layer rotates with its own base (the rotary's local tables)
+        self.local_rope = window is not None and cfg.local_rope_theta is not None
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.scale = self.head_dim ** -0.5
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if family.qk_norm:  # NOTE: torch's RMSNorm: the heads are a strided view of qkv
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = family.qk_norm
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
         self.ops = ops  # the fused CPU kernels (model/cpu_ops.py) or None: torch's ops
 
-    def forward(self, x: torch.Tensor, rope: tuple, kv_cache: tuple,
+    def forward(self, x: torch.Tensor, ropes: dict, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
+        rope = ropes[self.local_rope]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
         # q and k side by side, rotated in one call: (T, nh + nkv, hd)
         qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim)
+        if self.qk_norm:  # Qwen3 / Gemma 3: each head's q and k normalized, before RoPE
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])], dim=1)
         if self.ops is not None:
-            self.ops.rotary_(qk, *rope)  # in place, inside qkv
+            self.ops.rotary_(qk, *rope)  # in place (inside qkv, or the normalized copy)
         else:
             qk = apply_rotary(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh|nkv, hd)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.ops)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops)  # (T, nh, hd)
+        if self.softcap is not None:  # Gemma 2: no kernel soft-caps scores
+            out = softcapped_paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                             self.softcap, self.window)
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops,
+                                  self.window)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops=None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = LlamaAttention(cfg, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ops)
+    """x += attn_out(attn(input_layernorm(x))); x += mlp_out(mlp(mlp_in(x))).
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    The Llama block: mlp_in is post_attention_layernorm, attn_out and mlp_out nothing.
+    Sandwich norms (Gemma): attn_out is post_attention_layernorm, mlp_in / mlp_out
+    pre_ / post_feedforward_layernorm. Every norm has its HF name (the weights load by it).
+    """
+
+    def __init__(self, cfg: ModelConfig, family: Family, ops=None,
+                 window: int | None = None) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        self.self_attn = LlamaAttention(cfg, family, ops, window)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, ops, act=cfg.hidden_act,
+                            bias=cfg.mlp_bias)
+        if family.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, ops)
+            # NOTE: a tuple, so the norms are registered once, under their HF names
+            self.roles = (self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                          self.post_feedforward_layernorm)
+        else:
+            self.roles = (_identity, self.post_attention_layernorm, _identity)
+
+    def forward(self, x, ropes, kv_cache, meta):
+        attn_out, mlp_in, mlp_out = self.roles
+        x = x + attn_out(self.self_attn(self.input_layernorm(x), ropes, kv_cache, meta))
+        return x + mlp_out(self.mlp(mlp_in(x)))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class LlamaForCausalLM(nn.Module):
     """forward(tokens) -> hidden states; compute_logits(selected hidden) -> logits.
 
     kernels: the KernelSet (model/kernels.py) it runs: its fused ops go to the norms, MLPs and
-    attention here; its linear kernels and decode stack are built by load_hf_weights.
+    attention here; its linear kernels and decode stack are built by load_hf_weights. Where
+    the family needs what the decode stack lacks, `self.kernels` is the set without it (and
+    says so: KernelSet.for_model).
     """
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet = REFERENCE) -> None:
         super().__init__()
         self.config = cfg
-        self.kernels = kernels
+        self.family = family = family_of(cfg)
+        self.kernels = kernels = kernels.for_model(decode_stack_gaps(cfg), torch_ops(cfg))
         ops = kernels.layer_ops
         # _weight given: nn.Embedding skips its random init (the weights are loaded next).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops)
-                                    for _ in range(cfg.num_hidden_layers))
+        # Gemma: embeddings x sqrt(hidden), the factor in the model's dtype (as HF)
+        self.embed_scale = math.sqrt(cfg.hidden_size) if family.embed_scale else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, cfg.local_rope_theta)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, family, ops, layer_window(cfg.sliding_windows, i))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # NOTE: a tied LM head is a transposed copy of the embedding, not the same tensor:
         # the head wants (H, V) for its matmul, the lookup wants (V, H).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.final_softcap = cfg.final_logit_softcapping
         # The C++ DecodeStack (csrc/decode_stack.cpp) runs the layers of all-decode iterations in
         # one call, once load_hf_weights built it (kernels.decode_stack); None: every layer
         # in Python.
@@ -96,9 +152,13 @@ class LlamaForCausalLM(nn.Module):
             return self.decode_stack.forward(input_ids, positions, caches, meta.slot_mapping,
                                              group.block_tables, group.context_lens)
         x = self.embed_tokens(input_ids)  # (T, H)
-        rope = self.rotary.tables(positions)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+        ropes = {False: self.rotary.tables(positions)}  # by "is a local (sliding) layer"
+        if self.config.local_rope_theta is not None:
+            ropes[True] = self.rotary.tables(positions, local=True)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
+            x = layer(x, ropes, kv_cache, meta)
         return self.norm(x)
 
     def build_decode_stack(self, ops):
@@ -106,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
         NOTE: it holds the same tensors (no copy) and calls the same kernels as the layers'
         forward with the same ops, in the same order: the two agree to the last bit. It looks
-        the tokens up in the same embedding and RoPE tables.
+        the tokens up in the same embedding and RoPE tables. Only for a model whose family
+        it runs (model/families.decode_stack_gaps is empty).
         """
         cfg, first = self.config, self.layers[0]
         stack = ops.DecodeStack(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -116,11 +177,15 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                             *(linear.cpp_weights(ops) for linear in
-                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                            attn.window or 0)
         return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap), as HF
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -133,10 +198,15 @@ class LlamaForCausalLM(nn.Module):
         loaded = set()
         for name, tensor in fuse_hf_weights(weights, self.config).items():
             module_name, kind = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            target = getattr(module, kind)
+            module = _submodule(self, module_name)
+            target = getattr(module, kind, None)
+            if target is None:  # NOTE: a tensor this config has no place for: HF ignores it
+                continue
             if isinstance(module, Linear) and kind == "weight":
                 tensor = tensor.t()
+            if isinstance(module, RMSNorm) and self.family.norm_offset:
+                # NOTE: Gemma's (1 + w), folded once, in fp32 as HF adds it
+                tensor = tensor.float() + self.family.norm_offset
             if target.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
@@ -150,9 +220,30 @@ class LlamaForCausalLM(nn.Module):
             self.decode_stack = self.build_decode_stack(self.kernels.ops)
 
 
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+# Per layer: this module's name <- the HF tensors fused into it (concatenated in this order).
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# Per layer: names that are the same here and in HF (when the model has them).
+_AS_IS = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+          "pre_feedforward_layernorm", "post_feedforward_layernorm", "self_attn.q_norm",
+          "self_attn.k_norm")
+
+
 def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
                     ) -> dict[str, torch.Tensor]:
-    """HF Llama names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts."""
+    """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts.
+
+    Tensors HF already stores fused (Phi-3's qkv_proj, gate_up_proj: q, k, v and gate, up
+    in this order too) are taken as they are; a tensor the model has no place for is left
+    out (the loaders' shape checks name what is missing).
+    """
     embed = weights["model.embed_tokens.weight"]
     fused: dict[str, torch.Tensor] = {
         "embed_tokens.weight": embed,
@@ -161,16 +252,14 @@ def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
     }
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        fused[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [weights[attn + f"{p}_proj.weight"] for p in "qkv"])
-        if cfg.attention_bias:
-            fused[dst + "self_attn.qkv_proj.bias"] = torch.cat(
-                [weights[attn + f"{p}_proj.bias"] for p in "qkv"])
-        fused[dst + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-        fused[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
-        fused[dst + "mlp.down_proj.weight"] = weights[src + "mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            fused[dst + norm + ".weight"] = weights[src + norm + ".weight"]
+        for kind in ("weight", "bias"):
+            for name, parts in _FUSED.items():
+                if f"{src}{name}.{kind}" in weights:
+                    fused[f"{dst}{name}.{kind}"] = weights[f"{src}{name}.{kind}"]
+                elif f"{src}{parts[0]}.{kind}" in weights:
+                    fused[f"{dst}{name}.{kind}"] = torch.cat(
+                        [weights[f"{src}{part}.{kind}"] for part in parts])
+            for name in _AS_IS:
+                if f"{src}{name}.{kind}" in weights:
+                    fused[f"{dst}{name}.{kind}"] = weights[f"{src}{name}.{kind}"]
     return fused

@@ -5,11 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from slotserve.config import ModelConfig
+from slotserve.model.families import FAMILIES
 from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.llama import LlamaForCausalLM
 
-ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM,
-                 "qwen2": LlamaForCausalLM, "smollm": LlamaForCausalLM}
+# Every family is the Llama decoder with its differences as data (model/families.py).
+ARCHITECTURES = {name: LlamaForCausalLM for name in FAMILIES}
 
 
 def build_model(cfg: ModelConfig, kernels: KernelSet = REFERENCE) -> nn.Module:

@@ -13,6 +13,8 @@ from slotserve.config import CacheConfig, ModelConfig, SlotKind
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
+from slotserve.runner.logit_shaping import SequenceShaping
+from slotserve.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import (
@@ -56,6 +58,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
         self.model = build_model(model_config, self.kernels)
+        # NOTE: the model may run less (no decode stack for some families: KernelSet.for_model)
+        self.kernels = getattr(self.model, "kernels", self.kernels)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         # NOTE: after .to(): it builds the kernels (GGUF blocks dequantized unless they run them)
@@ -64,6 +68,11 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed, ops=self.kernels.layer_ops)
         # Structured outputs: the engine points this at its sequences' grammar matchers.
         self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
+        # Penalties and logit shaping: the engine points this at its sequences' state.
+        self.shaping_of: Callable[[str], SequenceShaping | None] = lambda request_id: None
+        # Prompt logprobs: the engine points this at its completions' accumulators.
+        self.prompt_logprobs_of: Callable[[str], PromptLogprobs | None] = (
+            lambda request_id: None)
         self._mask_worker: ThreadPoolExecutor | None = None
 
     @property
@@ -108,19 +117,38 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
         finally:
             allowed = None if masks is None else masks.result()  # (raises what the worker did)
+        self._fill_prompt_logprobs(seqs, hidden)  # NOTE: before hidden keeps only sample rows
         if not sampling:
             return RunnerOutput(sampled={})
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)  # (S, V), only where sampling
+        shaping = [self.shaping_of(s.request_id) for s in sampling]
+        extra = {} if all(s is None for s in shaping) else {"shaping": shaping}
         if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
-            tokens, logprobs = self.sampler(logits, sampling)
+            tokens, logprobs = self.sampler(logits, sampling, **extra)
         else:
-            tokens, logprobs = self.sampler(logits, sampling, allowed)
+            tokens, logprobs = self.sampler(logits, sampling, allowed, **extra)
         ids = [s.request_id for s in sampling]
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
             logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _fill_prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """The prompt rows' logprobs of the completions that ask for them (runner/
+        prompt_logprobs.py); nothing for the others, whose prompt rows get no logits."""
+        rows = []
+        chunk_row = 0
+        for s in seqs:
+            acc = (self.prompt_logprobs_of(s.request_id)
+                   if s.sampling_params.prompt_logprobs is not None else None)
+            if acc is not None:
+                offsets = acc.rows_to_compute(s.start_pos, s.num_tokens)
+                if offsets:
+                    rows.append((acc, chunk_row, offsets))
+            chunk_row += s.num_tokens
+        if rows:
+            compute_prompt_logprobs(hidden, rows, self.model.compute_logits)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:

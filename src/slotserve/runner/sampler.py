@@ -12,6 +12,11 @@ Log-probabilities stay those of the model (unmasked), as vLLM's default.
 min_tokens: a row whose sequence has fewer output tokens than its min_tokens cannot take
 EOS (unless ignore_eos) nor its stop_token_ids (vLLM's MinTokensLogitsProcessor).
 
+Penalties and logit shaping (runner/logit_shaping.py), in vLLM's order: allowed_token_ids
+and bad_words mask with the grammar, before min_tokens; then logit_bias, the repetition,
+frequency and presence penalties, before the greedy argmax and the temperature. Rows without
+them take the path above unchanged.
+
 NOTE: every SamplingParams value reaches a tensor only after it is clamped to what the tensor
 holds (top_k to the vocabulary, temperature to float32's largest), and the most likely token
 of a row always survives the masks, so a row with one finite logit never samples a -inf one.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from slotserve.core.outputs import ScheduledSeq
+from slotserve.runner.logit_shaping import Shaping, apply_bias_and_penalties, apply_masks
 from slotserve.sampling import SamplingParams
 
 AllowedTokens = tuple[list[int], torch.Tensor]  # (rows, (R, V) bool): see Sampler.__call__
@@ -40,15 +46,20 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
-                 allowed: AllowedTokens | None = None
+                 allowed: AllowedTokens | None = None, shaping: Shaping | None = None
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: (S, V) fp32, one row per sampling sequence, in `seqs` order.
 
         allowed: (rows, mask): mask[i] (V,) bool holds the tokens that row rows[i] may take.
+        shaping: one SequenceShaping (or None) per row: its penalties and logit shaping.
         """
         params = [s.sampling_params for s in seqs]
         masked = logits if allowed is None else mask_disallowed(logits, *allowed)
+        if shaping is not None:  # NOTE: in place only in a copy, never in `logits`
+            masked = apply_masks(masked, shaping, in_place=masked is not logits)
         masked = mask_min_tokens(masked, seqs, self.eos_token_ids)
+        if shaping is not None:
+            masked = apply_bias_and_penalties(masked, shaping, in_place=masked is not logits)
         tokens = argmax_rows(masked, self.ops)  # (S,)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -131,10 +142,11 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[ScheduledSeq],
         params = seq.sampling_params
         if seq.num_output_tokens >= params.min_tokens:
             continue
-        stops = set(params.stop_token_ids)
+        # NOTE: stop_token_ids may lie past the vocab; an id twice (EOS among them) is
+        # harmless (set to -inf twice), so no set is built per step
+        ids = [t for t in params.stop_token_set if t < vocab]
         if not params.ignore_eos:
-            stops.update(eos_token_ids)
-        ids = [t for t in stops if t < vocab]  # NOTE: stop_token_ids may lie past the vocab
+            ids += [t for t in eos_token_ids if t < vocab]
         rows += [row] * len(ids)
         cols += ids
     if not rows:

@@ -281,12 +281,15 @@ def _replica_spec(args: argparse.Namespace, policy):
     """The ReplicaSpec every replica of `serve --replicas` is deployed from: the engine flags
     and what the access policy gives the engine (the keys file's tenant weights), as
     the single-process `serve` builds its engine."""
+    from slotserve.config import resolve_prefix_cache_scope
     from slotserve.engine_args import engine_kwargs
     from slotserve.scaleout.replica import ReplicaSpec
     from slotserve.server.startup import tenant_weights
 
     threads = args.threads_per_replica or default_threads(args.replicas)
-    kwargs = {**engine_kwargs(args), "tenant_weights": tenant_weights(policy)}
+    kwargs = {**engine_kwargs(args), "tenant_weights": tenant_weights(policy),
+              "prefix_cache_scope": resolve_prefix_cache_scope(args.prefix_cache_scope,
+                                                               policy.keys_required)}
     spec = ReplicaSpec(model=args.model, engine_kwargs=kwargs, threads=threads,
                        max_waiting=args.max_waiting)
     logger.info("deploying %d replicas, %d threads each, router %s", args.replicas, threads,

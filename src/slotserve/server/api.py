@@ -8,14 +8,19 @@ blocks). The server reads the engine only through its read side (`snapshot()`,
 
 Every error answers with OpenAI's body {"error": {message, type, param, code}}:
 400 bad input (FastAPI's 422 included; max_tokens above the cap, too many or too long stop
-strings, a prompt that cannot fit), 401 a missing or wrong key, 404 unknown model (or an
-admin route that is off), 413 body too large, 429 queue full (with Retry-After), 503
-shutting down, too many requests at once or an unhealthy engine, 500 anything unexpected
-(the server keeps serving).
+strings or stop_token_ids, n or the logprobs volume past their caps, a priority outside
+the key's range, a prompt that cannot fit, input nested too deeply (RecursionError), a
+foreign Host header), 401 a missing or wrong key, 403 a cross-site admin POST, 404 unknown
+model (or an admin route that is off), 413 body too large, 429 queue full (with
+Retry-After), 503 shutting down, too many requests at once or an unhealthy engine, 500
+anything unexpected (the server keeps serving).
 
-Limits (`ServerLimits`, from the `serve` flags): a cap on max_tokens, a bound on the body
-size, a bound on the requests served at once (/health and /metrics stay exempt, so an
-operator can still look), bounds on the stop strings (count, length).
+Limits (`ServerLimits`, from the `serve` flags): a cap on max_tokens and its default, a
+bound on the body size, a bound on the requests served at once (/health and /metrics stay
+exempt, so an operator can still look), bounds on the stop strings (count, length), on
+stop_token_ids, n and the logprobs an answer carries; the Host names served (loopback
+names only on a loopback address, unless --allowed-hosts). Every response carries a strict
+Content-Security-Policy (self only), X-Frame-Options: DENY and nosniff.
 
 Access (`AccessPolicy`, server/auth.py): API keys for /v1 (each names a tenant), an admin
 key for the live view, /debug and /metrics. Engine request ids are the server's own
@@ -56,13 +61,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from slotserve.engine.async_engine import EngineClient
+from slotserve.engine.client import EngineClient
 from slotserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from slotserve.server import protocol as p
-from slotserve.server.auth import AccessControl, AccessPolicy
+from slotserve.server.auth import AccessControl, AccessPolicy, check_priority
 from slotserve.server.endpoints import Server
 from slotserve.server.generation import ClientGone
-from slotserve.server.limits import EchoRequestId, ServerLimits, add_limit_middleware
+from slotserve.server.limits import (
+    EchoRequestId,
+    ServerLimits,
+    add_limit_middleware,
+    add_outer_middleware,
+)
 from slotserve.server.live import build_live_router
 from slotserve.server.protocol import APIError
 
@@ -109,6 +119,7 @@ def build_app(async_engine: EngineClient, model_name: str, *, aliases: tuple[str
     # body is read or it takes one of --max-connections.
     app.add_middleware(AccessControl, policy=access)
     app.add_middleware(EchoRequestId)
+    add_outer_middleware(app, limits)  # NOTE: the Host check and the security headers
     return app
 
 
@@ -119,10 +130,12 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: p.CompletionRequest, request: Request):
+        check_priority(request, body.priority)
         return await server().completions(body, request)
 
     @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        check_priority(request, body.priority)
         return await server().chat(body, request)
 
     @app.post("/tokenize", responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})
@@ -147,7 +160,7 @@ def _add_routes(app: FastAPI) -> None:
     async def health() -> dict:
         if server().draining:  # NOTE: load balancers stop sending traffic here
             raise APIError("the server is shutting down", 503, "service_unavailable")
-        if not getattr(server().engine, "healthy", True):
+        if not server().engine.healthy:
             raise APIError("the engine is not healthy", 503, "service_unavailable")
         return {"status": "ok"}
 
@@ -182,6 +195,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError):
+        # NOTE: only input nests this deep (a tool call's arguments "[[[[...", a schema):
+        # the request is refused, the server goes on
+        logger.warning("refused %s: its input nests too deeply (%s)", request.url.path, exc)
+        return _error_response(APIError("the request nests too deeply to be read (JSON "
+                                        "arrays, objects or a schema)", 400,
+                                        code="nesting_too_deep"))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone):

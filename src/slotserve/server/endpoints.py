@@ -11,11 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from slotserve.engine.async_engine import EngineClient, EngineClosedError
+from slotserve.engine.async_engine import EngineClosedError
+from slotserve.engine.client import EngineClient
 from slotserve.obs.metrics import ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
-from slotserve.server.answers import chat_response, completion_response
+from slotserve.server.answers import chat_response, completion_response, whole_answer
 from slotserve.server.auth import tenant_of
 from slotserve.server.generation import Generation, scheduling_keywords
 from slotserve.server.limits import ServerLimits, client_request_id
@@ -130,7 +131,7 @@ class Server:
                          ) -> SamplingParams:
         self.check_model(body.model)
         body.check_stop(self.limits.max_stop_strings, self.limits.max_stop_chars)
-        return body.to_sampling_params(self.limits.max_tokens)
+        return self.limits.sampling_params(body, self.engine.max_total_tokens)
 
     async def completions(self, body: p.CompletionRequest, request: Request):
         params = self._sampling_params(body)
@@ -142,7 +143,8 @@ class Server:
             return sse_response(completion_chunks(stream, first, body, self.tokenizer,
                                                   self.model_name), stream)
         finals = await stream.collect(request, first)
-        return completion_response(stream, finals, params, self.tokenizer, self.model_name)
+        return await whole_answer(completion_response, stream, finals, params, self.tokenizer,
+                                  self.model_name)
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         params = self._sampling_params(body)
@@ -154,7 +156,8 @@ class Server:
             return sse_response(chat_chunks(stream, first, body, self.tokenizer,
                                             self.model_name), stream)
         finals = await stream.collect(request, first)
-        return chat_response(stream, finals, body, self.tokenizer, self.model_name)
+        return await whole_answer(chat_response, stream, finals, body, self.tokenizer,
+                                  self.model_name)
 
     async def _check_structured(self, params: SamplingParams, param: str | None) -> None:
         """A constrained request's pre-check, before it is admitted: the size caps

@@ -1,5 +1,6 @@
 """Bounds on what clients may ask (`ServerLimits`) and the ASGI middleware that holds them:
-body size and upload time, requests at once, and the echoed X-Request-Id."""
+body size and upload time, requests at once, the Host names served, the security headers
+of every response, and the echoed X-Request-Id."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 
 from slotserve.server.auth import send_error
 from slotserve.server.protocol import APIError
 from slotserve.structured.limits import StructuredLimits
+
+if TYPE_CHECKING:
+    from slotserve.sampling import SamplingParams
+    from slotserve.server import protocol as p
 
 logger = logging.getLogger("slotserve.server")
 
@@ -22,6 +29,25 @@ DEFAULT_MAX_STOP_CHARS = 512
 DEFAULT_BODY_TIMEOUT_S = 30.0  # seconds for a whole request body (slow uploads get 408)
 # Distinct tenants taken from OpenAI's `user` field (no API keys); later names share one.
 DEFAULT_MAX_USER_TENANTS = 1024
+DEFAULT_MAX_N = 128  # OpenAI's bound on n
+DEFAULT_MAX_STOP_TOKEN_IDS = 128
+# Log-probabilities one answer may carry: n x max_tokens x max(top logprobs, 1). About 80
+# bytes of JSON each: this bound is about 20 MB (n=16 x 256 tokens x top 20 is 81,920).
+DEFAULT_MAX_LOGPROBS_VOLUME = 1 << 18
+# Host names a server bound to a loopback address always answers (a page elsewhere that
+# resolves its own name to 127.0.0.1, DNS rebinding, sends its own name instead).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Every response: scripts, styles, images and connections from the server itself only, no
+# framing (the live view is the only page; FastAPI's /docs loads its assets from a CDN
+# and keeps no CSP).
+SECURITY_HEADERS = (
+    (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; "
+     b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+)
+NO_CSP_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc")
 # Client-chosen request ids (X-Request-Id): what is safe in a log line and a header.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -44,6 +70,14 @@ class ServerLimits:
     bound, as the scheduler and the metrics keep every tenant's state for good.
     structured: caps on a constrained request's schema, regex, grammar, choices and n
     (StructuredLimits; past one: 400 naming the field).
+    max_n: completions per request (n); more get 400.
+    max_stop_token_ids: more stop_token_ids get 400.
+    max_logprobs_volume: a request asking for logprobs gets 400 when n x max_tokens (bounded
+    by the context) x max(top logprobs, 1) is larger (the answer's size and build time).
+    default_max_tokens: the max_tokens of a request that names none (None: chat 1024,
+    completions 16, OpenAI's legacy default); max_tokens caps it too.
+    allowed_hosts: the Host names (a name, `*.domain`, or an IP; any port) requests must
+    carry, else 400; None: any.
     """
 
     max_tokens: int | None = None
@@ -54,6 +88,11 @@ class ServerLimits:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_user_tenants: int = DEFAULT_MAX_USER_TENANTS
     structured: StructuredLimits = StructuredLimits()
+    max_n: int = DEFAULT_MAX_N
+    max_stop_token_ids: int | None = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logprobs_volume: int | None = DEFAULT_MAX_LOGPROBS_VOLUME
+    default_max_tokens: int | None = None
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
@@ -62,10 +101,88 @@ class ServerLimits:
             raise ValueError(f"max_user_tenants must be an integer >= 0, got "
                              f"{self.max_user_tenants!r}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
-                     "max_stop_chars"):
+                     "max_stop_chars", "max_n", "max_stop_token_ids", "max_logprobs_volume",
+                     "default_max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
+        if self.allowed_hosts is not None:
+            for pattern in self.allowed_hosts:
+                check_host_pattern(pattern)
+
+    def sampling_params(self, body: p.CompletionRequest | p.ChatCompletionRequest,
+                        max_context: int | None = None) -> SamplingParams:
+        """The body's SamplingParams within these limits (max_tokens: its cap and default;
+        n, stop_token_ids, the logprobs volume). APIError (400) naming the field.
+        max_context: the most tokens a sequence holds (bounds max_tokens in the volume)."""
+        n = 1 if body.n is None else body.n
+        if n > self.max_n:
+            raise APIError(f"n: at most {self.max_n} completions per request on this server "
+                           f"(--max-n), got {n}", param="n", code="n_limit_exceeded")
+        count = len(body.stop_token_ids or ())
+        if self.max_stop_token_ids is not None and count > self.max_stop_token_ids:
+            raise APIError(f"stop_token_ids: at most {self.max_stop_token_ids} on this server "
+                           f"(--max-stop-token-ids), got {count}", param="stop_token_ids",
+                           code="stop_limit_exceeded")
+        params = body.to_sampling_params(self.max_tokens, self.default_max_tokens)
+        self._check_logprobs_volume(params, body, max_context)
+        return params
+
+    def _check_logprobs_volume(self, params: SamplingParams, body, max_context: int | None
+                               ) -> None:
+        if params.logprobs is None or self.max_logprobs_volume is None:
+            return
+        tokens = params.max_tokens if max_context is None else min(params.max_tokens,
+                                                                     max_context)
+        volume = params.n * tokens * max(params.logprobs, 1)
+        if volume <= self.max_logprobs_volume:
+            return
+        param = "top_logprobs" if getattr(body, "top_logprobs", None) else "logprobs"
+        raise APIError(f"{param}: n ({params.n}) x max_tokens ({tokens}) x top logprobs "
+                       f"({max(params.logprobs, 1)}) = {volume} log-probabilities, more than "
+                       f"one answer may carry on this server ({self.max_logprobs_volume}, "
+                       "--max-logprobs-volume); ask for fewer", param=param,
+                       code="logprobs_limit_exceeded")
+
+
+def check_host_pattern(pattern: str) -> str:
+    """A Host pattern as allowed_hosts takes it: a name or IP, `*.domain` or `*`; else
+    ValueError. Returns it lower-cased."""
+    text = pattern.strip().lower()
+    rest = text[2:] if text.startswith("*.") else text
+    if text != "*" and (not rest or "*" in rest or not re.fullmatch(r"[a-z0-9.:_-]+", rest)):
+        raise ValueError(f"allowed host {pattern!r}: expected a host name, an IP address, "
+                         "*.domain or *")
+    return text
+
+
+def allowed_hosts_for(bind_host: str, patterns: str | None) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bind_host` answers (ServerLimits.allowed_hosts).
+
+    patterns: --allowed-hosts (comma-separated; `*` allows any). A server bound to a
+    loopback address answers only loopback names (and the patterns); one bound elsewhere
+    answers any Host unless patterns are given. Loopback names and the bound address itself
+    are always allowed. ValueError for a malformed pattern.
+    """
+    names = [check_host_pattern(n) for n in (patterns or "").split(",") if n.strip()]
+    if "*" in names:
+        return None
+    if not names and not is_loopback(bind_host):
+        return None
+    own = () if bind_host in ("", "0.0.0.0", "::") else (bind_host.strip("[]").lower(),)
+    return tuple(dict.fromkeys([*LOOPBACK_HOSTS, *own, *names]))
+
+
+def is_loopback(host: str) -> bool:
+    """`host` is localhost or a loopback IP address."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def structured_limits(args) -> StructuredLimits:
@@ -90,6 +207,80 @@ def add_limit_middleware(app: FastAPI, limits: ServerLimits) -> None:
     if limits.max_body_bytes is not None:
         app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes,
                            timeout_s=limits.body_timeout_s)
+
+
+def add_outer_middleware(app: FastAPI, limits: ServerLimits) -> None:
+    """The Host check, then the security headers outside it: add these last (outermost), so
+    every answer has the headers and no route, key check included, serves a foreign Host."""
+    if limits.allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed_hosts=limits.allowed_hosts)
+    app.add_middleware(SecurityHeaders)
+
+
+class HostCheck:
+    """ASGI middleware: 400 (OpenAI's error body) for a request whose Host header names no
+    allowed host (ServerLimits.allowed_hosts; any port). It stops DNS rebinding: a page on
+    another site whose name resolves to this machine sends that name as the Host.
+
+    NOTE: Starlette's TrustedHostMiddleware does this check but answers in plain text.
+    """
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.exact = frozenset(h for h in allowed_hosts if not h.startswith("*."))
+        self.suffixes = tuple(h[1:] for h in allowed_hosts if h.startswith("*."))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # NOTE: AccessControl refuses websockets
+            return await self.app(scope, receive, send)
+        host = request_host(scope)
+        if host is not None and (host in self.exact or host.endswith(self.suffixes)):
+            return await self.app(scope, receive, send)
+        logger.warning("refused %s: Host %r is not served here (--allowed-hosts)",
+                       scope["path"], host)
+        await send_error(send, APIError(
+            "this server does not answer for that Host header (--allowed-hosts)", 400,
+            code="host_not_allowed"))
+
+
+def request_host(scope) -> str | None:
+    """The Host header's host name (lower-case, no port, IPv6 without brackets); None if
+    absent or malformed."""
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            if b"@" in value:  # NOTE: urlsplit would read "evil@localhost" as localhost
+                return None
+            try:
+                parts = urlsplit("//" + value.decode("latin-1"))
+                _ = parts.port  # NOTE: raises ValueError for a malformed port
+            except ValueError:
+                return None
+            return parts.hostname or None
+    return None
+
+
+class SecurityHeaders:
+    """ASGI middleware: SECURITY_HEADERS on every response (no Content-Security-Policy on
+    FastAPI's /docs pages, whose assets come from a CDN)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        extra = SECURITY_HEADERS
+        if scope["path"] in NO_CSP_PATHS:
+            extra = tuple(h for h in SECURITY_HEADERS if h[0] != b"content-security-policy")
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                names = {h[0] for h in extra}
+                headers = [h for h in message.get("headers", ()) if h[0] not in names]
+                message = {**message, "headers": [*headers, *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class EchoRequestId:

@@ -30,15 +30,14 @@ DEFAULT_HOST = "127.0.0.1"
 
 
 def access_policy(args: argparse.Namespace):
-    """The AccessPolicy the access flags describe; ValueError (naming the file and line)
-    for a malformed keys file."""
-    from slotserve.server.auth import AccessPolicy, Tenant, load_api_keys_file
+    """The AccessPolicy the access flags describe; ValueError (naming the flag, or the file
+    and line, never the key) for a malformed key or keys file, a key given twice, an API
+    key equal to the admin key (auth.access_policy_from)."""
+    from slotserve.server.auth import access_policy_from
 
-    keys = [(key, Tenant()) for key in args.api_key]
-    if args.api_keys_file:
-        keys += load_api_keys_file(args.api_keys_file)
-    return AccessPolicy(api_keys=tuple(keys), admin_key=args.admin_key,
-                        admin_routes=not args.disable_admin_routes)
+    return access_policy_from(args.api_key, args.api_keys_file or None, args.admin_key,
+                              getattr(args, "admin_key_file", None),
+                              admin_routes=not args.disable_admin_routes)
 
 
 def tenant_weights(policy) -> tuple[tuple[str, float], ...]:
@@ -71,27 +70,27 @@ def listen_host(args: argparse.Namespace, policy) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    import ipaddress
+    from slotserve.server.limits import is_loopback
 
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
+    return is_loopback(host)
 
 
 def server_limits(args: argparse.Namespace):
     """The ServerLimits the limit flags describe."""
     from slotserve.server.api import ServerLimits
-    from slotserve.server.limits import structured_limits
+    from slotserve.server.limits import allowed_hosts_for, structured_limits
 
     return ServerLimits(max_tokens=args.max_tokens_cap, max_body_bytes=args.max_body_bytes,
                         max_connections=args.max_connections,
                         max_stop_strings=args.max_stop_strings,
                         max_stop_chars=args.max_stop_chars, body_timeout_s=args.body_timeout,
                         max_user_tenants=args.max_user_tenants,
-                        structured=structured_limits(args))
+                        structured=structured_limits(args), max_n=args.max_n,
+                        max_stop_token_ids=args.max_stop_token_ids,
+                        max_logprobs_volume=args.max_logprobs_volume,
+                        default_max_tokens=args.default_max_tokens,
+                        allowed_hosts=allowed_hosts_for(args.host or DEFAULT_HOST,
+                                                        args.allowed_hosts))
 
 
 class DrainingServer(uvicorn.Server):

@@ -73,7 +73,9 @@ class VirtualEngineCore:
         blocks = cache.num_blocks or default_num_blocks(
             scheduler_config.max_num_seqs, scheduler_config.max_model_len, cache.block_size)
         self.clock = VirtualClock()
-        self.kv = KVCacheManager(blocks, cache.block_size, cache.enable_prefix_caching)
+        # NOTE: the engine's block hashes (tenant-scoped or global) for the same requests.
+        self.kv = KVCacheManager(blocks, cache.block_size, cache.enable_prefix_caching,
+                                 tenant_scoped=cache.tenant_scoped)
         # NOTE: the scheduler reads the virtual clock, never the wall clock: request times,
         # SLO deadlines and slack, fair-share and the deadline policy's learnt iteration time
         # are all in simulated seconds, the clock of the requests' (virtual) arrival times.

@@ -97,6 +97,7 @@ class ReplaySettings:
     block_size: int = 16
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    prefix_cache_scope: str = "auto"  # as CacheConfig's ("auto": global, as offline)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -113,7 +114,8 @@ class ReplaySettings:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.resolved_num_blocks(),
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           prefix_cache_scope=self.prefix_cache_scope)
 
 
 @dataclass

@@ -379,9 +379,9 @@ function showConfig(c) {
     `model <b>${escapeHTML(c.model)}</b>`,
     `policy <b>${escapeHTML(c.policy)}</b>`,
     `scheduling <b>${escapeHTML(c.scheduling_policy ?? "fcfs")}</b>`,
-    `<b>${c.num_slots}</b> slots`,
-    `<b>${c.kv_blocks_total}</b> KV blocks × ${c.block_size} tokens`,
-    `token budget <b>${c.max_num_batched_tokens}</b>`,
+    `<b>${escapeHTML(c.num_slots)}</b> slots`,
+    `<b>${escapeHTML(c.kv_blocks_total)}</b> KV blocks × ${escapeHTML(c.block_size)} tokens`,
+    `token budget <b>${escapeHTML(c.max_num_batched_tokens)}</b>`,
   ];
   $("#config").innerHTML = parts.join(" · ");
   $("#stat-slots").textContent = `of ${c.num_slots} slots`;
@@ -470,7 +470,7 @@ function showUtilisation(columns, numSlots) {
   node.dataset.iterations = String(columns.length);
   const last = columns.length ? columns[columns.length - 1].index : "—";
   node.innerHTML = columns.length
-    ? `utilisation <b>${pct(value)}</b> over the last ${columns.length} iterations · iteration ${last}`
+    ? `utilisation <b>${pct(value)}</b> over the last ${columns.length} iterations · iteration ${escapeHTML(last)}`
     : "utilisation — (no iterations yet: send some requests)";
 }
 
@@ -963,7 +963,8 @@ async function showTrace(trace, source, colors = undefined) {
   const traces = { [policy]: { trace, source: `${source} (${trace.source || "engine"})` } };
   const base = trace.iterations[0].index;
   const finished = (trace.requests || []).filter((r) => r.output_tokens >= 1 && r.finish_iteration !== null);
-  let note = `<b>${policy}</b>: ${source}, ${trace.iterations.length} iterations.`;
+  // NOTE: `source` may be a trace file's name, which anyone can choose: escaped
+  let note = `<b>${policy}</b>: ${escapeHTML(source)}, ${trace.iterations.length} iterations.`;
   if (finished.length && finished.length <= 1000 && trace.num_slots <= 1024) {
     try {
       const pair = await simulatePair(finished.map((r) => r.output_tokens), trace.num_slots,

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_validator
 
 # Ignored request fields: the first this many distinct names are logged, each cut to this
 # many characters (a client choosing the names cannot flood the log).
@@ -62,21 +62,45 @@ IGNORED_FIELDS = IgnoredFields()
 class RequestModel(BaseModel):
     """A request body or a part of one: strict types; fields it does not declare, and the
     declared ones in `unused_fields` when set, are ignored and reported to IGNORED_FIELDS
-    (as `<field_prefix><name>`)."""
+    (as `<field_prefix><name>`).
+
+    refused_fields: known fields (OpenAI's, vLLM's) that this server does not implement and
+    that would change the output: name -> the values that change nothing (null and the
+    default). Given another value, the field's name goes to `refused` (not to the log);
+    whoever turns the body into engine work answers 400 naming it. A field the model
+    declares is never refused here (it is implemented).
+    """
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     unused_fields: ClassVar[frozenset[str]] = frozenset()
     field_prefix: ClassVar[str] = ""
+    refused_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    _refused: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def refused(self) -> list[str]:
+        """The refused fields this body set to a value that would change the output."""
+        return self._refused
 
     @model_validator(mode="wrap")
     @classmethod
     def _report_ignored(cls, data: Any, handler):
         model = handler(data)  # NOTE: an invalid body is a 400; nothing to report
         if isinstance(data, dict):
-            ignored = [name for name, value in data.items() if name not in cls.model_fields
-                       or (name in cls.unused_fields and value is not None)]
+            refused = [name for name, value in data.items() if name not in cls.model_fields
+                       and name in cls.refused_fields
+                       and not _is_one_of(value, cls.refused_fields[name])]
+            model._refused = refused
+            ignored = [name for name, value in data.items() if name not in refused and (
+                name not in cls.model_fields
+                or (name in cls.unused_fields and value is not None))]
             if ignored:
                 IGNORED_FIELDS.note(f"{cls.field_prefix}{name}" for name in ignored)
         return model
 
+
+
+def _is_one_of(value: Any, harmless: tuple[Any, ...]) -> bool:
+    """value is None or equal to one of `harmless` with the same type (false is not 0)."""
+    return value is None or any(type(value) is type(h) and value == h for h in harmless)

@@ -3,7 +3,7 @@ and their conversion to the engine's SamplingParams."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -61,9 +61,14 @@ class CommonRequest(ModelNamed):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     min_tokens: int | None = None  # extension: no stop (EOS, stop strings) before this many
-    presence_penalty: float | None = None  # only 0 / absent
-    frequency_penalty: float | None = None  # only 0 / absent
-    logit_bias: dict[str, float] | None = None  # only empty / absent
+    # Penalties and logit shaping (see SamplingParams): OpenAI's, and vLLM's extensions
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> bias
+    repetition_penalty: float | None = None  # extension
+    allowed_token_ids: list[int] | None = None  # extension
+    bad_words: list[str] | None = None  # extension
+    skip_special_tokens: bool = True  # extension: special tokens left out of the text
     # extension (vLLM's): requests with different salts never share prefix-cache blocks
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Scheduling (--scheduling-policy). priority: vLLM's, lower first (only `priority` and
@@ -74,6 +79,17 @@ class CommonRequest(ModelNamed):
     slo_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     slo_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+
+    # Known fields this server does not implement: a 400 naming the field unless absent, null
+    # or the value that changes nothing (see RequestModel.refused_fields).
+    refused_fields: ClassVar[dict[str, tuple]] = {
+        "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
+        "include_stop_str_in_output": (False,), "truncate_prompt_tokens": (),
+        "spaces_between_special_tokens": (True,), "prompt_logprobs": (),
+        "guided_whitespace_pattern": (), "logits_processors": (), "logits_processor_pattern": (),
+        "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+        "bad_words_token_ids": (), "detokenize": (True,),
+    }
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:
@@ -89,7 +105,8 @@ class CommonRequest(ModelNamed):
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 min_tokens=0 if self.min_tokens is None else self.min_tokens,
-                logprobs=logprobs, n=1 if self.n is None else self.n)
+                logprobs=logprobs, n=1 if self.n is None else self.n,
+                skip_special_tokens=self.skip_special_tokens, **self._shaping_fields())
         except ValueError as exc:
             raise invalid_request(str(exc), renames) from exc
 
@@ -108,12 +125,23 @@ class CommonRequest(ModelNamed):
                            f"on this server (--max-stop-chars), got one of {longest}",
                            param="stop", code="stop_limit_exceeded")
 
+    def _shaping_fields(self) -> dict:
+        """The penalties and logit shaping the body sets, as SamplingParams keywords."""
+        fields = {"presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty,
+                  "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                  "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words}
+        return {name: value for name, value in fields.items() if value is not None}
+
     def _reject_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported (use 0 or leave it out)", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.refused:
+            name = self.refused[0]
+            harmless = self.refused_fields[name]
+            allowed = " or ".join(f"{v!r}".lower() if isinstance(v, bool) else repr(v)
+                                  for v in harmless[:1])
+            raise APIError(f"{name} is not supported by this server (leave it out"
+                           f"{' or set it to ' + allowed if allowed else ''})", param=name,
+                           code="unsupported_field")
 
     @property
     def include_usage(self) -> bool:
@@ -130,6 +158,8 @@ class CompletionRequest(CommonRequest, StructuredFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of one of those."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    refused_fields: ClassVar[dict[str, tuple]] = {
+        **CommonRequest.refused_fields, "add_special_tokens": (True,), "prompt_embeds": ()}
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool | None = False
@@ -146,9 +176,11 @@ class CompletionRequest(CommonRequest, StructuredFields):
             prompt = prompt[0]
         return prompt
 
-    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens_cap: int | None = None,
+                           default_max_tokens: int | None = None) -> SamplingParams:
         """SamplingParams, or APIError (400) naming the field; max_tokens_cap: the server's
-        bound on max_tokens (it also caps the default)."""
+        bound on max_tokens (it also caps the default); default_max_tokens: the max_tokens
+        of a request that names none (None: DEFAULT_COMPLETION_MAX_TOKENS)."""
         if self.echo:
             raise APIError("echo is not supported", param="echo")
         if self.suffix:
@@ -158,7 +190,8 @@ class CompletionRequest(CommonRequest, StructuredFields):
                            param="best_of")
         max_tokens = self.max_tokens
         if max_tokens is None or "max_tokens" not in self.model_fields_set:
-            max_tokens = _capped(DEFAULT_COMPLETION_MAX_TOKENS, max_tokens_cap)
+            max_tokens = _capped(default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                                 max_tokens_cap)
         params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
         return with_structured(params, self.structured_spec()[0])
 
@@ -196,6 +229,14 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    refused_fields: ClassVar[dict[str, tuple]] = {
+        **CommonRequest.refused_fields, "add_special_tokens": (False,), "echo": (False,),
+        "add_generation_prompt": (True,), "continue_final_message": (False,),
+        "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+        "mm_processor_kwargs": (), "functions": (), "function_call": (),
+        "modalities": (["text"],), "audio": (), "reasoning_effort": (), "verbosity": (),
+        "web_search_options": (),
+    }
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -203,8 +244,10 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def to_sampling_params(self, max_tokens_cap: int | None = None) -> SamplingParams:
-        """SamplingParams, or APIError (400) naming the field (as to CompletionRequest's)."""
+    def to_sampling_params(self, max_tokens_cap: int | None = None,
+                           default_max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams, or APIError (400) naming the field (as CompletionRequest's;
+        default_max_tokens None: DEFAULT_CHAT_MAX_TOKENS)."""
         spec, _ = self.structured_spec()
         plan = self.tool_plan()
         if plan is not None and spec is not None:
@@ -218,7 +261,7 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
                    is not None else "max_tokens"}
         max_tokens = self.chat_max_tokens
         if self.max_completion_tokens is None and self.max_tokens is None:
-            max_tokens = _capped(max_tokens, max_tokens_cap)
+            max_tokens = _capped(default_max_tokens or max_tokens, max_tokens_cap)
         params = self._sampling_params(max_tokens, logprobs, renames, max_tokens_cap)
         return with_structured(params, plan.spec if plan is not None else spec)
 

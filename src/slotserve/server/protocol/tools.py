@@ -33,7 +33,7 @@ class ToolCallIn(RequestModel):
     def as_text(self) -> str:
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # NOTE: "[" * 200000 nests too deep to parse
             arguments = self.function.arguments
         return json.dumps({"name": self.function.name, "arguments": arguments},
                           ensure_ascii=False)
@@ -90,7 +90,7 @@ class ToolPlan:
         is not a complete call (the output was cut short)."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if self.name is not None:  # NOTE: the text as generated (and as it was streamed)
             return self.name, text
