@@ -460,12 +460,15 @@ class EngineConfig:
         the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
         MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
         reference: plain torch ops everywhere.
-    quantization: the linear layers' weights. auto: bf16 where the CPU has AVX512_BF16 and
-        the fused kernels built with it (faster, 99.8% greedy agreement with fp32), else
-        none; none: fp32 weights, the reference the tests compare against; bf16: weights
-        stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU; NOTE: not
-        dtype=bfloat16, which runs the whole model in bf16); int8: int8 weight-only linear
-        layers on the CPU. Greedy agreement with fp32 in benchmarks/PERF.md.
+    quantization: the linear layers' weights. auto: a GGUF's quantized linear weights in
+        the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, int8 activations,
+        AVX512-VNNI; a file with another quantized type is dequantized, with a warning),
+        other weights bf16 where the CPU has AVX512_BF16 and the fused kernels built with it
+        (faster, 99.8% greedy agreement with fp32), else none; none: fp32 weights, the
+        reference the tests compare against; bf16: weights stored in bfloat16, activations,
+        norms, attention and KV cache fp32 (CPU; NOTE: not dtype=bfloat16, which runs the
+        whole model in bf16); int8: int8 weight-only linear layers on the CPU. Greedy
+        agreement with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
     """

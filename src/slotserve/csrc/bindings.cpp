@@ -16,6 +16,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, or first NaN)");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
   m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
+  m.def("pack_quant_blocks", &pack_quant_blocks,
+        "GGUF blocks as codes (out, blocks, len) uint8, scales and mins (out, blocks) -> "
+        "(packed codes, scales_mins) for quant_block_linear", py::arg("codes"),
+        py::arg("scales"), py::arg("mins"), py::arg("bits"));
+  m.def("quant_block_linear", &quant_block_linear,
+        "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
+        py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
+        py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
+  m.def("quant_blocks_vectorised", &quant_blocks_vectorised,
+        "whether quant_block_linear runs vectorised (AVX512-VNNI)");
   m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
   m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,

@@ -65,6 +65,15 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
 // int8_linear.cpp
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 
+// quant_blocks.cpp
+bool quant_blocks_vectorised();
+std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
+                                                           torch::Tensor scales,
+                                                           torch::Tensor mins, int64_t bits);
+torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
+                                 int64_t out_features, int64_t block_len, int64_t bits,
+                                 bool force_plain);
+
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);
 bool panel_linear_vectorised();

@@ -95,7 +95,7 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         sched = fit_scheduler_config(config.scheduler, model_config)
-        kernels = kernel_set or kernels_for(config)
+        kernels = kernel_set or kernels_for(config, weights)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, kernels,
                                           resolve_dtype(config.device, config.dtype))
         num_blocks = resolve_num_blocks(config.cache, model_config, sched, config.device,
@@ -130,7 +130,8 @@ class LLMEngine:
         from slotserve.loader import load_model
 
         set_torch_threads()
-        loaded = load_model(config.model)
+        # NOTE: quantization="auto" serves a GGUF's quantized linears in their own blocks.
+        loaded = load_model(config.model, keep_quantized=config.quantization == "auto")
         return cls(config, loaded.config, loaded.weights, loaded.tokenizer)
 
     # ------------------------------------------------------------------ requests

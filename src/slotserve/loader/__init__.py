@@ -20,7 +20,7 @@ from slotserve.config import ModelConfig
 from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
 from slotserve.loader.detokenize import IncrementalDetokenizer
-from slotserve.loader.gguf import load_gguf
+from slotserve.loader.gguf import blocks_kept, load_gguf
 from slotserve.loader.safetensors import load_hf_dir
 from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError
@@ -45,10 +45,15 @@ class LoadedModel:
     source: str  # the path loaded
 
 
-def load_model(path: str | None = None, *, use_cache: bool = True) -> LoadedModel:
+def load_model(path: str | None = None, *, use_cache: bool = True,
+               keep_quantized: bool = False) -> LoadedModel:
     """Load a `.gguf` file or a Hugging Face model directory; None loads the default model.
 
     `use_cache=False` converts a GGUF afresh and leaves the on-disk cache untouched.
+    `keep_quantized=True`: a GGUF's quantized linear weights stay in their blocks
+    (`gguf_blocks.GGUFBlockTensor`, for quantization="auto"); such a GGUF is read straight
+    from the file, never through the fp32 cache (a file without quantized linears loads as
+    before; so does one with a quantized type that has no block form, with a warning).
     A malformed model file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = default_model_path() if path is None else os.fspath(path)
@@ -56,7 +61,10 @@ def load_model(path: str | None = None, *, use_cache: bool = True) -> LoadedMode
         config, weights, tokenizer = load_hf_dir(path)
     elif os.path.isfile(path):
         _check_gguf(path)
-        converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)
+        if keep_quantized and blocks_kept(path):
+            converted = load_gguf(path, keep_quantized=True)
+        else:
+            converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)
         config, weights, tokenizer = converted
     else:
         raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF directory)")

@@ -7,6 +7,7 @@ tokenizer metadata and converts the weights. The parts' public names are re-expo
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from slotserve.config import ModelConfig
+from slotserve.loader.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES, GGUFBlockTensor, to_blocks
 from slotserve.loader.gguf_config import CONFIG_TENSORS, SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
@@ -56,12 +58,17 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+log = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+def load_gguf(path: str, keep_quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
 
+    keep_quantized: the linear layers' weights in quantized types (and the embedding table
+    when the LM head is tied to it) stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s:
+    no fp32 copy of them is made. A type without a block form is then a ModelFileError.
     A malformed file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = os.fspath(path)
@@ -74,8 +81,26 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenize
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
-    weights = {hf: _convert(t, config, arch) for hf, t in names.items()}
+    weights = {hf: _block_tensor(t, config, path)
+               if keep_quantized and _kept_in_blocks(hf, t, config) else _convert(t, config, arch)
+               for hf, t in names.items()}
     return config, weights, tokenizer
+
+
+def blocks_kept(path: str) -> bool:
+    """Whether `load_gguf(path, keep_quantized=True)` keeps blocks: the file has a linear
+    weight in a quantized type, and every such weight's type has a block form. NOTE: a type
+    without one (Q2_K, Q3_K, IQ*) is logged, and the whole file is then dequantized as before.
+    """
+    _, tensors = read_gguf(path)
+    quantized = [t for t in tensors if t.tensor_type not in FLOAT_TYPES
+                 and t.name.endswith(".weight") and "norm" not in t.name]
+    unsupported = [t for t in quantized if t.tensor_type not in BLOCK_FORMATS]
+    if unsupported:
+        log.warning("%s: tensor %s has type %s, which is not kept in blocks: the model is "
+                    "dequantized to fp32 first (as with --quantization none/bf16)", path,
+                    unsupported[0].name, unsupported[0].tensor_type.name)
+    return bool(quantized) and not unsupported
 
 
 def _hf_name_in(path: str, gguf_name: str, arch: str) -> str:
@@ -173,6 +198,25 @@ def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama") -> to
         elif ".attn_k." in tensor.name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
     return torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
+    """Whether a tensor stays in its blocks under keep_quantized: a quantized linear weight
+    (the embedding table too when the LM head is tied to it: it is that head's weight)."""
+    linear = hf.endswith("_proj.weight") or hf == "lm_head.weight" or (
+        hf == "model.embed_tokens.weight" and config.tie_word_embeddings)
+    return linear and tensor.tensor_type not in FLOAT_TYPES
+
+
+def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlockTensor:
+    """A linear weight's blocks (rows: output features; Q/K rows un-permuted for llama)."""
+    blocks = to_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
+    if config.architecture == "llama":
+        heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+        for part, n_head in heads.items():
+            if part in tensor.name:
+                blocks = blocks.rows(unpermute_qk(np.arange(blocks.shape[0]), n_head))
+    return GGUFBlockTensor(blocks)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

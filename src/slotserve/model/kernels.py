@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slotserve.loader import gguf_blocks
 from slotserve.model import cpu_ops, linear_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,8 +80,10 @@ class KernelSet:
     fused_layers: norms, SiLU, RoPE, KV writes and decode attention through `ops`.
     decode_stack: all-decode iterations through ops.DecodeStack (needs fused_layers).
     amx_min_rows: bf16 panels: calls of this many rows or more run on AMX; 0: never.
-    weights: the linear layers' weights: "fp32", "bf16", "int8" or the model's dtype.
+    weights: the linear layers' weights: "fp32", "bf16", "int8", "gguf" or the model's dtype.
     reason: how the weights were chosen ("auto: AVX512_BF16", "quantization=int8").
+    gguf_types: the GGUF types of the linears kept in their file's blocks (weights="gguf"):
+        those run linear_kernels.GGUFBlockLinear, any float linear the `linear` kernel.
     """
 
     linear: str = "reference"
@@ -91,6 +94,7 @@ class KernelSet:
     weights: str = "fp32"
     reason: str = ""
     model_note: str = ""  # what the model's family runs outside these kernels (for_model)
+    gguf_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -100,6 +104,8 @@ class KernelSet:
             raise ValueError(f"linear={self.linear!r} / fused_layers need the fused kernels")
         if self.decode_stack and not self.fused_layers:
             raise ValueError("decode_stack needs fused_layers (it runs the same kernels)")
+        if self.gguf_types and (self.ops is None or self.decode_stack):
+            raise ValueError("GGUF block weights need the fused kernels and no decode stack")
 
     def for_model(self, stack_gaps: list[str], torch_ops: list[str]) -> KernelSet:
         """This set as a model with these needs runs it: no decode stack where it lacks
@@ -124,7 +130,7 @@ class KernelSet:
     def linear_factory(self):
         """(weight (in, out), bias) -> the linear kernel; None for plain torch."""
         lk, ops = linear_kernels, self.ops
-        return {
+        factory = {
             "reference": None,
             "panel": functools.partial(lk.PanelLinear, ops=ops),
             "mkl": lk.MKLPackedLinear,
@@ -134,10 +140,19 @@ class KernelSet:
             "int8": functools.partial(lk.Int8WeightOnlyLinear, ops=ops),
             "int8_torch": lk.Int8WeightOnlyLinear,
         }[self.linear]
+        return _with_gguf_blocks(factory, ops) if self.gguf_types else factory
+
+    def prepare_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights as this KernelSet's linears take them: GGUF block weights as they are
+        when it runs them, else dequantized to fp32 (what quantization none/bf16/int8 do)."""
+        return weights if self.gguf_types else gguf_blocks.dequantize_all(weights)
 
     def describe_linears(self) -> str:
         """The linear kernel, the fused ops and the decode stack, in words."""
         text = LINEAR_KERNELS[self.linear]
+        if self.gguf_types:
+            text = (f"GGUF blocks x int8 activations (VNNI, fused CPU kernel), other linears "
+                    f"{text}")
         if self.linear == "bf16_panel" and self.amx_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.amx_min_rows} rows, "
                     "AMX from there (fused CPU kernels)")
@@ -152,15 +167,65 @@ class KernelSet:
     def describe(self) -> str:
         """The start-up line's kernel text: the weights, why, and the kernels."""
         why = f" ({self.reason})" if self.reason else ""
+        if self.gguf_types:
+            return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/8-bit code blocks "
+                    f"({gguf_bytes_text(self.gguf_types)}){why}; "
+                    f"linears: {self.describe_linears()}")
         return f"{self.weights} weights{why}; linears: {self.describe_linears()}"
 
 
 REFERENCE = KernelSet()
 
 
-def kernels_for(config) -> KernelSet:
-    """The KernelSet of an EngineConfig (see resolve_kernels)."""
-    return resolve_kernels(config.kernels, config.quantization, config.device, config.dtype)
+def kernels_for(config, weights: dict[str, torch.Tensor] | None = None) -> KernelSet:
+    """The KernelSet of an EngineConfig (see resolve_kernels); with quantization="auto" and
+    `weights` holding GGUF block weights (`load_model(keep_quantized=True)`), one that runs
+    them (see gguf_kernels)."""
+    kernels = resolve_kernels(config.kernels, config.quantization, config.device,
+                              config.dtype)
+    if config.quantization == "auto" and weights is not None:
+        return gguf_kernels(kernels, gguf_blocks.block_types(weights))
+    return kernels
+
+
+def gguf_kernels(kernels: KernelSet, types: tuple[str, ...]) -> KernelSet:
+    """`kernels` with the linears of GGUF types `types` kept in their blocks
+    (linear_kernels.GGUFBlockLinear), where the fused kernels have it vectorised; else
+    `kernels` unchanged (the blocks are then dequantized: KernelSet.prepare_weights).
+
+    NOTE: the decode stack (csrc/decode_stack.cpp) has no block kind yet: decodes run layer
+    by layer in Python, the same kernels.
+    """
+    if not types or not linear_kernels.gguf_block_kernel_available(kernels.ops):
+        return kernels
+    return dataclasses.replace(kernels, decode_stack=False, weights="gguf", gguf_types=types,
+                               reason="auto: the GGUF file's own types")
+
+
+def gguf_bytes_text(types: tuple[str, ...]) -> str:
+    """Memory per weight of GGUF types `types` as packed blocks, e.g. "0.75-1.25 bytes/weight".
+
+    NOTE: per type; a fused q/k/v or gate/up of two types takes the wider codes and the
+    shorter blocks of the two.
+    """
+    sizes = sorted({gguf_blocks.bytes_per_weight(*gguf_blocks.BLOCK_FORMATS[gguf_blocks.Q[t]])
+                    for t in types})
+    low, high = sizes[0], sizes[-1]
+    return f"{low:g} bytes/weight" if low == high else f"{low:g}-{high:g} bytes/weight"
+
+
+def _with_gguf_blocks(factory, ops):
+    """A linear factory: GGUFBlockLinear for a weight in GGUF blocks, else `factory`'s kernel
+    (the fp32 weight panels where `factory` is None, plain torch)."""
+    fallback = factory or functools.partial(linear_kernels.PanelLinear, ops=ops)
+
+    def make(weight, bias):
+        blocks = getattr(weight, gguf_blocks.BLOCKS_ATTRIBUTE, None)
+        if blocks is not None:
+            return linear_kernels.GGUFBlockLinear(blocks, bias, ops)
+        return fallback(weight, bias)
+
+    return make
 
 
 def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
@@ -202,7 +267,7 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
     outweighs the weights), else the model's dtype; float32 / bfloat16: as named.
     """
     if setting == "auto":
-        quantized = kernels.weights in ("bf16", "int8") and model_dtype == torch.float32
+        quantized = kernels.weights in ("bf16", "int8", "gguf") and model_dtype == torch.float32
         return torch.bfloat16 if quantized else model_dtype
     return DTYPES[setting]
 

@@ -217,6 +217,38 @@ class Int8WeightOnlyLinear:
         return ops.linear_weights("int8", self.qweight, self.scales_fp32, self.bias)
 
 
+class GGUFBlockLinear:
+    """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
+
+    The blocks (4- or 8-bit unsigned codes, an fp32 scale and min per block of 16 or 32)
+    are packed into panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
+    x per row and block to int8 and sums the products in integers (AVX512-VNNI,
+    csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
+    on its batch. The decode stack has no such kind yet: its model runs decodes per layer.
+    """
+
+    def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
+        self.out_features = blocks.shape[0]
+        self.block_len, self.bits, self.types = blocks.block_len, blocks.bits, blocks.types
+        self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales,
+                                                             blocks.mins, blocks.bits)
+        self.bias = None if bias is None else bias.detach()
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        y = self.ops.quant_block_linear(x, self.codes, self.scales_mins, self.out_features,
+                                        self.block_len, self.bits)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def cpp_weights(self, ops):
+        raise ValueError("the C++ decode stack has no GGUF block kind: decodes run per layer")
+
+
+def gguf_block_kernel_available(ops) -> bool:
+    """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI)."""
+    return ops is not None and hasattr(ops, "quant_block_linear") and ops.quant_blocks_vectorised()
+
+
 def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
     """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py).
 

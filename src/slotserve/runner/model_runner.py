@@ -62,7 +62,8 @@ class ModelRunner:
         self.kernels = getattr(self.model, "kernels", self.kernels)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
-        self.model.load_hf_weights(weights)  # NOTE: after .to(): it builds the kernels
+        # NOTE: after .to(): it builds the kernels (GGUF blocks dequantized unless they run them)
+        self.model.load_hf_weights(self.kernels.prepare_weights(weights))
         self.kv_caches = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, seed, ops=self.kernels.layer_ops)
         # Structured outputs: the engine points this at its sequences' grammar matchers.

@@ -1,0 +1,184 @@
+"""The embedded SmolLM2 GGUF served in its own blocks (quantization=auto) vs bf16 and int8.
+
+    .venv/bin/python -m benchmarks.gguf_quant --out benchmarks/results/gguf-quant.json
+
+Each round starts one process per mode, the modes' order rotated round to round (the
+machine is shared: medians over rounds). A process loads the model as `LLMEngine.from_config`
+does (load time: kernels already built), then measures its resident memory (after the load,
+freed heap returned), its peak, batch-1 ms per output token (median step of one request) and
+the output tok/s of 64 sequences decoding together. Then, in this process, the teacher-forced
+greedy agreement of each mode with the fp32-dequantized reference (quantization=none), and
+batch-1 ms per token again with the three engines side by side, one step of each in turn
+(on a busy machine the per-process batch-1 numbers are mostly its stalls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = {"gguf blocks": "auto", "bf16": "bf16", "int8": "int8"}
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def worker(quantization: str, batch_tokens: int, seqs: int) -> dict:
+    """One mode's numbers, measured in this (fresh) process."""
+    from benchmarks.int8_quality import batch1_ms_per_token, chat_prompts
+    from slotserve.config import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.engine.sizing import set_torch_threads
+    from slotserve.model.cpu_ops import load_cpu_ops
+    from slotserve.sampling import SamplingParams
+
+    set_torch_threads()
+    load_cpu_ops()
+    start = time.perf_counter()
+    engine = LLMEngine.from_config(engine_config(max_num_seqs=seqs, num_blocks=2048,
+                                                 quantization=quantization))
+    load_s = time.perf_counter() - start
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    rss = _rss_mib()
+    prompts = chat_prompts(engine.tokenizer, seqs)
+    b1 = batch1_ms_per_token(engine, prompts[0], batch_tokens)
+    params = SamplingParams(max_tokens=batch_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"w{i}", prompt, params)
+    tokens, decode_s = 0, 0.0
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - step_start
+        if engine.scheduler.num_waiting == 0 and len(outputs) == seqs:  # all decoding
+            decode_s += elapsed
+            tokens += len(outputs)
+    return {"kernels": engine.runner.kernels.describe(), "load_s": load_s,
+            "rss_after_load_mib": rss,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "batch1_ms_per_token": b1, f"decode_tok_s_{seqs}_seqs": tokens / decode_s}
+
+
+def agreement(prompts: int, max_tokens: int) -> dict:
+    from benchmarks.int8_quality import chat_prompts
+    from slotserve.config import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
+    from slotserve.loader import load_model
+
+    fp32 = load_model()
+    settings = dict(max_num_seqs=32, num_blocks=1024)
+    reference = LLMEngine(engine_config(quantization="none", **settings), fp32.config,
+                          fp32.weights, fp32.tokenizer)
+    ids = chat_prompts(fp32.tokenizer, prompts)
+    continuations = greedy_continuations(reference, ids, max_tokens)
+    del reference
+    result = {}
+    for name, quantization in MODES.items():
+        loaded = load_model(keep_quantized=quantization == "auto")
+        engine = LLMEngine(engine_config(quantization=quantization, **settings),
+                           loaded.config, loaded.weights, loaded.tokenizer)
+        result[name] = teacher_forced_agreement(engine, ids, continuations)
+        del engine, loaded
+    return {"prompts": prompts, "tokens_each": max_tokens, "teacher_forced": result}
+
+
+def interleaved_batch1(steps: int) -> dict:
+    """Batch-1 ms per output token with the three modes in this one process, one decode
+    step of each in turn (a busy machine's stalls then hit all alike): median and quartiles."""
+    from benchmarks.int8_quality import chat_prompts
+    from slotserve.config import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.engine.sizing import set_torch_threads
+    from slotserve.loader import load_model
+    from slotserve.sampling import SamplingParams
+
+    set_torch_threads()
+    engines = {}
+    for name, quantization in MODES.items():
+        loaded = load_model(keep_quantized=quantization == "auto")
+        engines[name] = LLMEngine(engine_config(max_num_seqs=4, num_blocks=256,
+                                                quantization=quantization),
+                                  loaded.config, loaded.weights, loaded.tokenizer)
+    prompt = chat_prompts(engines["bf16"].tokenizer, 1)[0]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        engine.add_request("b1", prompt, params)
+        engine.step()  # the prefill
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"median": statistics.median(t),
+                   "quartiles": statistics.quantiles(t, n=4)[::2]} for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per request")
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=32, help="agreement prompts")
+    p.add_argument("--agreement-tokens", type=int, default=32)
+    p.add_argument("--batch1-steps", type=int, default=96,
+                   help="decode steps per mode of the interleaved batch-1 measure")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.tokens, args.seqs)))
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    names = list(MODES)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.gguf_quant", "--worker",
+                                  MODES[name], "--tokens", str(args.tokens), "--seqs",
+                                  str(args.seqs)], capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(name, runs[name][-1], flush=True)
+    table = {name: {key: (statistics.median(run[key] for run in rs) if key != "kernels"
+                          else rs[0][key]) for key in rs[0]} for name, rs in runs.items()}
+    report = {"command": " ".join(["python -m benchmarks.gguf_quant", *sys.argv[1:]]),
+              "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+              "model_file_mib": _model_file_mib(), "rounds": args.rounds, "median": table,
+              "runs": runs, "agreement_vs_fp32": agreement(args.prompts,
+                                                           args.agreement_tokens),
+              "batch1_interleaved_ms": interleaved_batch1(args.batch1_steps)}
+    print(json.dumps(report["median"], indent=1), report["agreement_vs_fp32"],
+          report["batch1_interleaved_ms"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line.split(":", 1)[1].strip() for line in cpuinfo
+                     if line.startswith("model name")), platform.processor())
+
+
+def _model_file_mib() -> float:
+    from slotserve.loader import default_model_path
+
+    return os.path.getsize(default_model_path()) / 2**20
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+// ---- GGUF weights kept as blocks of small unsigned integers x int8 activations --------
+// Every GGUF block format the loader keeps (loader/gguf_blocks.py) is re-packed to one form:
+// for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
+// an fp32 scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
+// m = -8 d; Q4_K: d = d * sc, m = -dmin * mn; ...). Codes of 4 bits (Q4_0, Q4_1, Q4_K) stay
+// 4 bits, two per byte; the others take a byte.
+//
+// The activations are quantized per row and block of B to int8 (a = round(x / s),
+// s = max|x| / 127, as llama.cpp's q8_0), so that
+//   y[t, o] = sum_b s[t, b] * (d[o, b] * sum_i u[o, b, i] a[t, b, i] + m[o, b] * sum_i a[t, b, i])
+// where the inner sums are exact integers: AVX512-VNNI's vpdpbusd multiplies u8 (the codes,
+// unsigned by construction: no sign trick needed) by s8 (the activations) and adds groups of
+// four into int32 lanes.
+//
+// Layout (as llama.cpp's repacked "interleaved" formats): panels of 16 output rows; in a
+// panel, block b is B / 4 steps of 64 bytes, step k holding row j's codes 4k..4k+3 at bytes
+// 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles). One vpdpbusd per
+// step adds 4 products to each of the 16 rows' lanes, with one broadcast of 4 activations:
+// the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 floats each per
+// block. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
+// NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
+// the tile or batch it is in; the plain-loop fallback does the same float operations (fma,
+// mul) in the same order, so both give the same bits.
+
+#include "common.h"
+#include "ops.h"
+
+#include <cfloat>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace slotserve::kernels {
+
+namespace {
+
+constexpr int64_t QB_ROWS = 16;  // output rows per panel (one int32 lane each)
+constexpr int QB_TILE = 8;       // activation rows sharing one pass over a panel
+
+struct QuantBlockShape {
+  int64_t in, blocks, block_len, bits, panels, out;
+  int64_t block_bytes() const { return block_len * QB_ROWS * bits / 8; }
+};
+
+QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
+                         int64_t out_features, int64_t block_len, int64_t bits) {
+  TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
+              "codes must come from pack_quant_blocks");
+  check_cpu_float(sm, "scales_mins");
+  QuantBlockShape s{in, codes.size(1), block_len, bits, codes.size(0), out_features};
+  TORCH_CHECK(s.blocks * block_len == in, "the blocks cover ", s.blocks * block_len,
+              " inputs, not ", in);
+  TORCH_CHECK(codes.size(2) == s.block_bytes(), "codes do not match block_len and bits");
+  TORCH_CHECK(sm.is_contiguous() && sm.dim() == 4 && sm.size(0) == s.panels &&
+                  sm.size(1) == s.blocks && sm.size(2) == 2 && sm.size(3) == QB_ROWS,
+              "scales_mins must come from pack_quant_blocks");
+  TORCH_CHECK(out_features > (s.panels - 1) * QB_ROWS && out_features <= s.panels * QB_ROWS,
+              "out_features does not fit the panels");
+  return s;
+}
+
+// One row's activations per block: int8 codes, the scale and the codes' sum (as float).
+struct QuantizedRows {
+  std::vector<int8_t> a;     // (rows, in)
+  std::vector<float> scale;  // (rows, blocks)
+  std::vector<float> sum;    // (rows, blocks)
+};
+
+QuantizedRows quantize_activations(const float* x, int64_t rows, int64_t in, int64_t block_len) {
+  const int64_t blocks = in / block_len;
+  QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+                  std::vector<float>(rows * blocks)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * in + b * block_len;
+      int8_t* ab = q.a.data() + r * in + b * block_len;
+      float top = 0.f, probe = 0.f;  // probe: NaN if any x is NaN or inf
+      for (int64_t i = 0; i < block_len; ++i) {
+        top = std::max(top, std::abs(xb[i]));
+        probe += xb[i] * 0.f;
+      }
+      // NOTE: a non-finite block makes its row's outputs NaN (as the fp32 matmul's would
+      // be); an all-(near-)zero block is codes of zero.
+      const bool usable = std::isfinite(probe) && top >= FLT_MIN;
+      const float inv = usable ? 127.f / top : 0.f;
+      int32_t total = 0;
+      for (int64_t i = 0; i < block_len; ++i) {
+        const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inv)));
+        ab[i] = int8_t(v);
+        total += ab[i];
+      }
+      q.scale[r * blocks + b] = !std::isfinite(probe) ? NAN : usable ? top / 127.f : 0.f;
+      q.sum[r * blocks + b] = float(total);
+    }
+  }
+  return q;
+}
+
+// The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int BITS>
+inline __m512i load_step(const uint8_t* block, int64_t k) {
+  if constexpr (BITS == 8) {
+    return _mm512_loadu_si512(block + 64 * k);
+  } else {
+    const __m512i packed = _mm512_loadu_si512(block + 64 * (k / 2));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    return (k & 1) ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low)
+                   : _mm512_and_si512(packed, low);
+  }
+}
+
+// Rows t0..t0+N of y over one panel, vectorised.
+template <int N, int BITS>
+void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+                     const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
+  __m512 acc[N];
+  for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+  const int64_t steps = s.block_len / 4;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const uint8_t* block = codes + b * s.block_bytes();
+    __builtin_prefetch(block + 4 * s.block_bytes());
+    __m512i dots[N];
+    for (int t = 0; t < N; ++t) dots[t] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < steps; ++k) {
+      const __m512i w = load_step<BITS>(block, k);
+      for (int t = 0; t < N; ++t) {
+        int32_t four;
+        std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
+        dots[t] = _mm512_dpbusd_epi32(dots[t], w, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(sm + b * 2 * QB_ROWS);
+    const __m512 m = _mm512_loadu_ps(sm + b * 2 * QB_ROWS + QB_ROWS);
+    for (int t = 0; t < N; ++t) {
+      const int64_t at = (t0 + t) * s.blocks + b;
+      const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]), d,
+                                          _mm512_mul_ps(m, _mm512_set1_ps(q.sum[at])));
+      acc[t] = _mm512_fmadd_ps(part, _mm512_set1_ps(q.scale[at]), acc[t]);
+    }
+  }
+  for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc_out + t * QB_ROWS, acc[t]);
+}
+#endif
+
+// The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
+void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+                      const QuantBlockShape& s, int64_t t0, int64_t n, float* acc_out) {
+  for (int64_t t = 0; t < n; ++t) {
+    float acc[QB_ROWS] = {};
+    for (int64_t b = 0; b < s.blocks; ++b) {
+      const uint8_t* block = codes + b * s.block_bytes();
+      const int8_t* a = q.a.data() + (t0 + t) * s.in + b * s.block_len;
+      int32_t dots[QB_ROWS] = {};
+      for (int64_t i = 0; i < s.block_len; ++i) {
+        const int64_t k = i / 4, byte = i % 4;
+        for (int64_t j = 0; j < QB_ROWS; ++j) {
+          int32_t u;
+          if (s.bits == 8) {
+            u = block[64 * k + 4 * j + byte];
+          } else {
+            const uint8_t packed = block[64 * (k / 2) + 4 * j + byte];
+            u = (k & 1) ? packed >> 4 : packed & 0x0F;
+          }
+          dots[j] += u * int32_t(a[i]);
+        }
+      }
+      const int64_t at = (t0 + t) * s.blocks + b;
+      for (int64_t j = 0; j < QB_ROWS; ++j) {
+        const float d = sm[b * 2 * QB_ROWS + j], m = sm[b * 2 * QB_ROWS + QB_ROWS + j];
+        const float part = std::fma(float(dots[j]), d, m * q.sum[at]);
+        acc[j] = std::fma(part, q.scale[at], acc[j]);
+      }
+    }
+    std::copy_n(acc, QB_ROWS, acc_out + t * QB_ROWS);
+  }
+}
+
+void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+                const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (!plain) {
+    auto run = [&](auto bits) {
+      constexpr int B = decltype(bits)::value;
+      switch (n) {
+        case 8: return panel_rows_vnni<8, B>(codes, sm, q, s, t0, acc_out);
+        case 7: return panel_rows_vnni<7, B>(codes, sm, q, s, t0, acc_out);
+        case 6: return panel_rows_vnni<6, B>(codes, sm, q, s, t0, acc_out);
+        case 5: return panel_rows_vnni<5, B>(codes, sm, q, s, t0, acc_out);
+        case 4: return panel_rows_vnni<4, B>(codes, sm, q, s, t0, acc_out);
+        case 3: return panel_rows_vnni<3, B>(codes, sm, q, s, t0, acc_out);
+        case 2: return panel_rows_vnni<2, B>(codes, sm, q, s, t0, acc_out);
+        default: return panel_rows_vnni<1, B>(codes, sm, q, s, t0, acc_out);
+      }
+    };
+    if (s.bits == 8) run(std::integral_constant<int, 8>());
+    else run(std::integral_constant<int, 4>());
+    return;
+  }
+#endif
+  panel_rows_plain(codes, sm, q, s, t0, n, acc_out);
+}
+
+}  // namespace
+
+bool quant_blocks_vectorised() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// codes (out, blocks, block_len) uint8 (< 16 when bits == 4), scales and mins (out, blocks)
+// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16)).
+std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
+                                                           torch::Tensor scales,
+                                                           torch::Tensor mins, int64_t bits) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3,
+              "codes must be uint8 (out, blocks, block_len)");
+  check_cpu_float(scales, "scales");
+  check_cpu_float(mins, "mins");
+  codes = codes.contiguous();
+  scales = scales.contiguous();
+  mins = mins.contiguous();
+  const int64_t out = codes.size(0), blocks = codes.size(1), block_len = codes.size(2);
+  TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(scales.sizes() == mins.sizes() && scales.dim() == 2 && scales.size(0) == out &&
+                  scales.size(1) == blocks,
+              "scales and mins must be (out, blocks)");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  if (bits == 4)
+    for (int64_t i = 0; i < codes.numel(); ++i)
+      TORCH_CHECK(cp[i] < 16, "a 4-bit code above 15");
+  const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
+  const int64_t block_bytes = block_len * QB_ROWS * bits / 8;
+  auto packed = torch::zeros({panels, blocks, block_bytes}, codes.options());
+  auto sm = torch::zeros({panels, blocks, 2, QB_ROWS}, scales.options());
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* smp = sm.data_ptr<float>();
+  const float* dp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* block = pp + (p * blocks + b) * block_bytes;
+      const uint8_t* src = cp + (o * blocks + b) * block_len;
+      for (int64_t i = 0; i < block_len; ++i) {
+        const int64_t k = i / 4, byte = i % 4;
+        if (bits == 8) block[64 * k + 4 * j + byte] = src[i];
+        else block[64 * (k / 2) + 4 * j + byte] |= uint8_t(src[i] << (4 * (k & 1)));
+      }
+      smp[((p * blocks + b) * 2) * QB_ROWS + j] = dp[o * blocks + b];
+      smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
+    }
+  }
+  return {packed, sm};
+}
+
+// y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
+torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
+                                 int64_t out_features, int64_t block_len, int64_t bits,
+                                 bool force_plain) {
+  check_cpu_float(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be (T, in)");
+  x = x.contiguous();
+  const QuantBlockShape s = shape_of(codes, sm, x.size(1), out_features, block_len, bits);
+  const int64_t tokens = x.size(0);
+  const QuantizedRows q = quantize_activations(x.data_ptr<float>(), tokens, s.in, block_len);
+  auto y = torch::empty({tokens, out_features}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* smp = sm.data_ptr<float>();
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    float lanes[QB_TILE * QB_ROWS];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
+      for (int64_t t0 = 0; t0 < tokens; t0 += QB_TILE) {
+        const int64_t n = std::min<int64_t>(QB_TILE, tokens - t0);
+        panel_rows(cp + p * s.blocks * s.block_bytes(), smp + p * s.blocks * 2 * QB_ROWS, q, s,
+                   t0, n, force_plain, lanes);
+        for (int64_t t = 0; t < n; ++t)
+          std::copy_n(lanes + t * QB_ROWS, width, yp + (t0 + t) * out_features + first);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace slotserve::kernels

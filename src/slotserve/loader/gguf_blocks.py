@@ -1,0 +1,354 @@
+"""GGUF linear weights kept quantized: each block format as unsigned codes, scales and mins.
+
+`to_blocks(tensor)` turns a GGUF tensor's raw blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) into one form, `BlockWeights`: per output row, blocks of `block_len` unsigned
+codes u (uint8) with an fp32 scale d and min m per block, such that
+
+    w = d * u + m
+
+reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
+
+| type | block_len | u | d | m | bits kept |
+| --- | --- | --- | --- | --- | --- |
+| Q4_0 | 32 | 4-bit q | d | -8 d | 4 |
+| Q4_1 | 32 | 4-bit q | d | m | 4 |
+| Q5_0 | 32 | 5-bit q | d | -16 d | 8 |
+| Q5_1 | 32 | 5-bit q | d | m | 8 |
+| Q8_0 | 32 | q + 128 | d | -128 d | 8 |
+| Q4_K | 32 (sub-block) | 4-bit q | d * sc | -dmin * mn | 4 |
+| Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 8 |
+| Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 8 |
+
+The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
+takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: 4-bit codes 0.5 + 8 / 32
+(scale and min) = 0.75; 8-bit codes, blocks of 32: 1.25; blocks of 16 (Q6_K): 1.5.
+
+`GGUFBlockTensor` carries BlockWeights through the model's weight loading
+(`LlamaForCausalLM.load_hf_weights`) without ever making fp32 values of a linear layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from slotserve.loader.validation import ModelFileError
+
+Q = GGMLQuantizationType
+QK_K = 256
+
+# type -> (block_len, bits the codes are kept in)
+BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
+    Q.Q4_0: (32, 4), Q.Q4_1: (32, 4), Q.Q5_0: (32, 8), Q.Q5_1: (32, 8), Q.Q8_0: (32, 8),
+    Q.Q4_K: (32, 4), Q.Q5_K: (32, 8), Q.Q6_K: (16, 8),
+}
+# Tensor types kept as they are today (float): never converted to blocks.
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+
+def bytes_per_weight(block_len: int, bits: int) -> float:
+    """Memory per weight of the packed blocks: the codes and an fp32 scale and min per block."""
+    return bits / 8 + 8 / block_len
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """A (rows, cols) weight as blocks: w[r, b*L + i] = scales[r, b] * codes[r, b, i] + mins[r, b].
+
+    codes: uint8 (rows, blocks, L) when bits == 8; when bits == 4, two codes a byte,
+        (rows, blocks, L / 2), byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
+    scales, mins: fp32 (rows, blocks).
+    types: the GGUF types it came from (several once q/k/v are fused).
+    NOTE: 4-bit codes stay packed while the model loads: the loading's transient copies (the
+    weights dict and the fused q/k/v and gate/up) then take half the bytes.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bits: int
+    types: tuple[str, ...]
+
+    @property
+    def block_len(self) -> int:
+        return self.codes.shape[2] * (2 if self.bits == 4 else 1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * self.block_len
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return bytes_per_weight(self.block_len, self.bits)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """uint8 (rows, blocks, L): one code a byte whatever `bits`."""
+        if self.bits == 8:
+            return self.codes
+        return torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(
+            *self.codes.shape[:2], self.block_len)
+
+    def with_8bit_codes(self) -> BlockWeights:
+        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 (rows, cols) values (tests, the embedding, non-block kernels)."""
+        values = self.unpacked_codes().float() * self.scales[:, :, None] + self.mins[:, :, None]
+        return values.reshape(self.shape)
+
+    def with_block_len(self, block_len: int) -> BlockWeights:
+        """The same values in blocks of `block_len` (a divisor of this block_len)."""
+        if block_len == self.block_len:
+            return self
+        split = self.block_len // block_len
+        rows, blocks, size = self.codes.shape  # NOTE: packed 4-bit pairs never straddle blocks
+        return BlockWeights(self.codes.reshape(rows, blocks * split, size // split),
+                            self.scales.repeat_interleave(split, dim=1),
+                            self.mins.repeat_interleave(split, dim=1), self.bits, self.types)
+
+    def rows(self, order: np.ndarray) -> BlockWeights:
+        """The rows in `order` (an index array)."""
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return BlockWeights(self.codes.index_select(0, index), self.scales.index_select(0, index),
+                            self.mins.index_select(0, index), self.bits, self.types)
+
+
+def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
+    """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the widest
+    codes of the parts (exact: a block of 32 is two of 16 with the same scale and min)."""
+    block_len, bits = min(p.block_len for p in parts), max(p.bits for p in parts)
+    parts = [p.with_block_len(block_len) for p in parts]
+    parts = [p.with_8bit_codes() if p.bits != bits else p for p in parts]
+    types = tuple(dict.fromkeys(t for p in parts for t in p.types))
+    return BlockWeights(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                        torch.cat([p.mins for p in parts]), bits, types)
+
+
+# -- conversions: raw GGUF blocks -> (codes (n, L'), scales (n, S), mins (n, S)) -------------
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    return raw[:, start:start + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 16k) bytes -> (n, 32k): per 16 bytes, their low nibbles, then their high ones."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """(n, 4) bytes, a little-endian uint32 of `count` bits -> (n, count) of 0/1."""
+    bits = qh.copy().view(np.uint32) >> np.arange(count, dtype=np.uint32).reshape(1, count)
+    return (bits & 1).astype(np.uint8)
+
+
+def _q4_0(raw):
+    d = _f16(raw, 0)
+    return _nibbles(raw[:, 2:]), d, -8.0 * d
+
+
+def _q4_1(raw):
+    return _nibbles(raw[:, 4:]), _f16(raw, 0), _f16(raw, 2)
+
+
+def _q5_0(raw):
+    d = _f16(raw, 0)
+    return _nibbles(raw[:, 6:]) | (_high_bits(raw[:, 2:6], 32) << 4), d, -16.0 * d
+
+
+def _q5_1(raw):
+    return _nibbles(raw[:, 8:]) | (_high_bits(raw[:, 4:8], 32) << 4), _f16(raw, 0), _f16(raw, 2)
+
+
+def _q8_0(raw):
+    d = _f16(raw, 0)
+    return raw[:, 2:] ^ np.uint8(0x80), d, -128.0 * d  # q + 128 as the byte's bits
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> (n, 8) each (ggml's get_scale_min_k4)."""
+    n = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 bytes -> (n, 256): per 32 bytes, the low nibbles then the high ones."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(n, QK_K)
+
+
+def _q4_k(raw):
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    sc, mn = _k_scales_mins(raw[:, 4:16])
+    return _k_nibbles(raw[:, 16:]), d * sc, -(dmin * mn)
+
+
+def _q5_k(raw):
+    n = raw.shape[0]
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    sc, mn = _k_scales_mins(raw[:, 4:16])
+    qh = raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    high = (qh & 1).reshape(n, QK_K)  # sub-block j's high bits: bit j of each byte
+    return _k_nibbles(raw[:, 48:]) | (high << 4), d * sc, -(dmin * mn)
+
+
+def _q6_k(raw):
+    n = raw.shape[0]
+    ql, qh = raw[:, :128], raw[:, 128:192]
+    sc = raw[:, 192:208].copy().view(np.int8).astype(np.float32)  # (n, 16)
+    d = _f16(raw, 208)
+    low = ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (low & 0x0F).reshape(n, -1, 32)
+    high = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high & 0x03).reshape(n, -1, 32)
+    scale = d * sc
+    return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale
+
+
+_CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
+            Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+
+
+def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
+              ) -> BlockWeights:
+    """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
+
+    A type without a block conversion, or a non-finite scale or min, raises ModelFileError
+    naming the tensor.
+    """
+    if qtype not in _CONVERT:
+        raise ModelFileError(path, f"tensor {name!r} has type {qtype.name}, which is not kept "
+                                   f"quantized (supported: "
+                                   f"{', '.join(t.name for t in BLOCK_FORMATS)}); "
+                                   "use --quantization bf16, int8 or none to dequantize it")
+    from gguf import GGML_QUANT_SIZES
+
+    block_len, bits = BLOCK_FORMATS[qtype]
+    type_block, type_size = GGML_QUANT_SIZES[qtype]
+    if data.ndim != 2:
+        raise ModelFileError(path, f"tensor {name!r}: a linear weight must be 2-D")
+    rows = data.shape[0]
+    raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
+    codes, scales, mins = _CONVERT[qtype](raw)
+    scales = np.broadcast_to(scales, (raw.shape[0], type_block // block_len)).copy()
+    mins = np.broadcast_to(mins, scales.shape).copy()
+    if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
+        bad = int(np.flatnonzero(~(np.isfinite(scales) & np.isfinite(mins)).all(axis=1))[0])
+        raise ModelFileError(path, f"tensor {name!r}: block {bad} ({qtype.name}) has a "
+                                   "non-finite scale or min")
+    codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, -1, block_len)
+    if bits == 4:
+        codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
+    return BlockWeights(
+        codes=torch.from_numpy(np.ascontiguousarray(codes)),
+        scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1),
+        mins=torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(rows, -1),
+        bits=bits, types=(qtype.name,))
+
+
+# -- carrying blocks through load_hf_weights -------------------------------------------------
+
+# Tensor attribute names a GGUFBlockTensor answers itself (shape checks in the loading code).
+_METADATA = frozenset({"shape", "size", "dim", "numel", "dtype", "device", "ndim", "is_sparse",
+                       "requires_grad", "__format__", "__repr__", "layout"})
+# The attribute a Linear's weight parameter gets when a transposed GGUFBlockTensor is copied
+# into it: the linear kernel (model/linear_kernels.py, GGUFBlockLinear) takes the blocks from
+# there; the parameter's own values are then never written.
+BLOCKS_ATTRIBUTE = "gguf_blocks"
+
+
+class GGUFBlockTensor(torch.Tensor):
+    """A weight in GGUF blocks, standing in for an fp32 tensor while the model loads it.
+
+    It supports exactly what `LlamaForCausalLM.load_hf_weights` does with a weight: its shape,
+    `torch.cat` along rows (q/k/v, gate/up fused), `.t()` (a Linear's (in, out) layout) and
+    `target.copy_(it)`. Copied as a transposed weight (a linear layer's), it attaches its
+    blocks to the target (attribute `gguf_blocks`) and writes nothing: the linear kernel takes
+    them. Copied untransposed (the embedding table), it writes its fp32 values. Any other
+    operation raises a TypeError: never a computation over placeholder values.
+    """
+
+    blocks: BlockWeights
+    transposed: bool
+
+    @staticmethod
+    def __new__(cls, blocks: BlockWeights, transposed: bool = False):
+        rows, cols = blocks.shape
+        shape = (cols, rows) if transposed else (rows, cols)
+        placeholder = torch.zeros((), dtype=torch.float32).expand(shape)  # no memory
+        tensor = torch.Tensor._make_subclass(cls, placeholder)
+        tensor.blocks, tensor.transposed = blocks, transposed
+        return tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _func_name(func)
+        if func is torch.cat:
+            return _cat(*args, **kwargs)
+        if name == "t":
+            (self,) = args
+            return GGUFBlockTensor(self.blocks, not self.transposed)
+        if name == "copy_":
+            return _copy_into(*args)
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise TypeError(f"GGUF block weights support only loading (shape, cat, t, copy_), "
+                        f"not {name!r}")
+
+
+def _func_name(func) -> str:
+    if getattr(func, "__name__", "") == "__get__":  # a property: Tensor.shape.__get__
+        return getattr(func.__self__, "__name__", "")
+    return getattr(func, "__name__", "")
+
+
+def _cat(tensors, dim: int = 0) -> torch.Tensor:
+    if dim != 0 or any(not isinstance(t, GGUFBlockTensor) or t.transposed for t in tensors):
+        if dim == 0 and all(isinstance(t, torch.Tensor) for t in tensors):
+            # NOTE: a float GGUF tensor fused with block ones: the fused weight is fp32.
+            return torch.cat([dequantized(t) for t in tensors])
+        raise TypeError("GGUF block weights concatenate only untransposed, along rows")
+    return GGUFBlockTensor(concat_rows([t.blocks for t in tensors]))
+
+
+def _copy_into(target: torch.Tensor, source, non_blocking: bool = False) -> torch.Tensor:
+    if not isinstance(source, GGUFBlockTensor) or isinstance(target, GGUFBlockTensor):
+        raise TypeError("GGUF block weights can only be copied into a plain tensor")
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"shape {tuple(source.shape)} copied into {tuple(target.shape)}")
+    if source.transposed:
+        setattr(target, BLOCKS_ATTRIBUTE, source.blocks)
+        return target
+    with torch._C.DisableTorchFunctionSubclass():
+        return target.copy_(source.blocks.dequantize())
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain fp32 tensor: a GGUFBlockTensor's values, any other tensor as it is."""
+    if not isinstance(tensor, GGUFBlockTensor):
+        return tensor
+    values = tensor.blocks.dequantize()
+    return values.t() if tensor.transposed else values
+
+
+def block_types(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The GGUF types of the block weights among `weights` (empty: none is in blocks)."""
+    found = (t for w in weights.values() if isinstance(w, GGUFBlockTensor)
+             for t in w.blocks.types)
+    return tuple(dict.fromkeys(sorted(found)))
+
+
+def dequantize_all(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with every GGUFBlockTensor replaced by its fp32 values."""
+    return {name: dequantized(w) for name, w in weights.items()}
