@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from slotserve.config import SchedulerConfig, tenant_weight
+from slotserve.config import SchedulerConfig
 from slotserve.request import Request
 
 _EPS = 1e-9  # a share that is a whole number of slots, computed in floats, stays one
@@ -49,6 +49,7 @@ class TenantLoad:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._weights = dict(config.tenant_weights)  # unnamed tenants weigh 1
         self.running: Counter[str] = Counter()
         self.waiting: Counter[str] = Counter()
 
@@ -74,7 +75,7 @@ class TenantLoad:
         active = self.running.keys() | self.waiting.keys()
         if len(active) < 2:
             return None
-        weights = {tenant: tenant_weight(self.config, tenant) for tenant in active}
+        weights = {tenant: self._weights.get(tenant, 1.0) for tenant in active}
         total = sum(weights.values())
         slots = self.config.max_num_seqs
         return {tenant: max(1, math.ceil(slots * weight / total - _EPS))
