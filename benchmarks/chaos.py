@@ -16,9 +16,12 @@ so that the machine's drift hits both alike:
   strings, a 500k-character stop string, a 1 MB prompt (and chat message), a 2 MB body, a
   victim's live X-Request-Id, a seed past int64, logprobs 10**6, malformed JSON, wrong
   types, an unknown model, no key, a wrong key, /metrics with a non-admin key, a stream it
-  leaves after two events, a request it leaves before the first token; and, through the
-  whole phase, slow-loris uploads (a valid request's body dribbled a few bytes at a time,
-  then abandoned; one without a key).
+  leaves after two events, a request it leaves before the first token; the other tenant's
+  holes of issue 29: the victim's prompt probed for a prefix-cache hit, a regex slow to
+  build with n=16, a priority outside its key's range, 100k stop_token_ids, a logprobs
+  volume past the cap, slo_tpot_ms 0.001, tool-call arguments nested 200k deep, a foreign
+  Host header; and, through the whole phase, slow-loris uploads (a valid request's body
+  dribbled a few bytes at a time, then abandoned; one without a key).
 
 Checked (each failure is listed; exit status 1 if any):
 - victim: 0 errors (HTTP 200, `[DONE]`, finish_reason length, max_tokens tokens, its
@@ -313,6 +316,67 @@ def unknown_model(ctx):
     return small(model="gpt-9-ultra")
 
 
+# ------------------------------------------------------- the other tenant's holes (issue 29)
+async def probe_victim_prefix(ctx: Context) -> Outcome:
+    """The victim's longest prompt (cached by its runs): the adversary must get no prefix
+    hit on it (`cached_tokens` 0), so it cannot tell what the victim sent."""
+    prompt = max((b["prompt"] for b in victim_bodies(16, 1)), key=len)
+    r = await post(ctx, "probe", small(prompt=prompt, max_tokens=1))
+    if r.status_code != 200:
+        return Outcome(r.status_code, _error_note(r))
+    cached = (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Outcome(200, f"cached_tokens {cached}", cached == 0)
+
+
+@status_of()
+def regex_slow_to_build(ctx):
+    """A 9-byte regex whose automaton is large, 16 completions: built off the engine
+    thread or refused, never a stall of the others."""
+    return small(guided_regex="c{300000}", n=16)
+
+
+@status_of()
+def priority_outside_the_key(ctx):
+    return small(priority=-(2**31))
+
+
+@status_of()
+def stop_token_ids_100k(ctx):
+    """100k ids (0.7 MB, under the body bound): the count cap, not the body size, refuses."""
+    return small(stop_token_ids=list(range(100, 100 + 100_000)))
+
+
+@status_of()
+def logprobs_volume(ctx):
+    return small(n=64, max_tokens=400, logprobs=20)
+
+
+@status_of()
+def slo_tpot_tiny(ctx):
+    """Under `deadline` this once stopped every prefill; any policy must take it calmly."""
+    return small(slo_tpot_ms=0.001)
+
+
+async def tool_arguments_deep(ctx: Context) -> Outcome:
+    """A chat history whose tool call's arguments nest 200,000 brackets deep: kept as text
+    (200) or refused (400), never a RecursionError's 500."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "[" * 200_000}}
+    body = {"model": MODEL, "max_tokens": ATTACK_MAX_TOKENS,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    r = await post(ctx, "deep_args", body, path="/v1/chat/completions")
+    return Outcome(r.status_code, _error_note(r))
+
+
+async def foreign_host(ctx: Context) -> Outcome:
+    """A Host header naming another site (DNS rebinding from a web page)."""
+    headers = {**AUTH, "X-Request-Id": ctx.next_id("host"), "Host": "evil.example"}
+    r = await post(ctx, "host", small(), headers=headers)
+    return Outcome(r.status_code, _error_note(r))
+
+
 async def chat_1mb(ctx: Context) -> Outcome:
     body = {"model": MODEL, "max_tokens": ATTACK_MAX_TOKENS,
             "messages": [{"role": "user", "content": "word " * 200_000}]}
@@ -413,6 +477,14 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "/metrics with a non-admin key": (metrics_without_admin, frozenset({401})),
     "a stream left after 2 events": (disconnect_mid_stream, frozenset({200})),
     "a request left after 20 ms": (disconnect_before_first_token, frozenset({None, 200})),
+    "the victim's prompt, probed for a prefix hit": (probe_victim_prefix, frozenset({200})),
+    "guided_regex c{300000}, n=16": (regex_slow_to_build, frozenset({200, 400})),
+    "priority -2**31 (outside the key's range)": (priority_outside_the_key, frozenset({400})),
+    "100k stop_token_ids": (stop_token_ids_100k, frozenset({400})),
+    "logprobs 20 x n=64 x 400 tokens": (logprobs_volume, frozenset({400})),
+    "slo_tpot_ms 0.001": (slo_tpot_tiny, frozenset({200})),
+    "tool-call arguments 200k brackets deep": (tool_arguments_deep, frozenset({200, 400})),
+    "a foreign Host header": (foreign_host, frozenset({400, 421})),
 }
 
 
