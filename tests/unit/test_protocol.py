@@ -78,6 +78,17 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs():
     assert err.value.param == "prompt_logprobs"
 
 
+@pytest.mark.parametrize("field,value", [("slo_ttft_ms", 1e300), ("slo_tpot_ms", 3_600_001)])
+def test_slos_past_an_hour_are_refused_naming_the_field(field, value):
+    """Validated with the request (a 400 whose param is the field), before the engine."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        completion(**{field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
+    assert completion(**{field: 3_600_000}).model_dump()[field] == 3_600_000
+
+
 @pytest.mark.parametrize("field,value,param", [
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -2, "top_k"),
     ("min_p", 1.5, "min_p"), ("n", 0, "n"), ("max_tokens", 0, "max_tokens"),

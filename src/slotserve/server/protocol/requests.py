@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from slotserve.config import MAX_SLO_MS
 from slotserve.sampling import SamplingParams
 from slotserve.server.protocol.errors import APIError, invalid_request
 from slotserve.server.protocol.request_model import RequestModel
@@ -77,8 +78,8 @@ class CommonRequest(ModelNamed):
     # request's SLOs in milliseconds over the server's --slo-ttft-ms / --slo-tpot-ms.
     # user: OpenAI's end-user id, the request's tenant when the server has no API keys.
     priority: int = Field(default=0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
-    slo_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    slo_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    slo_ttft_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
+    slo_tpot_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
 
     # Known fields this server does not implement: a 400 naming the field unless absent, null
