@@ -4,6 +4,8 @@ chunking, the batch, preemption or the prefix cache (a request that asks bypasse
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -136,3 +138,155 @@ def test_a_hole_in_the_positions_is_an_error():
 def test_bad_values_name_the_field(value):
     with pytest.raises(ValueError, match="^prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+# --------------------------------------------------------------------------- over HTTP
+# echo, prompt_logprobs and prompt lists through the app (a tiny BPE tokenizer on the tiny
+# Llama): exact against HF, in OpenAI's index order, admitted all or nothing.
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    from fastapi.testclient import TestClient
+
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.server.api import build_app
+    from tests.unit.server_fixtures import text_engine
+
+    engine = AsyncEngine(text_engine(tiny_llama, num_blocks=96, max_num_seqs=4,
+                                     enable_prefix_caching=True))
+    engine.start()
+    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        yield client, engine
+    engine.stop()
+
+
+def complete(client, **body) -> dict:
+    response = client.post("/v1/completions", json={"max_tokens": 3, "temperature": 0,
+                                                     **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_echo_with_logprobs_is_exact(served, tiny_llama):
+    client, engine = served
+    ids = engine.tokenizer.encode("the quick brown fox")
+    complete(client, prompt=ids)  # NOTE: cached now; echo must bypass the cache
+    answer = complete(client, prompt="the quick brown fox", echo=True, logprobs=2)
+    choice = answer["choices"][0]
+    plain = complete(client, prompt="the quick brown fox")["choices"][0]
+    assert choice["text"] == "the quick brown fox" + plain["text"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = hf_logprobs(tiny_llama, ids)
+    for pos, token in enumerate(ids[1:]):
+        assert lp["token_logprobs"][pos + 1] == pytest.approx(float(expected[pos, token]),
+                                                              abs=TOL)
+        assert len(lp["top_logprobs"][pos + 1]) <= 3
+        best = max(lp["top_logprobs"][pos + 1].values())
+        assert best == pytest.approx(float(expected[pos].max()), abs=TOL)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_prompt_logprobs_field_is_vllms(served, tiny_llama):
+    client, engine = served
+    ids = engine.tokenizer.encode("hello world, how are you")
+    choice = complete(client, prompt=ids, prompt_logprobs=3)["choices"][0]
+    assert choice["logprobs"] is None
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    expected = hf_logprobs(tiny_llama, ids)
+    for pos, entry in enumerate(entries[1:]):
+        token = ids[pos + 1]
+        assert entry[str(token)]["logprob"] == pytest.approx(float(expected[pos, token]),
+                                                             abs=TOL)
+        assert entry[str(token)]["rank"] == int((expected[pos] > expected[pos, token]).sum()) + 1
+        assert sorted(v["rank"] for v in entry.values())[:3] == [1, 2, 3]
+        assert len(entry) in (3, 4)  # the top 3, and the prompt token if not among them
+
+
+def test_streamed_echo_opens_each_choice_with_its_prompt(served):
+    client, _ = served
+    response = client.post("/v1/completions", json={
+        "prompt": ["the quick", "hello"], "n": 2, "echo": True, "logprobs": 1,
+        "max_tokens": 3, "temperature": 0, "stream": True})
+    assert response.status_code == 200
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    first_text: dict[int, str] = {}
+    text: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            first_text.setdefault(choice["index"], choice["text"])
+            text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+    assert first_text == {0: "the quick", 1: "the quick", 2: "hello", 3: "hello"}
+    whole = complete(client, prompt=["the quick", "hello"], n=2, echo=True)
+    assert text == {c["index"]: c["text"] for c in whole["choices"]}
+
+
+def test_prompt_lists_answer_in_openai_order(served):
+    client, _ = served
+    prompts = ["the quick brown", "once upon a", "name three"]
+    answer = complete(client, prompt=prompts, n=2, max_tokens=4)
+    assert [c["index"] for c in answer["choices"]] == list(range(6))
+    singles = [complete(client, prompt=prompt, max_tokens=4) for prompt in prompts]
+    for i, single in enumerate(singles):
+        for j in range(2):  # greedy: every completion of a prompt is the same
+            assert answer["choices"][i * 2 + j]["text"] == single["choices"][0]["text"]
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert usage["completion_tokens"] == 2 * sum(s["usage"]["completion_tokens"]
+                                                 for s in singles)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": []}, "prompt"), ({"prompt": ["a"] * 1025}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"), ({"prompt": "a", "prompt_logprobs": 21},
+                                        "prompt_logprobs"),
+    ({"prompt": ["a"] * 30, "logprobs": 20, "max_tokens": 500}, "logprobs"),  # x 30 prompts
+])
+def test_bad_prompt_lists_and_volumes_are_400s(served, body, param):
+    client, _ = served
+    response = client.post("/v1/completions", json={"max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_prompt_logprobs_volume_is_capped(tiny_llama):
+    from fastapi.testclient import TestClient
+
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.server.api import ServerLimits, build_app
+    from tests.unit.server_fixtures import text_engine
+
+    engine = AsyncEngine(text_engine(tiny_llama, num_blocks=32))
+    app = build_app(engine, "tiny", limits=ServerLimits(max_logprobs_volume=100))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": list(range(5, 60)),
+                                                        "prompt_logprobs": 5})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_prompt_lists_are_admitted_all_or_none(tiny_llama):
+    """3 prompts x n=2 against a waiting bound of 4: a 429, and the two admitted prompts are
+    aborted (the engine, started afterwards, runs nothing of them)."""
+    from fastapi.testclient import TestClient
+
+    from slotserve.engine.async_engine import AsyncEngine
+    from slotserve.server.api import build_app
+    from tests.unit.server_fixtures import text_engine
+
+    engine = AsyncEngine(text_engine(tiny_llama, num_blocks=32), max_waiting=4)
+    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
+        assert response.status_code == 429, response.text
+        assert engine.num_active == 0
+        engine.start()
+        try:
+            ok = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2,
+                                                      "max_tokens": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+        finally:
+            engine.stop()
+    assert engine.engine.stats.prompt_tokens == 4 * 2  # "a", "b" with BOS, twice each

@@ -61,8 +61,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(_logprob(entry, token_id))
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        result.top_logprobs.append({token_text(tokenizer, t): _finite(lp) for t, lp in ranked})
+        result.top_logprobs.append(_top_by_text(tokenizer, entry, len(entry)))
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -85,9 +84,19 @@ def echo_logprobs(tokenizer, prompt_ids: list[int],
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_logprob(entry, token_id))
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-        result.top_logprobs.append({token_text(tokenizer, t): _finite(lp) for t, lp in ranked})
+        result.top_logprobs.append(_top_by_text(tokenizer, entry, top_n))
     return result
+
+
+def _top_by_text(tokenizer, entry: dict[int, float], top_n: int) -> dict[str, float]:
+    """The legacy shape's top logprobs: the `top_n` most likely tokens by their text.
+
+    NOTE: tokens of the same text (byte pieces shown as U+FFFD) keep the most likely one's
+    logprob, not the last one's."""
+    top: dict[str, float] = {}
+    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]:
+        top.setdefault(token_text(tokenizer, t), _finite(lp))
+    return top
 
 
 def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
