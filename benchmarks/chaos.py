@@ -161,6 +161,14 @@ class Context:
     greedy_text: str  # ADVERSARY_PROMPT, greedy, ATTACK_MAX_TOKENS tokens
     tag: str
     counter: int = 0
+    probe_prompts: tuple[str, ...] = ("",)  # the victim's longest prompts (probe_prompts_of)
+    probed: set = field(default_factory=set)  # the victim prompts this adversary sent
+
+    @property
+    def round(self) -> int:
+        """The round of the phase (tags are `chaos<round>`)."""
+        digits = "".join(ch for ch in self.tag if ch.isdigit())
+        return int(digits) if digits else 0
 
     @property
     def live_victim_id(self) -> str:
@@ -318,14 +326,19 @@ def unknown_model(ctx):
 
 # ------------------------------------------------------- the other tenant's holes (issue 29)
 async def probe_victim_prefix(ctx: Context) -> Outcome:
-    """The victim's longest prompt (cached by its runs): the adversary must get no prefix
-    hit on it (`cached_tokens` 0), so it cannot tell what the victim sent."""
-    prompt = max((b["prompt"] for b in victim_bodies(16, 1)), key=len)
+    """One of the victim's prompts (cached by its runs), a different one each round: the
+    adversary must get no prefix hit on it (`cached_tokens` 0), so it cannot tell what the
+    victim sent. NOTE: a prompt this adversary already sent is in its own cache: a hit on
+    it is its own."""
+    prompt = ctx.probe_prompts[ctx.round % len(ctx.probe_prompts)]
+    own = prompt in ctx.probed
+    ctx.probed.add(prompt)
     r = await post(ctx, "probe", small(prompt=prompt, max_tokens=1))
     if r.status_code != 200:
         return Outcome(r.status_code, _error_note(r))
     cached = (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Outcome(200, f"cached_tokens {cached}", cached == 0)
+    return Outcome(200, f"cached_tokens {cached}" + (" (its own)" if own else ""),
+                   cached == 0 or own)
 
 
 @status_of()
@@ -599,7 +612,7 @@ def chaos_phase(url: str, bodies: list[dict], tag: str, greedy_text: str, gap_s:
     measured TPOT on the client side, not the server's)."""
     mp = multiprocessing.get_context("spawn")
     ready, done, results = mp.Event(), mp.Event(), mp.Queue()
-    ctx = Context(url, greedy_text, tag)
+    ctx = Context(url, greedy_text, tag, probe_prompts=probe_prompts_of(bodies))
     proc = mp.Process(target=adversary_process, daemon=True,
                       args=(ctx, gap_s, min_passes, ready, done, results))
     proc.start()
@@ -617,6 +630,12 @@ def chaos_phase(url: str, bodies: list[dict], tag: str, greedy_text: str, gap_s:
             if proc.is_alive():
                 proc.kill()
     return victims, outcomes
+
+
+def probe_prompts_of(bodies: list[dict]) -> tuple[str, ...]:
+    """The victim's longest prompts (up to 8; each more than a KV block): what the prefix
+    probe asks for, one a round."""
+    return tuple(sorted((b["prompt"] for b in bodies), key=len)[-8:])
 
 
 def adversary_process(ctx: Context, gap_s: float, min_passes: int, ready, done,
