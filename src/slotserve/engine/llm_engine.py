@@ -291,12 +291,6 @@ class LLMEngine:
                 self._pending.append(self._emit(self._sequences[child_id]))
 
     @_holding_state_lock
-    def abort_all(self) -> None:
-        """Abort every request (their outputs come with the next step)."""
-        for request_id in list(self._parents):
-            self.abort_request(request_id)
-
-    @_holding_state_lock
     def fail_request(self, request_id: str, message: str) -> None:
         """End a request (all its completions) with an error result, which comes with the
         next step; its blocks are free when this returns."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import torch
-
 from slotserve.config import ModelConfig
 from slotserve.model.families import family_of
 
@@ -100,8 +98,3 @@ def check_weight_shapes(path: str, config: ModelConfig, shapes: dict[str, tuple[
         if tuple(shapes[name]) != want:
             raise ModelFileError(path, f"wrong shape for {describe(name)}: "
                                        f"{tuple(shapes[name])}, expected {want}")
-
-
-def check_weights(path: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """`check_weight_shapes` over loaded tensors."""
-    check_weight_shapes(path, config, {n: tuple(t.shape) for n, t in weights.items()})
