@@ -5,7 +5,8 @@ as the Responses API's server-sent events (`event: <type>` + `data: {json}`, no 
 
     response.created, response.in_progress, response.output_item.added,
     response.content_part.added, response.output_text.delta ..., response.output_text.done,
-    response.content_part.done, response.output_item.done, response.completed
+    response.content_part.done, response.output_item.done, response.completed (also when
+    max_output_tokens cut it: its status is then "incomplete")
 
 A forced tool call (tool_choice "required" or a named function) is a `function_call` output
 item instead of the message (its arguments streamed as response.function_call_arguments.delta
@@ -106,10 +107,10 @@ async def response_events(stream: Generation, first: RequestOutput, body: r.Resp
         pieces = _required_call_events(event, stream, first, ids, plan)
     async for piece in pieces:
         yield piece
-    c = stream.finals[0]
+    # NOTE: response.completed also ends a response cut by max_output_tokens (its status
+    # says "incomplete"), as vLLM's: the official client's stream helper needs that event
     final = response_object(stream, stream.finals, body, plan, model_name)
-    kind = "response.completed" if _status(c) == "completed" else "response.incomplete"
-    yield event(kind, response=final.model_dump())
+    yield event("response.completed", response=final.model_dump())
 
 
 async def _message_events(event: _Events, stream: Generation, first: RequestOutput,
