@@ -1,6 +1,7 @@
 """Each CPU class's linear kernels on this machine, and which configuration `auto` should pick.
 
-    .venv/bin/python -m benchmarks.cpu_classes --out benchmarks/results/cpu-classes-<cpu>.json
+    .venv/bin/python -m benchmarks.cpu_classes --engine-rounds 5 \
+        --quality "bf16 widen,bf16 dot,int8" --out benchmarks/results/cpu-classes-<cpu>.json
 
 Check /proc/cpuinfo first (the vendor and the flags vary from machine to machine): the
 report records the CPU's model name and its vector flags. Three parts, each interleaved
@@ -18,7 +19,7 @@ every variant alike; medians of per-pass ratios):
     time per step after the prefill) and 64 chat prompts at once, 128 tokens each (output
     tok/s over every step, prefills included), for the configurations of --engines (a
     quantization with a CPU class forced: ENGINES).
-(3) quality (--quality): greedy agreement with fp32 teacher-forced (lab/quality.py, 32 chat
+(3) quality (--quality ENGINES): greedy agreement with fp32 teacher-forced (lab/quality.py, 32 chat
     prompts of 64 tokens; the bar is 97%), for the same configurations.
 """
 
@@ -196,7 +197,8 @@ def main() -> None:
     p.add_argument("--engine-rounds", type=int, default=0,
                    help="rounds of the engines (1 sequence, then 64), 0: none")
     p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--quality", action="store_true", help="greedy agreement with fp32")
+    p.add_argument("--quality", default="",
+                   help="engines to rate by greedy agreement with fp32, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -205,7 +207,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     variants = tuple(v for v in args.variants.split(",") if v)
     engines = tuple(e for e in args.engines.split(",") if e)
-    if set(engines) - set(ENGINES) or set(variants) - set(MATMUL_VARIANTS):
+    rated = tuple(e for e in args.quality.split(",") if e)
+    if set(engines + rated) - set(ENGINES) or set(variants) - set(MATMUL_VARIANTS):
         p.error("unknown --engines or --variants")
     matmuls, engine_results, agreements = {}, None, None
     for shape in args.shapes.split(",") if variants else ():
@@ -214,7 +217,7 @@ def main() -> None:
             print(f"{shape} {rows:2d} rows, ms: " + ", ".join(
                 f"{v} {statistics.median(ms):.2f}" for v, ms in per.items())
                 + f"; speedup over {variants[0]}: {ratios(per, variants[0])}")
-    if args.engine_rounds or args.quality:
+    if args.engine_rounds or rated:
         from slotserve.loader import load_model
 
         loaded = load_model()
@@ -226,8 +229,8 @@ def main() -> None:
             print(f"{metric}: " + ", ".join(f"{n} {statistics.median(v):.2f}"
                                            for n, v in per.items())
                   + f"; speedup over {engines[0]} (median of per-round ratios): {faster}")
-    if args.quality:
-        agreements = quality(loaded, engines, 32, 64)
+    if rated:
+        agreements = quality(loaded, rated, 32, 64)
         for name, a in agreements.items():
             verdict = "passes" if a["teacher_forced"] >= QUALITY_BAR else "FAILS"
             print(f"{name}: teacher-forced agreement with fp32 {a['teacher_forced']:.2%} "
