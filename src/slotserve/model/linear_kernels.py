@@ -82,11 +82,11 @@ def bf16_round(weight: torch.Tensor) -> torch.Tensor:
 # 16-row tiles are mostly padding (benchmarks/PERF.md, "bf16 weights").
 BF16_AMX_MIN_ROWS = 16
 # NOTE: without AMX (the avx512bf16 CPU class: AMD Zen 4/5), x rounded to bf16 and
-# vdpbf16ps ran one forward's linears as fast as widening at 1-8 rows (both at the memory's
-# pace) and 1.4-1.9x faster from 16 rows (widening is compute-bound there: Zen's 512-bit
-# FMAs run on 256-bit units), on SmolLM2-135M's and Qwen2.5-0.5B's shapes
-# (benchmarks/cpu_classes.py, results/cpu-classes-zen4.json): vdpbf16ps at every size,
-# which also keeps a row's result independent of its batch at every size.
+# vdpbf16ps ran one forward's linears x0.94-1.08 widening's speed at 1-4 rows (both at the
+# memory's pace), x1.0-1.4 at 8 and x1.4-1.9 from 16 rows (widening is compute-bound there:
+# Zen 4's 512-bit FMAs run on 256-bit units), on SmolLM2-135M's and Qwen2.5-0.5B's shapes
+# (benchmarks/cpu_classes.py, results/cpu-classes-zen4.{json,txt}): vdpbf16ps at every
+# size, which also keeps a row's result independent of its batch at every size.
 BF16_DOT_MIN_ROWS = 1
 
 
