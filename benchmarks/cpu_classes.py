@@ -236,8 +236,11 @@ def main() -> None:
             print(f"{name}: teacher-forced agreement with fp32 {a['teacher_forced']:.2%} "
                   f"({verdict} the {QUALITY_BAR:.0%} bar)")
     if args.out:
+        speedups = {shape: {rows: ratios(per, variants[0]) for rows, per in table.items()}
+                    for shape, table in matmuls.items()}
         write_report(args.out, cpu=cpu_description(), threads=torch.get_num_threads(),
-                     matmul_ms_per_pass=matmuls, engines=engine_results,
+                     matmul_speedup_over_first=speedups, matmul_ms_per_pass=matmuls,
+                     engines=engine_results,
                      agreement=agreements, quality_bar=QUALITY_BAR,
                      note="2-core host shared with other jobs: compare per-pass ratios")
 

@@ -7,8 +7,9 @@ and attention get its fused ops when built, the linear layers their kernel and t
 C++ DecodeStack when the weights are loaded. Nothing changes a model's kernels afterwards; a
 benchmark that compares kernels builds one engine per KernelSet (`LLMEngine(kernel_set=...)`).
 
-`describe()` is the start-up line's text, e.g. "bf16 weights (auto: AVX512_BF16); linears:
-bf16 weight panels, ... + fused CPU ops (decodes: one C++ call for all layers)".
+`describe()` is the start-up line's text, e.g. "bf16 weights (auto: avx512bf16 class);
+linears: bf16 weight panels, ... + fused CPU ops (decodes: one C++ call for all layers); CPU
+class avx512bf16 (from the CPU's flags)".
 """
 
 from __future__ import annotations
