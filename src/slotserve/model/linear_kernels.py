@@ -15,13 +15,15 @@ then calls it instead (the original weight is released: one copy in memory, not 
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
-- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on CPUs with
-  AVX512_BF16. The weights rounded to bfloat16 once and kept in bf16 panels
+- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on the AVX-512 CPU
+  classes (model/kernels.py). The weights rounded to bfloat16 once and kept in bf16 panels
   (csrc/bf16_panels.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
   registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
-  over the rounded weights. From 16 rows on, where AMX is usable, x is
-  rounded to bf16 too and multiplied on AMX tiles (fp32 sums). Without the fused kernels
-  (or with kernels="reference") Bf16RoundedLinear: the fp32 math over the rounded weights.
+  over the rounded weights (the avx512 class). From 16 rows on, where AMX is usable, x is
+  rounded to bf16 too and multiplied on AMX tiles (fp32 sums: the amx class); without AMX
+  but with AVX512_BF16, x rounded to bf16 and vdpbf16ps at every size (the avx512bf16
+  class). Without the fused kernels (or with kernels="reference", or on the avx2 class)
+  Bf16RoundedLinear: the fp32 math over the rounded weights.
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
   (symmetric), activations int16 through the fused CPU kernel (bfloat16 through torch's
   kernel with kernels="reference"). 4x fewer weight bytes per decode step; held to a
