@@ -220,8 +220,10 @@ def rounded_hf_model(kind: str):
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied: the embedding stays fp32
 def test_bf16_greedy_matches_hf_over_rounded_weights(monkeypatch, kind, kernels):
-    """The fp32-activation path (AMX off: it rounds x too) equals HF over bf16(W)."""
+    """The fp32-activation path (AMX and vdpbf16ps off: they round x too) equals HF over
+    bf16(W)."""
     monkeypatch.setattr(linear_kernels, "BF16_AMX_MIN_ROWS", 0)
+    monkeypatch.setattr(linear_kernels, "BF16_DOT_MIN_ROWS", 0)
     prompts = random_prompts(6, min_len=3, max_len=40, seed=3)
     llm = tiny_llm(tiny_hf_model(kind), block_size=8, num_blocks=128, kernels=kernels,
                    quantization="bf16")

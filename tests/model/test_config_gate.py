@@ -206,7 +206,8 @@ def test_gelu_mlp_is_exact(tmp_path):
 @pytest.fixture
 def bf16_cpu(monkeypatch):
     """This CPU taken to have AVX512_BF16 and the bf16 panel kernel built."""
-    monkeypatch.setattr(kernels_module, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(kernels_module, "_cpu_flags", lambda: frozenset(  # its CPU class
+        {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}))
     monkeypatch.setattr(linear_kernels, "bf16_panel_kernel_available", lambda ops: True)
 
 

@@ -12,6 +12,7 @@ from slotserve.model.kernels import (
     NO_BF16_ENV,
     REFERENCE,
     KernelSet,
+    cpu_class,
     cpu_has_avx512_bf16,
     kernels_for,
     resolve_kernels,
@@ -20,7 +21,6 @@ from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     Bf16PanelLinear,
     bf16_panel_kernel_available,
-    panel_kernel_available,
 )
 from tests.conftest import tiny_engine
 
@@ -44,30 +44,44 @@ def test_auto_picks_bf16_where_the_cpu_has_avx512_bf16(tiny_llama, cpu_ops):
         pytest.skip("this CPU (or its kernel build) has no AVX512_BF16")
     engine = tiny_engine(tiny_llama, quantization="auto")
     kernels = engine.runner.kernels
-    assert (kernels.weights, kernels.reason, kernels.linear) == (
-        "bf16", "auto: AVX512_BF16", "bf16_panel")
-    assert kernels.describe().startswith("bf16 weights (auto: AVX512_BF16); linears: bf16 ")
+    reason = f"auto: {kernels.cpu_class} class"  # amx or avx512bf16
+    assert (kernels.weights, kernels.reason, kernels.linear) == ("bf16", reason, "bf16_panel")
+    assert kernels.describe().startswith(f"bf16 weights ({reason}); linears: bf16 ")
     assert linear_kernels_of(engine) == {Bf16PanelLinear}
     assert engine.runner.model.decode_stack is not None
 
 
-def test_auto_falls_back_to_fp32_when_avx512_bf16_is_forced_off(tiny_llama, cpu_ops,
-                                                                monkeypatch):
+def test_avx512_bf16_forced_off_widens_bf16_weights(tiny_llama, cpu_ops, monkeypatch):
+    """The older switch is the avx512 class: bf16 weights widened, no vdpbf16ps / AMX."""
+    if not (cpu_has_avx512_bf16() and bf16_panel_kernel_available(cpu_ops)):
+        pytest.skip("this CPU (or its kernel build) has no AVX512_BF16")
     monkeypatch.setenv(NO_BF16_ENV, "1")
     assert not cpu_has_avx512_bf16()
     engine = tiny_engine(tiny_llama, quantization="auto")
     kernels = engine.runner.kernels
-    assert (kernels.weights, kernels.reason) == ("fp32", "auto: no AVX512_BF16")
-    assert kernels.describe().startswith("fp32 weights (auto: no AVX512_BF16); linears: fp32")
+    assert (kernels.weights, kernels.reason, kernels.cpu_class) == (
+        "bf16", "auto: avx512 class", "avx512")
+    assert (kernels.amx_min_rows, kernels.dot_min_rows) == (0, 0)
+    assert kernels.describe().startswith("bf16 weights (auto: avx512 class); linears: bf16 "
+                                         "weight panels, fp32 activations (fused")
+
+
+def test_auto_is_fp32_on_the_avx2_class(monkeypatch):
+    monkeypatch.setattr(kernels_module, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    kernels = resolve_kernels(kernels="reference", quantization="auto")
+    assert (kernels.weights, kernels.reason) == ("fp32", "auto: kernels=reference")
+    monkeypatch.setattr(kernels_module.cpu_ops, "load_cpu_ops", lambda march: None)
+    kernels = resolve_kernels(quantization="auto")
+    assert (kernels.weights, kernels.reason, kernels.cpu_class) == (
+        "fp32", "auto: avx2 class", "avx2")
     # the same kernels as asking for fp32 (only the reason differs)
     assert replace(kernels, reason="") == replace(resolve_kernels(quantization="none"),
                                                   reason="")
-    if panel_kernel_available(cpu_ops):
-        assert kernels.linear == "panel"
 
 
 def test_auto_falls_back_to_fp32_without_the_bf16_kernels(monkeypatch):
-    monkeypatch.setattr(kernels_module, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(kernels_module, "_cpu_flags", lambda: frozenset(
+        {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}))
     assert resolve_kernels(kernels="reference", quantization="auto").weights == "fp32"
     assert resolve_kernels(kernels="mkl", quantization="auto").reason == "auto: kernels=mkl"
     monkeypatch.setattr(kernels_module.linear_kernels, "bf16_panel_kernel_available",
@@ -81,8 +95,9 @@ def test_the_config_resolves_to_one_kernel_set(cpu_ops):
     config = EngineConfig(quantization="int8")
     assert kernels_for(config) == kernels_for(config)
     assert kernels_for(config).linear == "int8"
+    cpu = cpu_class()
     assert kernels_for(EngineConfig(kernels="reference", quantization="none")) == replace(
-        REFERENCE, reason="quantization=none")
+        REFERENCE, reason="quantization=none", cpu_class=cpu.name, cpu_reason=cpu.reason)
 
 
 def test_a_kernel_set_refuses_what_cannot_run():

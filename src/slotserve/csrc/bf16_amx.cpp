@@ -76,28 +76,6 @@ void amx_panel_block(const uint16_t* xb, int64_t ldx, const uint16_t* panel, int
   _tile_stored(2, tmp + 16 * 32, 32 * 4);
   _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
 }
-
-// x (tokens, in) fp32 -> xb (rows, ldx) bf16 rounded to nearest even (as torch's
-// .to(torch::kBFloat16), denormals aside: flushed to zero, as the tile multiply reads
-// them anyway), zero past `in` and past `tokens`. NOTE: written here rather than by torch
-// ops (zeros, then a narrowed copy_): those cost ~10 us of a 32-row call's overhead.
-void round_rows_to_bf16(const float* x, int64_t tokens, int64_t in, uint16_t* xb,
-                        int64_t rows, int64_t ldx) {
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* out = xb + r * ldx;
-    int64_t i = 0;
-    if (r < tokens) {
-      const float* row = x + r * in;
-#if defined(__AVX512BF16__)
-      for (; i + 16 <= in; i += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + i)));
-#endif
-      for (; i < in; ++i) out[i] = c10::BFloat16(row[i]).x;
-    }
-    std::fill(out + i, out + ldx, uint16_t(0));
-  }
-}
 #endif
 
 }  // namespace

@@ -48,11 +48,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "positions)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("window") = 0);
-  py::class_<LinearWeights>(m, "LinearWeights");
+  // NOTE: module_local: a process may load two builds (a CPU class forced lower gets its
+  // own, model/cpu_ops.py), and pybind11 registers a class's name once per process.
+  py::class_<LinearWeights>(m, "LinearWeights", py::module_local());
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
         py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
-  py::class_<DecodeStack>(m, "DecodeStack")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),
            py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

@@ -26,7 +26,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
                     : kind == Kind::kPanelBf16 && amx_min_rows > 0 &&
                             x.size(0) >= amx_min_rows && amx_bf16_usable()
                         ? panel_linear_bf16_amx(x, a, out_features)
-                        : panel_linear_bf16(x, a, out_features, kind == Kind::kPanelBf16Dot);
+                        : panel_linear_bf16(x, a, out_features, dot_rows(x.size(0)));
   return bias ? y.add_(*bias) : y;
 }
 
@@ -90,10 +90,10 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
                    amx_bf16_usable();
   if (kind == Kind::kPanel) {
     panel_linear_into(x, rows, in, a.data_ptr<float>(), a.size(0), outs, y);
-  } else if (kind == Kind::kPanelBf16 && !amx) {
+  } else if ((kind == Kind::kPanelBf16 && !amx) || kind == Kind::kPanelBf16Dot) {
     panel_linear_bf16_into(x, rows, in,
                            reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                           a.size(0), outs, y);
+                           a.size(0), outs, y, dot_rows(rows));
   } else {  // operator() adds the bias
     const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
     std::copy_n(out.data_ptr<float>(), rows * outs, y);

@@ -25,7 +25,12 @@ struct LinearWeights {
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
   int64_t out_features;  // panels only (the last panel may be padded)
-  int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never)
+  int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never);
+                         // panel_bf16_dot: bf16 activations from this many rows on (0: all)
+  // panel_bf16_dot at `rows` rows: bf16 activations (vdpbf16ps), else widening.
+  bool dot_rows(int64_t rows) const {
+    return kind == Kind::kPanelBf16Dot && rows >= amx_min_rows;
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const;  // (T, in) -> (T, out)
   int64_t outputs() const;  // out features

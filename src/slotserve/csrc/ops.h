@@ -87,9 +87,11 @@ std::tuple<bool, bool> panel_bf16_vectorised();
 void set_force_plain_loops(bool force);
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                                 bool bf16_activations);
-// fp32 activations (the widening mode); panels of padded_pairs(in) pairs.
+// panels of padded_pairs(in) pairs; fp32 activations (the widening mode) unless
+// bf16_activations (x rounded to bf16, vdpbf16ps).
 void panel_linear_bf16_into(const float* x, int64_t tokens, int64_t in, const uint16_t* panels,
-                            int64_t num_panels, int64_t out_features, float* y);
+                            int64_t num_panels, int64_t out_features, float* y,
+                            bool bf16_activations = false);
 
 // bf16_amx.cpp
 bool amx_bf16_usable();

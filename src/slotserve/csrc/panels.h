@@ -77,4 +77,11 @@ void check_bf16_panels(const torch::Tensor& x, const torch::Tensor& panels,
 
 extern bool g_force_plain_loops;
 
+// x (tokens, in) fp32 -> xb (rows, ldx) bf16 rounded to nearest even (as torch's
+// .to(torch::kBFloat16), denormals aside: flushed to zero where vectorised, as vdpbf16ps and
+// the tile multiply read them anyway), zero past `in` and past `tokens`. Defined in
+// bf16_panels.cpp; the bf16-activation kernels (vdpbf16ps, AMX) round x with it.
+void round_rows_to_bf16(const float* x, int64_t tokens, int64_t in, uint16_t* xb,
+                        int64_t rows, int64_t ldx);
+
 }  // namespace slotserve::kernels

@@ -48,6 +48,10 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"  # the kernels' .cpp file
 # No -ffast-math: linked into a shared object it flushes denormals for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
+# NOTE: a CPU class forced below this CPU's (model/kernels.py, SLOTSERVE_CPU_ISA=avx2) gets a
+# build for that class's instructions instead of -march=native: its kernels are then the
+# code such a CPU runs (the fallbacks without AVX-512), in a build directory of their own.
+NATIVE = "native"
 # SLOTSERVE_CPU_OPS=0 turns the kernels off without touching the code (for A/B runs).
 ENV_SWITCH = "SLOTSERVE_CPU_OPS"
 
@@ -149,21 +153,31 @@ def exclusive_build(build_dir: Path):
         yield
 
 
+def cflags_for(march: str = NATIVE) -> list[str]:
+    """The compiler flags of a build for `march` (gcc's -march: "native", "x86-64-v3"...)."""
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS]
+
+
 @functools.cache
-def load_cpu_ops():
-    """The compiled kernels' module, or None (logged once) if they cannot be built here."""
+def load_cpu_ops(march: str = NATIVE):
+    """The compiled kernels' module, or None (logged once) if they cannot be built here.
+
+    march: the instructions the build may use (gcc's -march); "native" (the default): all
+    of this CPU's. A CPU class forced lower (model/kernels.py) asks for its own.
+    """
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _put_venv_scripts_on_path()
-        name = _build_name()
+        cflags = cflags_for(march)
+        name = _build_name(cflags=cflags)
         build_dir = Path(_get_build_directory(name, verbose=False))
         with exclusive_build(build_dir):
             sources = _stage_sources(build_dir)
             # NOTE: copies of the flag lists: torch appends its own to extra_ldflags, in place.
-            return load(name=name, sources=[str(s) for s in sources], extra_cflags=list(CFLAGS),
+            return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                         extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                         verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why

@@ -7,8 +7,9 @@ and attention get its fused ops when built, the linear layers their kernel and t
 C++ DecodeStack when the weights are loaded. Nothing changes a model's kernels afterwards; a
 benchmark that compares kernels builds one engine per KernelSet (`LLMEngine(kernel_set=...)`).
 
-`describe()` is the start-up line's text, e.g. "bf16 weights (auto: AVX512_BF16); linears:
-bf16 weight panels, ... + fused CPU ops (decodes: one C++ call for all layers)".
+`describe()` is the start-up line's text, e.g. "bf16 weights (auto: avx512bf16 class);
+linears: bf16 weight panels, ... + fused CPU ops (decodes: one C++ call for all layers); CPU
+class avx512bf16 (from the CPU's flags)".
 """
 
 from __future__ import annotations
@@ -25,9 +26,43 @@ from slotserve.loader import gguf_blocks
 from slotserve.model import cpu_ops, linear_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# SLOTSERVE_NO_AVX512_BF16=1: the CPU is taken to lack AVX512_BF16, so quantization="auto"
-# picks fp32 (tests of the fallback, A/B runs).
+# SLOTSERVE_NO_AVX512_BF16=1: the CPU is taken to lack AVX512_BF16 (the older spelling of
+# SLOTSERVE_CPU_ISA=avx512 where the CPU has more).
 NO_BF16_ENV = "SLOTSERVE_NO_AVX512_BF16"
+# SLOTSERVE_CPU_ISA=amx|avx512bf16|avx512|avx2|generic: run that CPU class's kernels on a
+# CPU of that class or above (tests of each class's kernels, benchmarks timing each class on
+# one machine); a class above this CPU's is an error.
+CPU_ISA_ENV = "SLOTSERVE_CPU_ISA"
+
+# The CPU classes, lowest first, and the /proc/cpuinfo flags each needs (with the lower
+# classes'). A class picks its kernels (resolve_kernels):
+# - generic: no AVX2 (or not x86): plain torch / MKL for the linears, the fused ops as built;
+# - avx2 (AVX2 + FMA: older servers and laptops): fp32 through MKL's packed GEMM (the panel
+#   kernels are AVX-512 only);
+# - avx512 (AVX-512 F/BW, no BF16: Skylake, Ice Lake): the weight panels; bf16 weights are
+#   widened to fp32 in registers;
+# - avx512bf16 (AVX512_BF16, no AMX: AMD Zen 4/5, Cooper Lake): bf16 weights multiplied by
+#   vdpbf16ps with x rounded to bf16 (from BF16_DOT_MIN_ROWS rows);
+# - amx (AMX-BF16 and -TILE, Sapphire Rapids and later): bf16 weights widened below
+#   BF16_AMX_MIN_ROWS rows, on AMX tiles from there.
+CPU_CLASSES = ("generic", "avx2", "avx512", "avx512bf16", "amx")
+CPU_CLASS_FLAGS = {
+    "generic": frozenset(),
+    "avx2": frozenset({"avx2", "fma"}),
+    "avx512": frozenset({"avx512f", "avx512bw"}),
+    "avx512bf16": frozenset({"avx512_bf16"}),
+    "amx": frozenset({"amx_bf16", "amx_tile"}),
+}
+# NOTE: a class forced below this CPU's is built for its own instructions (model/cpu_ops.py:
+# gcc's -march), so its fallbacks run as on such a CPU; the AVX-512 classes share the
+# native build (their kernels differ in which of its instructions they use, not in code).
+CPU_CLASS_MARCH = {"generic": "x86-64-v2", "avx2": "x86-64-v3"}
+
+# quantization="auto": each class's weights, the fastest configuration that passes the
+# quality bar (>= 97% teacher-forced greedy agreement with fp32) as measured by
+# benchmarks/cpu_classes.py (benchmarks/results/cpu-classes-*.json, benchmarks/PERF.md).
+AUTO_WEIGHTS = {"generic": "fp32", "avx2": "fp32", "avx512": "bf16", "avx512bf16": "bf16",
+                "amx": "bf16"}
 
 # The linear layers' kernels: name -> what the start-up line says (bf16_panel: see below).
 LINEAR_KERNELS = {
@@ -54,11 +89,68 @@ def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU has AVX512_BF16 (`vdpbf16ps`): /proc/cpuinfo's flags, unless
-    SLOTSERVE_NO_AVX512_BF16=1 forces it off. False where /proc/cpuinfo cannot be read."""
-    if os.environ.get(NO_BF16_ENV, "0") not in ("", "0"):
-        return False
-    return "avx512_bf16" in _cpu_flags()
+    """Whether this CPU has AVX512_BF16 (`vdpbf16ps`): its class (cpu_class: the flags, or
+    a class forced lower) is avx512bf16 or amx. False where /proc/cpuinfo cannot be read."""
+    return cpu_class().at_least("avx512bf16")
+
+
+@dataclass(frozen=True)
+class CpuClass:
+    """This machine's CPU class (CPU_CLASSES) for the kernels, and why (the start-up line)."""
+
+    name: str
+    reason: str
+
+    @property
+    def rank(self) -> int:
+        return CPU_CLASSES.index(self.name)
+
+    def at_least(self, name: str) -> bool:
+        return self.rank >= CPU_CLASSES.index(name)
+
+    @property
+    def march(self) -> str:
+        """The -march of the fused kernels' build (model/cpu_ops.py) for this class."""
+        forced_down = self.name != detect_cpu_class(_cpu_flags())
+        return CPU_CLASS_MARCH.get(self.name, cpu_ops.NATIVE) if forced_down else cpu_ops.NATIVE
+
+
+def detect_cpu_class(flags: frozenset[str]) -> str:
+    """The highest class whose flags (and every lower class's) the CPU lists."""
+    found = "generic"
+    needed: set[str] = set()
+    for name in CPU_CLASSES[1:]:
+        needed |= CPU_CLASS_FLAGS[name]
+        if not needed <= flags:
+            break
+        found = name
+    return found
+
+
+def cpu_class(forced: str | None = None) -> CpuClass:
+    """This CPU's class from its flags, or the one SLOTSERVE_CPU_ISA (or `forced`, which
+    wins: benchmarks timing each class in one process) forces, down only.
+
+    Raises ValueError (naming the variable) for an unknown class or one above this CPU's.
+    """
+    detected = detect_cpu_class(_cpu_flags())
+    if forced is None:
+        forced = os.environ.get(CPU_ISA_ENV, "").strip().lower()
+    if not forced:
+        if os.environ.get(NO_BF16_ENV, "0") not in ("", "0") and detected in ("avx512bf16",
+                                                                               "amx"):
+            return CpuClass("avx512", f"{NO_BF16_ENV}=1; the CPU: {detected}")
+        return CpuClass(detected, "from the CPU's flags")
+    if forced not in CPU_CLASSES:
+        raise ValueError(f"{CPU_ISA_ENV}={forced!r}: must be one of {', '.join(CPU_CLASSES)}")
+    if CPU_CLASSES.index(forced) > CPU_CLASSES.index(detected):
+        missing = set().union(*(CPU_CLASS_FLAGS[c] for c in CPU_CLASSES[:CPU_CLASSES.index(
+            forced) + 1])) - _cpu_flags()
+        raise ValueError(f"{CPU_ISA_ENV}={forced}: this CPU is of class {detected} (no "
+                         f"{', '.join(sorted(missing))}); a class can be forced down only")
+    if forced == detected:
+        return CpuClass(forced, f"{CPU_ISA_ENV}={forced}, the CPU's own")
+    return CpuClass(forced, f"{CPU_ISA_ENV}={forced}; the CPU: {detected}")
 
 
 @functools.cache
@@ -80,10 +172,13 @@ class KernelSet:
     fused_layers: norms, SiLU, RoPE, KV writes and decode attention through `ops`.
     decode_stack: all-decode iterations through ops.DecodeStack (needs fused_layers).
     amx_min_rows: bf16 panels: calls of this many rows or more run on AMX; 0: never.
+    dot_min_rows: bf16 panels: calls of this many rows or more round x to bf16 and run
+      vdpbf16ps; 0: never (at most one of amx_min_rows and dot_min_rows).
     weights: the linear layers' weights: "fp32", "bf16", "int8", "gguf" or the model's dtype.
-    reason: how the weights were chosen ("auto: AVX512_BF16", "quantization=int8").
+    reason: how the weights were chosen ("auto: amx class", "quantization=int8").
     gguf_types: the GGUF types of the linears kept in their file's blocks (weights="gguf"):
         those run linear_kernels.GGUFBlockLinear, any float linear the `linear` kernel.
+    cpu_class, cpu_reason: the CPU class the kernels were chosen for (cpu_class()), and why.
     """
 
     linear: str = "reference"
@@ -95,6 +190,9 @@ class KernelSet:
     reason: str = ""
     model_note: str = ""  # what the model's family runs outside these kernels (for_model)
     gguf_types: tuple[str, ...] = ()
+    dot_min_rows: int = 0
+    cpu_class: str = ""
+    cpu_reason: str = ""
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -135,7 +233,8 @@ class KernelSet:
             "panel": functools.partial(lk.PanelLinear, ops=ops),
             "mkl": lk.MKLPackedLinear,
             "bf16_panel": functools.partial(lk.Bf16PanelLinear, ops=ops,
-                                            amx_min_rows=self.amx_min_rows),
+                                            amx_min_rows=self.amx_min_rows,
+                                            dot_min_rows=self.dot_min_rows),
             "bf16_rounded": lk.Bf16RoundedLinear,
             "int8": functools.partial(lk.Int8WeightOnlyLinear, ops=ops),
             "int8_torch": lk.Int8WeightOnlyLinear,
@@ -156,6 +255,11 @@ class KernelSet:
         if self.linear == "bf16_panel" and self.amx_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.amx_min_rows} rows, "
                     "AMX from there (fused CPU kernels)")
+        if self.linear == "bf16_panel" and self.dot_min_rows == 1:
+            text = "bf16 weight panels, x rounded to bf16, vdpbf16ps (fused CPU kernel)"
+        elif self.linear == "bf16_panel" and self.dot_min_rows:
+            text = (f"bf16 weight panels, fp32 activations below {self.dot_min_rows} rows, "
+                    "x rounded to bf16 and vdpbf16ps from there (fused CPU kernel)")
         if self.fused_layers:
             text += " + fused CPU ops"
         if self.decode_stack:
@@ -167,11 +271,12 @@ class KernelSet:
     def describe(self) -> str:
         """The start-up line's kernel text: the weights, why, and the kernels."""
         why = f" ({self.reason})" if self.reason else ""
+        cpu = f"; CPU class {self.cpu_class} ({self.cpu_reason})" if self.cpu_class else ""
         if self.gguf_types:
             return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/8-bit code blocks "
                     f"({gguf_bytes_text(self.gguf_types)}){why}; "
-                    f"linears: {self.describe_linears()}")
-        return f"{self.weights} weights{why}; linears: {self.describe_linears()}"
+                    f"linears: {self.describe_linears()}{cpu}")
+        return f"{self.weights} weights{why}; linears: {self.describe_linears()}{cpu}"
 
 
 REFERENCE = KernelSet()
@@ -229,33 +334,38 @@ def _with_gguf_blocks(factory, ops):
 
 
 def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
-                    device: str = "cpu", dtype: str | None = None) -> KernelSet:
+                    device: str = "cpu", dtype: str | None = None,
+                    cpu_isa: str | None = None) -> KernelSet:
     """The fastest kernels verified against the reference that the settings allow here.
 
     kernels: "reference" plain torch; "mkl" MKL's packed GEMM for fp32 linears; "auto" the
     fp32 weight panels where the fused kernels run with AVX-512. quantization (wins over
-    kernels): "none"/None fp32, "bf16", "int8", or "auto": bf16 where the CPU has
-    AVX512_BF16 and the bf16 panel kernel is built vectorised and no dtype is named (None or
-    "auto"), else fp32. The fused kernels
-    apply (kernels != "reference") to a float32 model on the CPU only.
+    kernels): "none"/None fp32, "bf16", "int8", or "auto": the CPU class's AUTO_WEIGHTS
+    where its kernels are built and no dtype is named (None or "auto"), else fp32. The fused
+    kernels apply (kernels != "reference") to a float32 model on the CPU only. The CPU
+    class: cpu_class() (the CPU's flags, or SLOTSERVE_CPU_ISA, or cpu_isa; a ValueError for
+    a class this CPU lacks).
     """
     model_dtype = resolve_dtype(device, dtype)
     cpu_fp32 = torch.device(device).type == "cpu" and model_dtype == torch.float32
-    ops = cpu_ops.load_cpu_ops() if kernels != "reference" and cpu_fp32 else None
+    cpu = cpu_class(cpu_isa)
+    ops = cpu_ops.load_cpu_ops(cpu.march) if kernels != "reference" and cpu_fp32 else None
     if quantization in ("bf16", "int8") and not cpu_fp32:
         raise ValueError(f"quantization={quantization!r} needs the model on the CPU in "
                          "float32 (the weights are quantized, activations stay float32)")
     if quantization == "auto":
-        weights, reason = _auto_weights(kernels, cpu_fp32, ops, dtype)
+        weights, reason = _auto_weights(kernels, cpu_fp32, ops, cpu, dtype)
     else:
         weights = "fp32" if quantization in ("none", None) else quantization
         reason = f"quantization={quantization or 'none'}"
     if not cpu_fp32:
         weights = str(model_dtype).removeprefix("torch.")
     fused = ops is not None
-    return KernelSet(_linear_kernel(weights, kernels, cpu_fp32, ops), ops, fused_layers=fused,
-                     decode_stack=fused, amx_min_rows=_amx_min_rows(weights, ops),
-                     weights=weights, reason=reason)
+    linear = _linear_kernel(weights, kernels, cpu_fp32, ops, cpu)
+    amx_rows, dot_rows = _bf16_many_rows(linear, ops, cpu)
+    return KernelSet(linear, ops, fused_layers=fused, decode_stack=fused, amx_min_rows=amx_rows,
+                     weights=weights, reason=reason, dot_min_rows=dot_rows,
+                     cpu_class=cpu.name, cpu_reason=cpu.reason)
 
 
 def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.dtype
@@ -272,9 +382,10 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
     return DTYPES[setting]
 
 
-def _auto_weights(kernels: str, cpu_fp32: bool, ops, dtype: str | None = None
-                  ) -> tuple[str, str]:
-    """quantization="auto": ("bf16" or "fp32", why).
+def _auto_weights(kernels: str, cpu_fp32: bool, ops, cpu: CpuClass,
+                  dtype: str | None = None) -> tuple[str, str]:
+    """quantization="auto": (the weights, why): the class's AUTO_WEIGHTS where its kernels
+    run here, else fp32.
 
     NOTE: a dtype named by the user (not None / "auto") is what the weights compute in, as
     vLLM's --dtype means: auto picks bf16 weights only when the dtype is left to it too.
@@ -285,27 +396,42 @@ def _auto_weights(kernels: str, cpu_fp32: bool, ops, dtype: str | None = None
         return "fp32", f"auto: dtype={dtype} named"
     if kernels != "auto":
         return "fp32", f"auto: kernels={kernels}"
-    if not cpu_has_avx512_bf16():
-        return "fp32", "auto: no AVX512_BF16"
-    if not linear_kernels.bf16_panel_kernel_available(ops):
+    weights = AUTO_WEIGHTS[cpu.name]
+    if weights == "fp32":
+        return "fp32", f"auto: {cpu.name} class"
+    if weights == "bf16" and not linear_kernels.bf16_panel_kernel_available(ops):
         return "fp32", "auto: the fused bf16 kernels are not built"
-    return "bf16", "auto: AVX512_BF16"
+    if weights == "int8" and ops is None:
+        return "fp32", "auto: the fused int8 kernel is not built"
+    return weights, f"auto: {cpu.name} class"
 
 
-def _linear_kernel(weights: str, kernels: str, cpu_fp32: bool, ops) -> str:
+def _panels_usable(ops, cpu: CpuClass) -> bool:
+    """The weight-panel kernels: AVX-512 classes, the build vectorised (AVX-512F)."""
+    return cpu.at_least("avx512") and linear_kernels.panel_kernel_available(ops)
+
+
+def _linear_kernel(weights: str, kernels: str, cpu_fp32: bool, ops, cpu: CpuClass) -> str:
     if weights == "bf16":
-        return "bf16_panel" if linear_kernels.bf16_panel_kernel_available(ops) else "bf16_rounded"
+        usable = cpu.at_least("avx512") and linear_kernels.bf16_panel_kernel_available(ops)
+        return "bf16_panel" if usable else "bf16_rounded"
     if weights == "int8":
         return "int8" if ops is not None else "int8_torch"
-    if kernels == "auto" and linear_kernels.panel_kernel_available(ops):
+    if kernels == "auto" and _panels_usable(ops, cpu):
         return "panel"
     if kernels != "reference" and cpu_fp32 and linear_kernels.mkl_packed_available():
         return "mkl"
     return "reference"
 
 
-def _amx_min_rows(weights: str, ops) -> int:
-    """bf16 panels: from BF16_AMX_MIN_ROWS rows on AMX where the OS allows it."""
-    usable = (weights == "bf16" and linear_kernels.bf16_panel_kernel_available(ops)
-              and ops.amx_bf16_usable())
-    return linear_kernels.BF16_AMX_MIN_ROWS if usable else 0
+def _bf16_many_rows(linear: str, ops, cpu: CpuClass) -> tuple[int, int]:
+    """bf16 panels: (amx_min_rows, dot_min_rows) of the CPU class: AMX from
+    BF16_AMX_MIN_ROWS rows where the OS allows it (amx), vdpbf16ps from BF16_DOT_MIN_ROWS
+    (avx512bf16, or amx without the tiles), widening only (avx512)."""
+    if linear != "bf16_panel":
+        return 0, 0
+    if cpu.at_least("amx") and ops.amx_bf16_usable():
+        return linear_kernels.BF16_AMX_MIN_ROWS, 0
+    if cpu.at_least("avx512bf16") and ops.panel_bf16_vectorised()[1]:
+        return 0, linear_kernels.BF16_DOT_MIN_ROWS
+    return 0, 0

@@ -15,13 +15,15 @@ then calls it instead (the original weight is released: one copy in memory, not 
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
-- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on CPUs with
-  AVX512_BF16. The weights rounded to bfloat16 once and kept in bf16 panels
+- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on the AVX-512 CPU
+  classes (model/kernels.py). The weights rounded to bfloat16 once and kept in bf16 panels
   (csrc/bf16_panels.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
   registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
-  over the rounded weights. From 16 rows on, where AMX is usable, x is
-  rounded to bf16 too and multiplied on AMX tiles (fp32 sums). Without the fused kernels
-  (or with kernels="reference") Bf16RoundedLinear: the fp32 math over the rounded weights.
+  over the rounded weights (the avx512 class). From 16 rows on, where AMX is usable, x is
+  rounded to bf16 too and multiplied on AMX tiles (fp32 sums: the amx class); without AMX
+  but with AVX512_BF16, x rounded to bf16 and vdpbf16ps at every size (the avx512bf16
+  class). Without the fused kernels (or with kernels="reference", or on the avx2 class)
+  Bf16RoundedLinear: the fp32 math over the rounded weights.
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
   (symmetric), activations int16 through the fused CPU kernel (bfloat16 through torch's
   kernel with kernels="reference"). 4x fewer weight bytes per decode step; held to a
@@ -81,43 +83,62 @@ def bf16_round(weight: torch.Tensor) -> torch.Tensor:
 # 1.7-3.5x faster than widening the weights (which is compute-bound there); below, AMX's
 # 16-row tiles are mostly padding (benchmarks/PERF.md, "bf16 weights").
 BF16_AMX_MIN_ROWS = 16
+# NOTE: without AMX (the avx512bf16 CPU class: AMD Zen 4/5), x rounded to bf16 and
+# vdpbf16ps ran one forward's linears x0.94-1.08 widening's speed at 1-4 rows (both at the
+# memory's pace), x1.0-1.4 at 8 and x1.4-1.9 from 16 rows (widening is compute-bound there:
+# Zen 4's 512-bit FMAs run on 256-bit units), on SmolLM2-135M's and Qwen2.5-0.5B's shapes
+# (benchmarks/cpu_classes.py, results/cpu-classes-zen4.{json,txt}): vdpbf16ps at every
+# size, which also keeps a row's result independent of its batch at every size.
+BF16_DOT_MIN_ROWS = 1
 
 
 class Bf16PanelLinear:
     """y = x @ bf16(W) (+ b) through the fused kernels over bf16 panels; W given (in, out).
 
     The weights are stored in bfloat16 (half the bytes a decode step reads); y, the bias and
-    the sums stay fp32. Modes:
+    the sums stay fp32. Modes (by the number of rows of a call):
     - default: x stays fp32, the weights are widened in registers (`panel_linear_bf16`):
       equal to the fp32 panels over bf16(W), batch invariant to the last bit;
     - amx_min_rows=N (> 0): calls of N rows or more (prefill chunks, large decode batches)
-      round x to bf16 and run on AMX (`panel_linear_bf16_amx`) where the OS allows it.
-      NOTE: a row's result then depends on whether its batch reached N rows;
-    - bf16_activations=True: x rounded to bf16 and AVX512_BF16's vdpbf16ps at every size
-      (measured slower than widening here: benchmarks/bf16_vs_fp32.py; for comparisons).
+      round x to bf16 and run on AMX (`panel_linear_bf16_amx`) where the OS allows it;
+    - dot_min_rows=N (> 0): calls of N rows or more round x to bf16 and run AVX512_BF16's
+      vdpbf16ps (`panel_linear_bf16(..., bf16_activations=True)`): the CPUs without AMX
+      (model/kernels.py's avx512bf16 class); N=1: at every size.
+      NOTE: with a threshold a row's result depends on whether its batch reached N rows
+      (bf16 activations above, fp32 below); within one mode it does not.
+    bf16_activations=True is dot_min_rows=1 (the older spelling).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
-                 bf16_activations: bool = False, amx_min_rows: int = 0) -> None:
+                 bf16_activations: bool = False, amx_min_rows: int = 0,
+                 dot_min_rows: int = 0) -> None:
+        if bf16_activations:
+            dot_min_rows = dot_min_rows or 1
+        if amx_min_rows < 0 or dot_min_rows < 0 or (amx_min_rows and dot_min_rows):
+            raise ValueError(f"amx_min_rows ({amx_min_rows}) and dot_min_rows "
+                             f"({dot_min_rows}): at most one, and not negative")
         self.out_features = weight.shape[1]
         self.panels = ops.pack_panels_bf16(weight.detach().float().t().contiguous())
         self.bias = None if bias is None else bias.detach()
-        self.bf16_activations = bf16_activations
         self.amx_min_rows = amx_min_rows
+        self.dot_min_rows = dot_min_rows
         self.ops = ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
-        if 0 < self.amx_min_rows <= x.shape[0] and self.ops.amx_bf16_usable():
+        rows = x.shape[0]
+        if 0 < self.amx_min_rows <= rows and self.ops.amx_bf16_usable():
             y = self.ops.panel_linear_bf16_amx(x, self.panels, self.out_features)
         else:
             y = self.ops.panel_linear_bf16(x, self.panels, self.out_features,
-                                           self.bf16_activations)
+                                           0 < self.dot_min_rows <= rows)
         return y if self.bias is None else y.add_(self.bias)
 
     def cpp_weights(self, ops):
         """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
-        kind = "panel_bf16_dot" if self.bf16_activations else "panel_bf16"
-        return ops.linear_weights(kind, self.panels, None, self.bias, self.out_features,
+        if self.dot_min_rows:  # NOTE: the stack's panel_bf16_dot: dot from this many rows
+            return ops.linear_weights("panel_bf16_dot", self.panels, None, self.bias,
+                                      self.out_features, self.dot_min_rows)
+        return ops.linear_weights("panel_bf16", self.panels, None, self.bias, self.out_features,
                                   self.amx_min_rows)
 
 

@@ -1,0 +1,249 @@
+"""Each CPU class's linear kernels on this machine, and which configuration `auto` should pick.
+
+    .venv/bin/python -m benchmarks.cpu_classes --engine-rounds 5 \
+        --quality "bf16 widen,bf16 dot,int8" --out benchmarks/results/cpu-classes-<cpu>.json
+
+Check /proc/cpuinfo first (the vendor and the flags vary from machine to machine): the
+report records the CPU's model name and its vector flags. Three parts, each interleaved
+pass by pass in one process (the order alternating, so that a shared host's minute hits
+every variant alike; medians of per-pass ratios):
+(1) matmuls: one forward's decoder linears with distinct random weights (so they stream
+    from memory, as a model's do) at 1, 4, 8, 16, 32 and 64 rows, for SmolLM2-135M's shapes
+    (hidden 576, intermediate 1536, 30 layers) and Qwen2.5-0.5B's (hidden 896, intermediate
+    4864, 24 layers): fp32 panels, bf16 panels widened ("bf16 widen"), bf16 panels with x
+    rounded to bf16 and vdpbf16ps ("bf16 dot", where the CPU has AVX512_BF16) and int8
+    weights x int16 activations ("int8"). Where dot overtakes widening is the avx512bf16
+    class's dot threshold (model/kernels.py, BF16_DOT_MIN_ROWS).
+(2) engines (--engine-rounds): the real model in process (LLMEngine with the fused kernels
+    and the decode stack; the KV cache dtype `auto`), one sequence of 128 tokens (median
+    time per step after the prefill) and 64 chat prompts at once, 128 tokens each (output
+    tok/s over every step, prefills included), for the configurations of --engines (a
+    quantization with a CPU class forced: ENGINES).
+(3) quality (--quality ENGINES): greedy agreement with fp32 teacher-forced (lab/quality.py, 32 chat
+    prompts of 64 tokens; the bar is 97%), for the same configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from slotserve.config import engine_config
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.sizing import set_torch_threads
+from slotserve.lab.bench import write_report
+from slotserve.lab.quality import greedy_agreement
+from slotserve.lab.workload import generate_workload
+from slotserve.model.cpu_ops import load_cpu_ops
+from slotserve.model.kernels import resolve_kernels
+from slotserve.model.linear_kernels import Bf16PanelLinear, Int8WeightOnlyLinear, PanelLinear
+from slotserve.sampling import SamplingParams
+
+# (hidden, intermediate, q heads, kv heads, head dim, layers)
+SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64, 30), "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 24)}
+ROWS = (1, 4, 8, 16, 32, 64)
+MATMUL_VARIANTS = {
+    "fp32": lambda w, ops: PanelLinear(w, None, ops),
+    "bf16 widen": lambda w, ops: Bf16PanelLinear(w, None, ops),
+    "bf16 dot": lambda w, ops: Bf16PanelLinear(w, None, ops, dot_min_rows=1),
+    "int8": lambda w, ops: Int8WeightOnlyLinear(w, None, ops),
+}
+# The in-process engines: (quantization, CPU class forced) -> resolve_kernels. "bf16 widen"
+# is what the avx512 class runs, "bf16 dot" the avx512bf16 class's kernel.
+ENGINES = {
+    "fp32": ("none", None),
+    "bf16 widen": ("bf16", "avx512"),
+    "bf16 dot": ("bf16", "avx512bf16"),
+    "int8": ("int8", None),
+    "avx2 fp32": ("none", "avx2"),  # MKL's packed GEMM, the fused ops built for AVX2
+    "avx2 int8": ("int8", "avx2"),  # the int8 kernel's fallback loops, built for AVX2
+}
+QUALITY_BAR = 0.97
+
+
+def layer_shapes(shape: str) -> list[tuple[int, int]]:
+    """(in, out) of one forward's decoder linears, in order: qkv, o, gate_up, down per layer."""
+    hidden, inter, heads, kv_heads, head_dim, layers = SHAPES[shape]
+    one = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
+           (hidden, 2 * inter), (inter, hidden)]
+    return one * layers
+
+
+def build_linears(shape: str, variant: str, ops) -> list[tuple]:
+    """(the variant's kernel, in_features) for each linear, over its own random weights."""
+    gen = torch.Generator().manual_seed(0)
+    make = MATMUL_VARIANTS[variant]
+    return [(make(torch.randn(i, o, generator=gen) * 0.05, ops), i)
+            for i, o in layer_shapes(shape)]
+
+
+def forward_ms(linears: list[tuple], xs: dict) -> float:
+    """Every linear once, on the x of its input width (xs: in_features -> (rows, in))."""
+    start = time.perf_counter()
+    for linear, in_features in linears:
+        linear(xs[in_features])
+    return (time.perf_counter() - start) * 1e3
+
+
+@torch.inference_mode()
+def matmul_table(shape: str, variants: tuple, passes: int) -> dict:
+    """{rows: {variant: [ms per pass]}}: one forward's linears, variants interleaved."""
+    ops = load_cpu_ops()
+    built = {variant: build_linears(shape, variant, ops) for variant in variants}
+    out: dict = {}
+    for rows in ROWS:
+        gen = torch.Generator().manual_seed(rows)
+        xs = {i: torch.randn(rows, i, generator=gen) for i, _ in set(layer_shapes(shape))}
+        out[rows] = {v: [] for v in variants}
+        for v in variants:  # warm-up
+            forward_ms(built[v], xs)
+        for p in range(passes):
+            for v in variants if p % 2 == 0 else variants[::-1]:
+                out[rows][v].append(forward_ms(built[v], xs))
+        print(f"{shape} {rows} rows: " + ", ".join(
+            f"{v} {statistics.median(ms):.2f} ms" for v, ms in out[rows].items()),
+            file=sys.stderr, flush=True)
+    return out
+
+
+def build_engine(loaded, name: str, max_num_seqs: int) -> LLMEngine:
+    """The real model with the kernels of ENGINES[name] (KV cache dtype: auto)."""
+    quantization, isa = ENGINES[name]
+    config = engine_config(max_num_seqs=max_num_seqs, num_blocks=max_num_seqs * 24,
+                           quantization=quantization)
+    kernels = resolve_kernels(quantization=quantization, cpu_isa=isa)
+    return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer,
+                     kernel_set=kernels)
+
+
+def decode_rate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """All prompts at once, `tokens` greedy tokens each: (median ms of the steps after the
+    first, output tokens per second over all steps, prefills included)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return statistics.median(steps[1:]) * 1e3, len(prompts) * tokens / sum(steps)
+
+
+@torch.inference_mode()
+def engine_rounds(loaded, names: tuple, rounds: int, tokens: int) -> dict:
+    """{"1 seq": {name: [ms per token]}, "64 seqs": {name: [output tok/s]}}, interleaved."""
+    prompts = generate_workload(64, prompts="chat", seed=0).chat_prompt_ids(loaded.tokenizer)
+    out: dict = {"1 seq ms/token": {n: [] for n in names}, "64 seqs tok/s": {n: [] for n in names}}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            engine = build_engine(loaded, name, 64)
+            out["1 seq ms/token"][name].append(decode_rate(engine, prompts[:1], tokens)[0])
+            out["64 seqs tok/s"][name].append(decode_rate(engine, prompts, tokens)[1])
+            del engine
+        print(f"engines round {r + 1}: " + "; ".join(
+            f"{n} {out['1 seq ms/token'][n][-1]:.2f} ms, {out['64 seqs tok/s'][n][-1]:.0f} tok/s"
+            for n in names), file=sys.stderr, flush=True)
+    return out
+
+
+@torch.inference_mode()
+def quality(loaded, names: tuple, prompts: int, tokens: int) -> dict:
+    """{name: greedy agreement with fp32 (lab/quality.py)}, for the names other than fp32."""
+    chat = generate_workload(prompts, prompts="chat", seed=0).chat_prompt_ids(loaded.tokenizer)
+    reference = build_engine(loaded, "fp32", 32)
+    return {name: greedy_agreement(reference, build_engine(loaded, name, 32), chat,
+                                   tokens).to_dict()
+            for name in names if name != "fp32"}
+
+
+def cpu_description() -> dict:
+    """The CPU's model name and its vector flags (/proc/cpuinfo), for the report."""
+    info = {"model": "unknown", "flags": []}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and info["model"] == "unknown":
+                    info["model"] = value.strip()
+                if key.strip() == "flags":
+                    info["flags"] = sorted(f for f in value.split() if f.startswith(
+                        ("avx", "amx", "fma", "f16c", "sse4")))
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def ratios(per: dict, base: str) -> dict:
+    """{variant: median over passes of base_ms / variant_ms} (> 1: faster than base)."""
+    return {v: round(statistics.median(b / o for b, o in zip(per[base], ms)), 3)
+            for v, ms in per.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--passes", type=int, default=15, help="matmul passes per row count")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default=",".join(MATMUL_VARIANTS),
+                   help="matmul variants, comma-separated, the base of the ratios first")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"in-process engines, comma-separated, of: {', '.join(ENGINES)}")
+    p.add_argument("--engine-rounds", type=int, default=0,
+                   help="rounds of the engines (1 sequence, then 64), 0: none")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--quality", default="",
+                   help="engines to rate by greedy agreement with fp32, comma-separated")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    set_torch_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    engines = tuple(e for e in args.engines.split(",") if e)
+    rated = tuple(e for e in args.quality.split(",") if e)
+    if set(engines + rated) - set(ENGINES) or set(variants) - set(MATMUL_VARIANTS):
+        p.error("unknown --engines or --variants")
+    matmuls, engine_results, agreements = {}, None, None
+    for shape in args.shapes.split(",") if variants else ():
+        matmuls[shape] = matmul_table(shape, variants, args.passes)
+        for rows, per in matmuls[shape].items():
+            print(f"{shape} {rows:2d} rows, ms: " + ", ".join(
+                f"{v} {statistics.median(ms):.2f}" for v, ms in per.items())
+                + f"; speedup over {variants[0]}: {ratios(per, variants[0])}")
+    if args.engine_rounds or rated:
+        from slotserve.loader import load_model
+
+        loaded = load_model()
+    if args.engine_rounds:
+        engine_results = engine_rounds(loaded, engines, args.engine_rounds, args.decode_tokens)
+        for metric, per in engine_results.items():
+            faster = ratios(per, engines[0]) if "ms" in metric else {
+                n: round(1 / r, 3) for n, r in ratios(per, engines[0]).items()}
+            print(f"{metric}: " + ", ".join(f"{n} {statistics.median(v):.2f}"
+                                           for n, v in per.items())
+                  + f"; speedup over {engines[0]} (median of per-round ratios): {faster}")
+    if rated:
+        agreements = quality(loaded, rated, 32, 64)
+        for name, a in agreements.items():
+            verdict = "passes" if a["teacher_forced"] >= QUALITY_BAR else "FAILS"
+            print(f"{name}: teacher-forced agreement with fp32 {a['teacher_forced']:.2%} "
+                  f"({verdict} the {QUALITY_BAR:.0%} bar)")
+    if args.out:
+        speedups = {shape: {rows: ratios(per, variants[0]) for rows, per in table.items()}
+                    for shape, table in matmuls.items()}
+        write_report(args.out, cpu=cpu_description(), threads=torch.get_num_threads(),
+                     matmul_speedup_over_first=speedups, matmul_ms_per_pass=matmuls,
+                     engines=engine_results,
+                     agreement=agreements, quality_bar=QUALITY_BAR,
+                     note="2-core host shared with other jobs: compare per-pass ratios")
+
+
+if __name__ == "__main__":
+    main()
