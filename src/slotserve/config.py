@@ -463,9 +463,10 @@ class EngineConfig:
     quantization: the linear layers' weights. auto: a GGUF's quantized linear weights in
         the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, int8 activations,
         AVX512-VNNI; a file with another quantized type is dequantized, with a warning),
-        other weights bf16 where the CPU has AVX512_BF16 and the fused kernels built with it
-        (faster, 99.8% greedy agreement with fp32) and no dtype is named (a named dtype keeps
-        its weights: dtype=float32 computes in fp32), else none; none: fp32 weights, the
+        other weights the fastest choice of the CPU's class that passes the 97% agreement bar
+        (amx, avx512bf16, avx512: bf16; avx2, generic: fp32; docs/kernels.md), when no dtype
+        is named (a named dtype keeps its weights: dtype=float32 computes in fp32); none:
+        fp32 weights, the
         reference the tests compare against; bf16: weights stored in bfloat16, activations,
         norms, attention and KV cache fp32 (CPU; NOTE: not dtype=bfloat16, which runs the
         whole model in bf16); int8: int8 weight-only linear layers on the CPU. Greedy
