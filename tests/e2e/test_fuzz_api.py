@@ -31,13 +31,15 @@ VOCAB = 49_152  # SmolLM2's
 MAX_PREFILL = 1000
 # Every operation of the spec but /debug/events, an endless event stream by design.
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
+              ("POST", "/v1/responses"), ("GET", "/v1/models"),
+              ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
               ("GET", "/metrics"), ("GET", "/debug/trace"), ("GET", "/debug/state"),
               ("GET", "/debug/simulate"), ("POST", "/tokenize"), ("POST", "/detokenize"),
               ("HEAD", "/health"), ("HEAD", "/metrics"), ("POST", "/reset_prefix_cache")]
 # Schema-invalid cases exist only where there is something to break: a body or parameters.
 NEGATIVE = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-            ("GET", "/debug/simulate"), ("POST", "/tokenize"), ("POST", "/detokenize")]
+            ("POST", "/v1/responses"), ("GET", "/debug/simulate"), ("POST", "/tokenize"),
+            ("POST", "/detokenize")]
 # (method, path, mode, HTTP status, the error's param) -> cases: printed at the end (-s).
 STATUSES: Counter = Counter()
 CASES = [(m, p, "positive") for m, p in OPERATIONS] + [(m, p, "negative") for m, p in NEGATIVE]
@@ -88,7 +90,7 @@ def keep_cheap(case, fit: bool):
 
 
 def fit_body(body: dict) -> None:
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if type(body.get(name)) is int:
             body[name] = body[name] % CAP + 1
     prompt = body.get("prompt")
@@ -109,7 +111,7 @@ def check_response(case, response) -> None:
         return
     kind = content_type(response)
     if kind == "text/event-stream":
-        check_stream(where, response.text)
+        check_stream(where, response.text, case.path == "/v1/responses")
     else:
         assert kind in ("application/json", "text/plain"), f"{where}: {kind}"
         if case.method == "HEAD":
@@ -124,9 +126,20 @@ def content_type(response) -> str:
     return values[0].split(";")[0].strip()
 
 
-def check_stream(where: str, text: str) -> None:
-    """A stream ends with [DONE] and carries no error event."""
-    data = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+# The Responses API's last event (its streams end with it; no [DONE] line).
+RESPONSE_ENDS = {"response.completed", "response.incomplete", "response.failed"}
+
+
+def check_stream(where: str, text: str, responses_api: bool = False) -> None:
+    """A stream ends with [DONE] (the Responses API: with its final event) and carries no
+    error event."""
+    data = [chunk.split("data: ", 1)[-1] for chunk in text.split("\n\n") if "data: " in chunk]
+    if responses_api:
+        events = [json.loads(payload) for payload in data]
+        assert events and events[-1]["type"] in RESPONSE_ENDS, (
+            f"{where}: unterminated stream {text[-300:]!r}")
+        assert all(e["type"] != "error" for e in events), f"{where}: {events}"
+        return
     assert data and data[-1] == "[DONE]", f"{where}: unterminated stream {text[-300:]!r}"
     for payload in data[:-1]:
         assert "error" not in json.loads(payload), f"{where}: {payload}"
