@@ -79,7 +79,7 @@ _PRESS = ("The history of the printing press begins in the fifteenth century, wh
           "from wine making. ")
 _RIVER = ("A river carries water, sediment and nutrients from the mountains to the sea; along "
           "the way it cuts valleys, feeds wetlands and gives cities their drinking water. ")
-# 16 prompts, 4 to ~700 tokens; the last two share a prefix past the window (a prefix-cache
+# 16 prompts, 6 to ~665 tokens; the last two share a prefix past the window (a prefix-cache
 # hit) and end differently.
 TEXTS = [
     "The capital of France is",
@@ -96,8 +96,8 @@ TEXTS = [
     "Dear Sir or Madam,\n\nI am writing to",
     _RIVER * 4 + "Rivers matter because",
     _PRESS * 6 + "The most important consequence was",
-    _PRESS * 16 + "In summary,",
-    _PRESS * 16 + "Looking back, historians agree that",
+    _PRESS * 20 + "In summary,",
+    _PRESS * 20 + "Looking back, historians agree that",
 ]
 NEW_TOKENS = [16 + (i % 9) for i in range(len(TEXTS))]  # 16..24
 WINDOW = 512
