@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-MODES = {"gguf blocks": "auto", "bf16": "bf16", "int8": "int8"}
+MODES = {"gguf blocks": "gguf", "bf16": "bf16", "int8": "int8"}
 
 
 def _rss_mib() -> float:
@@ -88,7 +88,7 @@ def agreement(prompts: int, max_tokens: int) -> dict:
     del reference
     result = {}
     for name, quantization in MODES.items():
-        loaded = load_model(keep_quantized=quantization == "auto")
+        loaded = load_model(keep_quantized=quantization == "gguf")
         engine = LLMEngine(engine_config(quantization=quantization, **settings),
                            loaded.config, loaded.weights, loaded.tokenizer)
         result[name] = teacher_forced_agreement(engine, ids, continuations)
@@ -109,7 +109,7 @@ def interleaved_batch1(steps: int) -> dict:
     set_torch_threads()
     engines = {}
     for name, quantization in MODES.items():
-        loaded = load_model(keep_quantized=quantization == "auto")
+        loaded = load_model(keep_quantized=quantization == "gguf")
         engines[name] = LLMEngine(engine_config(max_num_seqs=4, num_blocks=256,
                                                 quantization=quantization),
                                   loaded.config, loaded.weights, loaded.tokenizer)

@@ -256,12 +256,14 @@ CAP, BODY_BYTES, CONNECTIONS = 32, 2048, 3
 
 def test_limit_and_drain_flags():
     args = build_parser().parse_args(["serve"])
+    loopback = ("localhost", "127.0.0.1", "::1")  # the default bind answers these Hosts
     assert server_limits(args) == ServerLimits(max_tokens=None, max_body_bytes=1 << 20,
-                                               max_connections=None)
+                                               max_connections=None, allowed_hosts=loopback)
     assert args.drain_timeout == 30
     args = build_parser().parse_args(["serve", "--max-tokens-cap", "64", "--max-body-bytes",
                                       "64K", "--max-connections", "8", "--drain-timeout", "5"])
-    assert server_limits(args) == ServerLimits(64, 64 << 10, 8) and args.drain_timeout == 5
+    assert server_limits(args) == ServerLimits(64, 64 << 10, 8, allowed_hosts=loopback)
+    assert args.drain_timeout == 5
     for flag in ("--max-tokens-cap", "--max-body-bytes", "--max-connections"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, "0"])

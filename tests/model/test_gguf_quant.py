@@ -202,12 +202,12 @@ print(engine.runner.kernels.weights,
 
 
 def test_serving_a_gguf_in_blocks_never_holds_an_fp32_model(ops, tmp_path):
-    """A subprocess's peak RSS while it loads the default model under quantization=auto
+    """A subprocess's peak RSS while it loads the default model under quantization=gguf
     grows by less than the fp32 bytes of the model's parameters (its blocks, the fp32
     embedding table and the transient copies of loading: ~410 MiB of 475 here; bf16, which
     dequantizes everything to fp32 first, grows by ~1.4 GiB)."""
     env = {**os.environ, "SLOTSERVE_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, "auto"], env=env,
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, "gguf"], env=env,
                             capture_output=True, text=True, timeout=300, check=True)
     weights, grew = result.stdout.split()
     config = load_model(keep_quantized=True).config
@@ -226,7 +226,7 @@ def test_the_default_model_in_its_own_types_agrees_with_fp32(ops):
 
     quantized = load_model(keep_quantized=True)
     settings = dict(max_num_seqs=8, num_blocks=256)
-    engine = LLMEngine(engine_config(quantization="auto", **settings), quantized.config,
+    engine = LLMEngine(engine_config(quantization="gguf", **settings), quantized.config,
                        quantized.weights, quantized.tokenizer)
     kernels = engine.runner.kernels
     assert kernels.describe().startswith(

@@ -130,8 +130,8 @@ class LLMEngine:
         from slotserve.loader import load_model
 
         set_torch_threads()
-        # NOTE: quantization="auto" serves a GGUF's quantized linears in their own blocks.
-        loaded = load_model(config.model, keep_quantized=config.quantization == "auto")
+        # NOTE: quantization="gguf" serves a GGUF's quantized linears in their own blocks.
+        loaded = load_model(config.model, keep_quantized=config.quantization == "gguf")
         return cls(config, loaded.config, loaded.weights, loaded.tokenizer)
 
     # ------------------------------------------------------------------ requests
