@@ -70,8 +70,12 @@ class Generation:
         try:
             return await unless_disconnected(request, self.admit())
         except ClientGone:
-            logger.info("aborted %s: the client left before the first token", self.log_name)
+            self.log_left_before_first_token()
             raise
+
+    def log_left_before_first_token(self) -> None:
+        """The log line of a request whose client left before its first output."""
+        logger.info("aborted %s: the client left before the first token", self.log_name)
 
     async def admit(self) -> RequestOutput:
         """`start` without watching the connection (the caller does)."""
@@ -244,6 +248,12 @@ class Generations:
         """Admit every prompt and wait for each one's first output (as Generation.start)."""
         try:
             return await unless_disconnected(request, self._admit_all())
+        except ClientGone:
+            for generation in self.generations:
+                if not generation.started:  # NOTE: a started one logs its abort in aclose
+                    generation.log_left_before_first_token()
+            await self.aclose()
+            raise
         except BaseException:
             await self.aclose()
             raise
