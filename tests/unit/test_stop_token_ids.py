@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.sampling import SamplingParams
 from slotserve.server.api import build_app
+from slotserve.server.limits import ServerLimits
 from tests.conftest import tiny_engine
 from tests.unit.server_fixtures import text_engine
 
@@ -25,7 +26,10 @@ def served(tiny_llama):
     llm_engine = text_engine(tiny_llama, num_blocks=64, max_num_seqs=4)
     engine = AsyncEngine(llm_engine)
     engine.start()
-    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+    # NOTE: the stop-token cap raised to the vocabulary: a test stops on every token
+    limits = ServerLimits(max_stop_token_ids=llm_engine.model_config.vocab_size)
+    with TestClient(build_app(engine, "tiny", limits=limits),
+                    raise_server_exceptions=False) as client:
         yield client, llm_engine.model_config.vocab_size
     engine.stop()
 
