@@ -531,14 +531,17 @@ def test_a_constraint_the_grammar_engine_cannot_follow_is_400_for_that_request(c
 def test_the_server_maps_a_refused_sampled_token_to_400():
     """Past the probe (a later forced character), the engine's GrammarRejectedToken fails
     that completion alone; the server answers 400 unsupported_constraint, not 500."""
-    from slotserve.engine.outputs import CompletionOutput
+    from slotserve.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
     from slotserve.server.generation import Generation
     from slotserve.server.protocol import APIError
 
     failed = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")
+    generation = Generation.__new__(Generation)  # NOTE: _check of these uses no state
+    refused = RequestOutput("r", None, [1], [failed], error="the grammar rejected ...",
+                            error_kind=ErrorKind.GRAMMAR_FAILURE)
     with pytest.raises(APIError) as raised:
-        Generation._check(None, failed, "GrammarRejectedToken: the grammar rejected ...")
+        generation._check(refused)
     assert raised.value.status == 400 and raised.value.param == "structured_outputs"
     with pytest.raises(APIError) as raised:
-        Generation._check(None, failed, "RuntimeError: boom")
+        generation._check(RequestOutput("r", None, [1], [failed], error="RuntimeError: boom"))
     assert raised.value.status == 500

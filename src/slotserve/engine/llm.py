@@ -100,6 +100,7 @@ class LLM:
             merged.num_cached_tokens = out.num_cached_tokens
         merged.outputs.sort(key=lambda o: o.index)
         merged.error = merged.error or out.error
+        merged.error_kind = merged.error_kind or out.error_kind
         return merged
 
 

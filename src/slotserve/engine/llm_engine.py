@@ -38,7 +38,7 @@ from slotserve.core.scheduler import Scheduler
 from slotserve.engine import sequence as seqs
 from slotserve.engine.events import EngineSnapshot, FinishedCompletion, IterationEvent
 from slotserve.engine.isolation import Culprits, execute_isolated, is_fault
-from slotserve.engine.outputs import RequestOutput
+from slotserve.engine.outputs import ErrorKind, RequestOutput
 from slotserve.engine.sequence import Prompt, SequenceState
 from slotserve.engine.sizing import (
     available_memory,
@@ -103,6 +103,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
                                   kernels=kernels, kv_cache_dtype=kv_dtype)
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(sched.max_num_seqs, sched.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  tenant_scoped=config.cache.tenant_scoped)
@@ -350,6 +352,7 @@ class LLMEngine:
         for seq, exc in culprits:
             logger.error("request %s failed the iteration on its own: %s: %s",
                          seq.request_id, type(exc).__name__, exc, exc_info=exc)
+            self._sequences[seq.request_id].error_kind = seqs.fault_kind(exc)
             failed = self.scheduler.fail_requests([seq.request_id],
                                                   f"{type(exc).__name__}: {exc}")
             outputs += [self._emit(self._sequences[r.request_id]) for r in failed]
@@ -378,16 +381,20 @@ class LLMEngine:
             if not is_fault(exc):
                 raise
             logger.exception("building the output of %s failed", seq.request.request_id)
-            return self._fail_sequence(seq, f"{type(exc).__name__}: {exc}")
+            return self._fail_sequence(seq, f"{type(exc).__name__}: {exc}",
+                                       seqs.fault_kind(exc))
 
-    def _fail_sequence(self, seq: SequenceState, message: str) -> RequestOutput:
+    def _fail_sequence(self, seq: SequenceState, message: str,
+                       kind: ErrorKind = ErrorKind.INTERNAL) -> RequestOutput:
         """End one completion with an error result, without the detokenizer or stop checks.
 
         Its blocks are free and the engine forgets it when this returns; the output repeats
-        the text already sent (no new text: building that is what may have failed).
+        the text already sent (no new text: building that is what may have failed); its
+        error_kind is `kind`.
         """
         request = seq.request
         request_id = request.request_id
+        seq.error_kind = kind
         if self.scheduler.requests.get(request_id) is request:
             self.scheduler.fail_requests([request_id], message)
         else:  # it finished already (its output failed to build): the error is the result

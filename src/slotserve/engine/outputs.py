@@ -2,9 +2,46 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from slotserve.config import FinishReason
 from slotserve.request import Request
+
+
+class ErrorKind(enum.StrEnum):
+    """Why a request ended without its answer (`RequestOutput.error_kind`).
+
+    The engine sets it where the failure happens; a server maps it to an HTTP status or an
+    SSE error event (server/generation.py). NOTE: `RequestOutput.error` is for people (logs,
+    messages): nothing may parse it to decide what happened.
+
+    grammar_failure: the grammar engine cannot follow the request's own constraint (its
+    matcher refused a token its own mask allowed): the client's request, HTTP 400.
+    slo_unattainable: the deadline policy rejected it (its first token could not come within
+    its slo_ttft_ms): HTTP 503. aborted: aborted in the engine (the server is shutting
+    down): HTTP 503. internal: the engine failed while running it: HTTP 500.
+    """
+
+    GRAMMAR_FAILURE = "grammar_failure"
+    SLO_UNATTAINABLE = "slo_unattainable"
+    ABORTED = "aborted"
+    INTERNAL = "internal"
+
+
+def error_kind_of(finish_reason: str | None, fault: ErrorKind | None = None
+                  ) -> ErrorKind | None:
+    """The error kind of a completion that finished with `finish_reason` (None: it runs on,
+    or it ended with its answer: stop, length). fault: the kind the engine gave the failure
+    when it failed the completion (finish_reason "error"); INTERNAL if it gave none."""
+    match finish_reason:
+        case FinishReason.ERROR:
+            return fault or ErrorKind.INTERNAL
+        case FinishReason.ABORT:
+            return ErrorKind.ABORTED
+        case FinishReason.REJECTED:
+            return ErrorKind.SLO_UNATTAINABLE
+    return None
 
 
 @dataclass
@@ -52,6 +89,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's prompt and its completions (n of them).
 
+    error: what went wrong, for people; error_kind: what the caller acts on (see ErrorKind),
+    set whenever the completion ended without its answer (aborted and rejected too).
     num_cached_tokens: prompt tokens the completion's first prefill found in the prefix
     cache (vLLM's field; each completion of n counts its own).
     prompt_logprobs: with SamplingParams.prompt_logprobs, on completion 0's outputs once its
@@ -65,9 +104,16 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     error: str | None = None
+    error_kind: ErrorKind | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: a completion that ended without its answer always has a kind; one built
+        # without it (by another EngineClient) gets its finish reason's (error: internal)
+        if self.error_kind is None and self.outputs:
+            self.error_kind = error_kind_of(self.outputs[0].finish_reason)
 
     @property
     def finished(self) -> bool:

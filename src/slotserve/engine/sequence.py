@@ -7,12 +7,18 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 from slotserve.core.scheduler import Scheduler
-from slotserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from slotserve.engine.outputs import (
+    CompletionOutput,
+    ErrorKind,
+    RequestMetrics,
+    RequestOutput,
+    error_kind_of,
+)
 from slotserve.request import Request, RequestStatus
 from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.runner.prompt_logprobs import PromptLogprobs, unique_salt
 from slotserve.sampling import SamplingParams
-from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
+from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher, GrammarRejectedToken
 
 Prompt = str | list[int]
 
@@ -56,6 +62,7 @@ class SequenceState:
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands
     shaping: SequenceShaping | None = None  # penalties, logit_bias, bad_words... (or None)
     prompt_logprobs: PromptLogprobs | None = None  # filled by the runner in the prefill
+    error_kind: ErrorKind | None = None  # set when the engine fails it (see fault_kind)
 
 
 def new_sequence(parent_id: str, index: int, text: str | None, ids: list[int],
@@ -205,8 +212,19 @@ def build_output(seq: SequenceState, visible: int, delta_text: str,
     prompt_lp = seq.prompt_logprobs.result() if seq.prompt_logprobs is not None else None
     entries, ranks = prompt_lp if prompt_lp is not None else (None, None)
     return RequestOutput(seq.parent_id, seq.prompt, request.prompt_token_ids, [completion],
-                         error=request.error, num_cached_tokens=request.num_cached_tokens,
+                         error=request.error,
+                         error_kind=error_kind_of(request.finish_reason, seq.error_kind),
+                         num_cached_tokens=request.num_cached_tokens,
                          prompt_logprobs=entries, prompt_logprob_ranks=ranks)
+
+
+def fault_kind(exc: BaseException) -> ErrorKind:
+    """The error kind of a fault that fails one completion: the grammar engine refusing a
+    token its own mask allowed is the request's constraint (GRAMMAR_FAILURE); anything else
+    is the engine's (INTERNAL)."""
+    if isinstance(exc, GrammarRejectedToken):
+        return ErrorKind.GRAMMAR_FAILURE
+    return ErrorKind.INTERNAL
 
 
 def mark_failed(request: Request, message: str) -> None:
@@ -231,4 +249,5 @@ def error_output(seq: SequenceState, message: str) -> RequestOutput:
         delta_token_ids=list(request.output_token_ids[sent:]), metrics=metrics)
     return RequestOutput(seq.parent_id, seq.prompt, list(request.prompt_token_ids),
                          [completion], error=message,
+                         error_kind=error_kind_of(request.finish_reason, seq.error_kind),
                          num_cached_tokens=request.num_cached_tokens)

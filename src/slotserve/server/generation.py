@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from slotserve.config import FinishReason
 from slotserve.engine.async_engine import EngineClosedError, QueueFullError
 from slotserve.engine.client import EngineClient
-from slotserve.engine.outputs import CompletionOutput, RequestOutput
+from slotserve.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
 from slotserve.server.protocol import APIError
@@ -110,7 +109,7 @@ class Generation:
         while True:
             self._check_rejected(out)  # n > 1: a later completion (streaming: an error event)
             self._count(out)
-            c = self._check(out.outputs[0], out.error)
+            c = self._check(out)
             if self._waits_for_prompt_logprobs(c):
                 held.append(c)
             else:
@@ -161,30 +160,40 @@ class Generation:
     def _check_rejected(self, out: RequestOutput) -> None:
         """APIError 503 if the scheduler rejected the request (deadline policy, slo_reject:
         its first token could no longer come within its TTFT SLO)."""
-        if out.outputs[0].finish_reason != FinishReason.REJECTED:
-            return
-        logger.info("rejected %s: %s", self.log_name, out.error or "SLO unattainable")
-        raise APIError(f"the server cannot meet this request's latency objective now "
-                       f"({out.error or 'slo_ttft_ms'}); retry later", 503,
-                       "service_unavailable", code="slo_unattainable",
-                       headers={"Retry-After": str(self.retry_after_s)})
+        if out.error_kind is ErrorKind.SLO_UNATTAINABLE:
+            raise self._api_error(out, ErrorKind.SLO_UNATTAINABLE)
 
-    def _check(self, c: CompletionOutput, error: str | None = None) -> CompletionOutput:
-        grammar_rejected = (error or "").startswith("GrammarRejectedToken")
-        if c.finish_reason == FinishReason.ERROR and grammar_rejected:
-            # NOTE: the request's own constraint is one the grammar engine cannot follow
-            raise APIError("the grammar engine could not follow this request's constraint "
-                           f"({error}); try a simpler pattern", 400,
-                           param="structured_outputs", code="unsupported_constraint")
-        if c.finish_reason == FinishReason.ERROR:
-            raise APIError("generation failed in the engine", 500, "server_error")
-        if c.finish_reason == FinishReason.ABORT:
-            raise APIError("the request was aborted (the server is shutting down)", 503,
-                           "service_unavailable")
+    def _check(self, out: RequestOutput) -> CompletionOutput:
+        """The output's completion; APIError if it ended without its answer (by its
+        error kind), and a log line once it finished."""
+        c = out.outputs[0]
+        if out.error_kind is not None:
+            raise self._api_error(out, out.error_kind)
         if c.finished:
             self.finals.append(c)
             _log_finished(self.request_id, self.log_who, self.prompt_tokens, c, self.params.n)
         return c
+
+    def _api_error(self, out: RequestOutput, kind: ErrorKind) -> APIError:
+        """The API error (HTTP status, or the SSE error event once a stream started) of an
+        output that ended without its answer."""
+        match kind:
+            case ErrorKind.GRAMMAR_FAILURE:
+                # NOTE: the request's own constraint is one the grammar engine cannot follow
+                return APIError("the grammar engine could not follow this request's "
+                                f"constraint ({out.error}); try a simpler pattern", 400,
+                                param="structured_outputs", code="unsupported_constraint")
+            case ErrorKind.SLO_UNATTAINABLE:
+                reason = out.error or "slo_ttft_ms"
+                logger.info("rejected %s: %s", self.log_name, reason)
+                return APIError("the server cannot meet this request's latency objective "
+                                f"now ({reason}); retry later", 503, "service_unavailable",
+                                code="slo_unattainable",
+                                headers={"Retry-After": str(self.retry_after_s)})
+            case ErrorKind.ABORTED:
+                return APIError("the request was aborted (the server is shutting down)", 503,
+                                "service_unavailable")
+        return APIError("generation failed in the engine", 500, "server_error")
 
     async def aclose(self) -> None:
         """End the engine stream: aborts the request unless every completion finished."""
