@@ -1,8 +1,9 @@
 """AsyncEngine: the engine loop in a background thread, one async stream per request.
 
 The event loop never waits on a forward pass: requests, aborts and admin actions (a
-prefix-cache reset) are queued as commands that the engine thread applies at the next
-iteration boundary, and outputs travel back with `loop.call_soon_threadsafe`.
+prefix-cache reset) are queued as commands (frozen dataclasses: `AddRequest`,
+`AbortRequest`, `CallInEngine`) that the engine thread applies at the next iteration
+boundary, and outputs travel back with `loop.call_soon_threadsafe`.
 
 The read side passes through: `snapshot()`, `subscribe()`, `export_trace()`, `tokenize()`
 are the engine's (see engine/events.py); nobody above needs `.engine`.
@@ -93,6 +94,51 @@ class _PolicyFields:
         check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
 
 
+# ---------------------------------------------------------------------- commands
+# What the event loop's side asks of the engine thread, applied at the next iteration
+# boundary (AsyncEngine._apply). NOTE: frozen: a command is built once, then only read by
+# the engine thread.
+@dataclass(frozen=True)
+class AddRequest:
+    """Add a request whose stream is open (`_open` checked and counted it)."""
+
+    request_id: str
+    prompt_text: str | None  # the prompt as text, when it came as text
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    policy: _PolicyFields
+    matchers: list | None  # the grammar matchers, one per completion (None: unconstrained)
+
+    def __str__(self) -> str:
+        return f"add {self.request_id}"
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Abort a request (all its completions); its blocks return at once."""
+
+    request_id: str
+
+    def __str__(self) -> str:
+        return f"abort {self.request_id}"
+
+
+@dataclass(frozen=True)
+class CallInEngine:
+    """Run `fn()` in the engine thread; its result or exception settles `done` in `loop`."""
+
+    fn: Callable[[], object]
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def __str__(self) -> str:
+        return f"call {getattr(self.fn, '__name__', self.fn)!s}"
+
+
+Command = AddRequest | AbortRequest | CallInEngine
+
+
 class AsyncEngine:
     """Thread-safe front of an LLMEngine for the server."""
 
@@ -109,11 +155,11 @@ class AsyncEngine:
         # scheduler never refuses a request for it.
         self.max_waiting: int | None = (engine.config.scheduler.max_waiting
                                         if max_waiting is None else max_waiting)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams, _queued_adds, _queued_seqs, _fatal
-        self._queued_adds: dict[str, int] = {}  # request id -> "add" commands not applied yet
+        self._queued_adds: dict[str, int] = {}  # request id -> AddRequests not applied yet
         self._queued_seqs = 0  # sequences (n per request) added, not yet seen by the engine
         # The same per tenant, for SchedulerConfig.max_waiting_per_tenant (`_check_bounds`).
         self._queued_by_tenant: dict[str, int] = {}
@@ -228,7 +274,7 @@ class AsyncEngine:
             raise EngineClosedError("the engine is not running")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._commands.put(("call", None, (self.engine.reset_prefix_cache, done, loop), None))
+        self._commands.put(CallInEngine(self.engine.reset_prefix_cache, done, loop))
         self._wakeup.set()
         return await done
 
@@ -303,8 +349,8 @@ class AsyncEngine:
             self._queued_seqs += params.n
             tenant = policy.tenant
             self._queued_by_tenant[tenant] = self._queued_by_tenant.get(tenant, 0) + params.n
-        self._commands.put(("add", request_id, (text, ids, cache_salt, policy, matchers),
-                            params))
+        self._commands.put(AddRequest(request_id, text, ids, params, cache_salt, policy,
+                                      matchers))
         self._wakeup.set()
         return stream
 
@@ -361,7 +407,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort by the next iteration boundary; its blocks return then."""
-        self._commands.put(("abort", request_id, None, None))
+        self._commands.put(AbortRequest(request_id))
         self._wakeup.set()
 
     # ------------------------------------------------------------------ engine thread
@@ -418,25 +464,32 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                self._apply(*command)
+                self._apply(command)
             except BaseException as exc:  # NOTE: costs this command's request only
                 if not is_fault(exc):
                     raise
-                logger.exception("applying %s of %s failed", command[0], command[1])
-                if command[0] == "add":
-                    self._fail_streams([command[1]], f"engine error: {type(exc).__name__}: {exc}")
+                logger.exception("applying %s failed", command)
+                if isinstance(command, AddRequest):
+                    self._fail_streams([command.request_id],
+                                       f"engine error: {type(exc).__name__}: {exc}")
 
-    def _apply(self, kind: str, request_id: str, prompt, params) -> None:
-        if kind == "add":
-            self._add(request_id, prompt, params)
-        elif kind == "call":
-            self._call(*prompt)
-        else:
-            self.engine.abort_request(request_id)
+    def _apply(self, command: Command) -> None:
+        match command:
+            case AddRequest():
+                self._add(command)
+            case AbortRequest(request_id=request_id):
+                self.engine.abort_request(request_id)
+            case CallInEngine():
+                self._call(command)
+            case _:
+                raise TypeError(f"not an engine command: {command!r}")
 
     @staticmethod
-    def _call(fn, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
-        """Run fn() in the engine thread; its result (or exception) goes to `done`."""
+    def _call(command: CallInEngine) -> None:
+        """Run the command's fn() in the engine thread; its result (or exception) goes to
+        its `done` future."""
+        fn, done, loop = command.fn, command.done, command.loop
+
         def settle(method, value) -> None:
             if not done.done():
                 method(value)
@@ -450,8 +503,8 @@ class AsyncEngine:
             raise
         loop.call_soon_threadsafe(settle, done.set_result, result)
 
-    def _add(self, request_id: str, prompt: tuple, params: SamplingParams) -> None:
-        text, ids, cache_salt, policy, matchers = prompt
+    def _add(self, command: AddRequest) -> None:
+        request_id, params, policy = command.request_id, command.params, command.policy
         with self._lock:
             self._queued_seqs -= params.n
             left_of_tenant = self._queued_by_tenant.pop(policy.tenant) - params.n
@@ -464,11 +517,12 @@ class AsyncEngine:
         if stream is None:
             return  # the client left before the engine saw the request
         try:
-            self.engine.add_request(request_id, ids, params, prompt_text=text,
-                                    cache_salt=cache_salt, priority=policy.priority,
+            self.engine.add_request(request_id, command.prompt_ids, params,
+                                    prompt_text=command.prompt_text,
+                                    cache_salt=command.cache_salt, priority=policy.priority,
                                     tenant=policy.tenant, slo_ttft_ms=policy.slo_ttft_ms,
                                     slo_tpot_ms=policy.slo_tpot_ms,
-                                    grammar_matchers=matchers)
+                                    grammar_matchers=command.matchers)
         except ValueError as exc:
             stream.put(exc)
 

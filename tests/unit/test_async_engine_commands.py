@@ -1,0 +1,93 @@
+"""AsyncEngine's commands to its engine thread are small frozen dataclasses (AddRequest,
+AbortRequest, CallInEngine) applied with one `match` (issue 33), not tuples whose slots mean
+different things per kind."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+
+import pytest
+
+from slotserve.engine.async_engine import (
+    AbortRequest,
+    AddRequest,
+    AsyncEngine,
+    CallInEngine,
+)
+from slotserve.sampling import SamplingParams
+from tests.conftest import tiny_engine
+
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def queued(engine: AsyncEngine) -> list:
+    """Take every command queued (the engine thread is not running)."""
+    commands = []
+    while True:
+        try:
+            commands.append(engine._commands.get_nowait())
+        except queue.Empty:
+            return commands
+
+
+def test_a_request_and_its_abort_are_typed_commands(tiny_llama):
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16))
+
+    async def leave_before_the_first_output() -> None:
+        outputs = engine.generate("r1", [5, 6, 7], PARAMS, cache_salt="salt", priority=2,
+                                  tenant="acme", slo_ttft_ms=500.0)
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0.01)  # no engine thread: it stays queued
+        first.cancel()  # the consumer leaves: the stream aborts its request
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    asyncio.run(leave_before_the_first_output())
+    add, abort = queued(engine)
+    assert isinstance(add, AddRequest) and abort == AbortRequest("r1")
+    assert (add.request_id, add.prompt_text, add.prompt_ids, add.cache_salt, add.matchers) == (
+        "r1", None, [5, 6, 7], "salt", None)
+    assert add.params is PARAMS
+    assert (add.policy.priority, add.policy.tenant, add.policy.slo_ttft_ms) == (2, "acme", 500.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        add.request_id = "other"  # type: ignore[misc]
+    assert (str(add), str(abort)) == ("add r1", "abort r1")
+
+
+def test_the_engine_thread_applies_each_command_and_survives_a_foreign_one(tiny_llama):
+    """A request runs, a prefix-cache reset is a CallInEngine whose result comes back, and
+    something that is no command costs nothing but a log line."""
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16))
+    engine.start()
+    try:
+        engine._commands.put(("add", "r0", None, None))  # the old tuple form: refused
+        engine._wakeup.set()
+
+        async def run() -> tuple[list[int], int]:
+            tokens = [out.token_ids async for out in engine.generate("r1", [5, 6, 7], PARAMS)]
+            freed = await asyncio.wait_for(engine.reset_prefix_cache(), 30)
+            return tokens[-1], freed
+
+        tokens, freed = asyncio.run(run())
+        assert len(tokens) == 3 and isinstance(freed, int)
+        assert engine.healthy and not engine.engine.has_request("r0")
+    finally:
+        engine.stop()
+
+
+def test_a_call_settles_its_future_with_the_functions_exception():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def boom() -> None:
+            raise LookupError("nothing to reset")
+
+        with pytest.raises(LookupError):
+            AsyncEngine._call(CallInEngine(boom, done, loop))
+        with pytest.raises(LookupError, match="nothing to reset"):
+            await asyncio.wait_for(done, 5)
+
+    asyncio.run(scenario())
