@@ -18,6 +18,7 @@ from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
 from slotserve.server.answers import chat_response, completion_response, whole_answer
 from slotserve.server.auth import tenant_of
+from slotserve.server.echo import EchoOnlyGenerations
 from slotserve.server.generation import Generation, Generations, scheduling_keywords
 from slotserve.server.limits import ServerLimits, client_request_id
 from slotserve.server.protocol import APIError
@@ -150,7 +151,8 @@ class Server:
         self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))
         texts = await self._prompt_texts(prompts, ids) if body.echo else [None] * len(ids)
         request_id = p.new_id("cmpl")
-        stream = Generations(request_id, [
+        answer_type = EchoOnlyGenerations if body.echo_only else Generations
+        stream = answer_type(request_id, [
             self._generation(request_id if len(ids) == 1 else f"{request_id}-{i}", prompt_ids,
                              params, "prompt", request, body, text)
             for i, (prompt_ids, text) in enumerate(zip(ids, texts))])

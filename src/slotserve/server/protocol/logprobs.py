@@ -71,7 +71,8 @@ def echo_logprobs(tokenizer, prompt_ids: list[int],
                   entries: list[dict[int, float] | None], top_n: int) -> CompletionLogprobs:
     """The prompt's tokens in the legacy shape (echo with logprobs): the first token's
     logprob and top logprobs null (nothing comes before it), the others with their `top_n`
-    most likely alternatives (the engine computed at least that many)."""
+    most likely alternatives (the engine computed at least that many) and the token itself,
+    as a sampled token's (OpenAI's: up to logprobs + 1 entries)."""
     result = CompletionLogprobs()
     offset = 0
     for token_id, entry in zip(prompt_ids, entries):
@@ -84,7 +85,9 @@ def echo_logprobs(tokenizer, prompt_ids: list[int],
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_logprob(entry, token_id))
-        result.top_logprobs.append(_top_by_text(tokenizer, entry, top_n))
+        top = _top_by_text(tokenizer, entry, top_n)
+        top.setdefault(text, _logprob(entry, token_id))
+        result.top_logprobs.append(top)
     return result
 
 

@@ -162,7 +162,9 @@ class CompletionRequest(CommonRequest, StructuredFields):
 
     echo: the answer's text starts with the prompt's (with logprobs: the prompt tokens'
     logprobs too, the first one null, as OpenAI's). prompt_logprobs (vLLM's): the top N at
-    every prompt position, in each choice's `prompt_logprobs`.
+    every prompt position, in each choice's `prompt_logprobs`. echo with max_tokens 0
+    (OpenAI's and vLLM's way to score a text): the prompt, and its logprobs when asked, is
+    the whole answer; nothing is generated (`echo_only`).
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -201,6 +203,14 @@ class CompletionRequest(CommonRequest, StructuredFields):
         return 1
 
     @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (and its logprobs), no output.
+
+        NOTE: the engine runs such a request with max_tokens 1 (its prefill computes the
+        prompt's logprobs) and the answer leaves that token out (text, logprobs, usage)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
     def echo_logprobs(self) -> bool:
         """The answer carries the prompt tokens' logprobs (echo with logprobs)."""
         return bool(self.echo) and self.logprobs is not None
@@ -226,10 +236,23 @@ class CompletionRequest(CommonRequest, StructuredFields):
         if max_tokens is None or "max_tokens" not in self.model_fields_set:
             max_tokens = _capped(default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                  max_tokens_cap)
+        if max_tokens == 0:
+            max_tokens = self._echo_only_max_tokens()
         params = self._sampling_params(max_tokens, self.logprobs, {}, max_tokens_cap)
         params = with_prompt_logprobs(params, self.prompt_logprobs)  # NOTE: checks it first
         params = with_prompt_logprobs(params, self._prompt_logprobs())
         return with_structured(params, self.structured_spec()[0])
+
+    def _echo_only_max_tokens(self) -> int:
+        """The engine's max_tokens for max_tokens 0 (see echo_only): 1, with echo; else
+        APIError (400) naming max_tokens, or min_tokens when it asks for output."""
+        if not self.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo: the prompt "
+                           "scored, nothing generated)", param="max_tokens")
+        if self.min_tokens:
+            raise APIError(f"min_tokens must be 0 with max_tokens 0 (echo without "
+                           f"generation), got {self.min_tokens}", param="min_tokens")
+        return 1
 
 
 class TextPart(RequestModel):
