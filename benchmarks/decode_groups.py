@@ -43,8 +43,8 @@ def main() -> None:
             metadata.GROUP_MIN_SAVED_BLOCKS = min_saved
             label = f"{name} {args.slots} slots (round {round_ + 1})"
             print(f"running {label} ...", file=sys.stderr, flush=True)
-            result = run_bench(workload_w(), target.configured(policy=policy,
-                                                               max_num_seqs=args.slots),
+            result = run_bench(workload_w(), target.configured(batching=policy,
+                                                                 max_num_seqs=args.slots),
                                sampling=BenchSampling(), label=label)
             results.append(result)
             throughput[name].append(result.to_dict()["output_throughput"])

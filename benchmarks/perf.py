@@ -190,7 +190,7 @@ def slotserve_runs(target: EngineTarget, slots: list[int], online: bool) -> list
     for n in slots:
         for policy in ("continuous", "static"):
             label = f"slotserve {policy} {n} slots"
-            results.append(_run(w, target.configured(policy=policy, max_num_seqs=n), label))
+            results.append(_run(w, target.configured(batching=policy, max_num_seqs=n), label))
     label = f"slotserve continuous {max(slots)} slots, int8 weights"
     results.append(_run(w, target.configured(max_num_seqs=max(slots), quantization="int8"),
                         label))

@@ -289,7 +289,10 @@ class SchedulerConfig:
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
         enforces it (it reads it from here); the scheduler never refuses a request for it.
-    policy: admission rule (continuous | static), combined with any scheduling policy.
+    policy: the batching (admission) rule: continuous (admit every iteration) or static
+        (admit only into an empty batch, which runs until all of it finishes), combined with
+        any scheduling policy. Its setting and flag: `batching`, --batching (formerly
+        `policy`, --policy: still accepted for a release, with a warning).
     scheduling_policy: queue order (vLLM's --scheduling-policy), see core/queue_policy.py:
         fcfs (arrival order), priority (Request.priority, lower first; preempts strictly
         lower-priority running requests), deadline (least TTFT slack first, prefill chunks
@@ -328,7 +331,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int = 4096
-    policy: Policy = Policy.CONTINUOUS
+    # NOTE: the setting is `batching` (one word per idea: "policy" also names the queue
+    # order); the attribute keeps its name for the code that reads it.
+    policy: Policy = field(default=Policy.CONTINUOUS,
+                           metadata={"name": "batching", "deprecated_names": ("policy",)})
     # NOTE: no engine flag: `slotserve serve` has its own --max-waiting (only it enforces it).
     max_waiting: int | None = field(default=None, metadata={"flag": False})
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
@@ -522,7 +528,8 @@ def engine_fields() -> dict[str, FlatField]:
 
 def engine_config(model: str | None = None, **settings: Any) -> EngineConfig:
     """An EngineConfig from flat settings, the names the CLI flags use (`max_num_seqs`,
-    `kv_cache_memory`, `policy`, ...: see engine_fields()). Defaults: the dataclasses'."""
+    `kv_cache_memory`, `batching`, ...: see engine_fields()). Defaults: the dataclasses'.
+    A deprecated name (`policy`) sets its setting, with a DeprecationWarning."""
     return build_flat(EngineConfig, model=model, **settings)
 
 

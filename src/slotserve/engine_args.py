@@ -5,7 +5,9 @@ case (`max_num_seqs` -> `--max-num-seqs`), the type from the annotation (`int | 
 int; a Literal or an enum gives the choices; a bool gets `--x/--no-x`), the help from the
 field's docstring entry, the default the dataclass's. So a new field gets its flag without
 code here. No flag for a field whose metadata says `flag=False`, nor for a type that one flag
-cannot spell (a tuple, a dict). FLAG_OVERRIDES holds what differs from the rule.
+cannot spell (a tuple, a dict). FLAG_OVERRIDES holds what differs from the rule. A renamed
+setting's former names stay flags for a release (`--policy` for `--batching`): they set the
+same dest and print a warning.
 
     add_engine_args(parser)            # the flags, in an "engine" group
     engine_config_from_args(args)      # -> EngineConfig (nothing loaded)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import enum
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import MISSING
 from typing import Any
@@ -76,6 +79,19 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
+class DeprecatedFlag(argparse._StoreAction):
+    """A setting's former flag: stores into the setting's dest, with a warning on stderr."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **kwargs) -> None:
+        self.new_flag = new_flag
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_flag}",
+              file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_config_flags(parser, leaves: Iterable[FlatField],
                      overrides: dict[str, dict[str, Any]] | None = None) -> None:
     """One flag per setting of `leaves` (see the module docstring); `overrides` by flat name."""
@@ -84,6 +100,20 @@ def add_config_flags(parser, leaves: Iterable[FlatField],
         if spec is not None:
             spec.update((overrides or {}).get(leaf.name, {}))
             parser.add_argument(flag_name(leaf.name), dest=leaf.name, **spec)
+            _add_deprecated_flags(parser, leaf, spec)
+
+
+def _add_deprecated_flags(parser, leaf: FlatField, spec: dict[str, Any]) -> None:
+    """The setting's former flags (a flag that takes a value only; NOTE: no default: the
+    setting's own flag gives it)."""
+    if "action" in spec:
+        return
+    new = flag_name(leaf.name)
+    for old in leaf.deprecated_names:
+        kept = {k: v for k, v in spec.items() if k not in ("default", "required", "help")}
+        parser.add_argument(flag_name(old), dest=leaf.name, action=DeprecatedFlag,
+                            new_flag=new, default=argparse.SUPPRESS,
+                            help=f"deprecated: use {new}", **kept)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ A root dataclass (EngineConfig) holds plain fields and sections (fields whose ty
 dataclass: `cache`, `scheduler`). `flat_fields(root)` lists every leaf once, by its flat name
 (the field's name, or its metadata `name`), with its resolved type, default and the help
 text of its class docstring's `name: text` entry; `build_flat(root, **settings)` builds the
-root from flat settings. Nothing here knows the engine: slotserve.config applies it to
-EngineConfig, slotserve.engine_args makes CLI flags of it.
+root from flat settings. A renamed setting keeps its old flat names for a release (metadata
+`deprecated_names`): build_flat accepts them with a DeprecationWarning, and the CLI keeps
+their flags. Nothing here knows the engine: slotserve.config applies it to EngineConfig,
+slotserve.engine_args makes CLI flags of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import inspect
 import re
 import types
 import typing
+import warnings
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, Literal
 
@@ -32,6 +35,8 @@ class FlatField:
     default: the dataclass default (MISSING for a required field).
     help: the field's `name: text` entry of its class docstring ("" if none).
     flag: whether the CLI gets a flag for it (metadata `flag`, default True).
+    deprecated_names: its former flat names (metadata `deprecated_names`), still accepted
+        for one release with a warning.
     """
 
     name: str
@@ -41,6 +46,7 @@ class FlatField:
     default: Any
     help: str
     flag: bool
+    deprecated_names: tuple[str, ...] = ()
 
     @property
     def optional(self) -> bool:
@@ -87,7 +93,19 @@ def flat_fields(root: type) -> dict[str, FlatField]:
             if leaf.name in result:
                 raise ValueError(f"{root.__name__}: two settings named {leaf.name!r}")
             result[leaf.name] = leaf
+    taken = set(result)
+    for leaf in result.values():
+        for old in leaf.deprecated_names:
+            if old in taken:
+                raise ValueError(f"{root.__name__}: {leaf.name}'s deprecated name {old!r} "
+                                 "is another setting's name")
+            taken.add(old)
     return result
+
+
+def deprecated_names(leaves: dict[str, FlatField]) -> dict[str, str]:
+    """Each former flat name of `leaves` -> the setting's name now."""
+    return {old: leaf.name for leaf in leaves.values() for old in leaf.deprecated_names}
 
 
 def _own_fields(cls: type, section: str | None, only: str | None = None) -> list[FlatField]:
@@ -95,7 +113,8 @@ def _own_fields(cls: type, section: str | None, only: str | None = None) -> list
     return [FlatField(name=f.metadata.get("name", f.name), section=section, attr=f.name,
                       annotation=hints[f.name], default=_default(f),
                       help=docs.get(f.name) or _enum_summary(hints[f.name]),
-                      flag=f.metadata.get("flag", True))
+                      flag=f.metadata.get("flag", True),
+                      deprecated_names=tuple(f.metadata.get("deprecated_names", ())))
             for f in fields(cls) if only is None or f.name == only]
 
 
@@ -135,8 +154,10 @@ def _docstring_entries(cls: type) -> dict[str, str]:
 
 def build_flat(root: type, **settings: Any) -> Any:
     """An instance of the dataclass `root` from flat settings (names as flat_fields(root));
-    everything not given keeps its dataclass default. TypeError for an unknown name."""
+    everything not given keeps its dataclass default. TypeError for an unknown name; a
+    deprecated name sets its setting, with a DeprecationWarning."""
     leaves = flat_fields(root)
+    settings = _renamed(leaves, settings)
     unknown = sorted(set(settings) - set(leaves))
     if unknown:
         raise TypeError(f"unknown {root.__name__} settings {unknown}; "
@@ -151,3 +172,18 @@ def build_flat(root: type, **settings: Any) -> Any:
     for section, section_settings in sections.items():
         top[section] = hints[section](**section_settings)
     return root(**top)
+
+
+def _renamed(leaves: dict[str, FlatField], settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each deprecated name replaced by its setting's (a DeprecationWarning
+    each); TypeError if a setting is given under both names."""
+    renamed = dict(settings)
+    for old, new in deprecated_names(leaves).items():
+        if old not in renamed:
+            continue
+        if new in renamed:
+            raise TypeError(f"{new} given twice: as {new} and as its deprecated name {old}")
+        warnings.warn(f"the setting {old!r} is deprecated: use {new!r}", DeprecationWarning,
+                      stacklevel=4)
+        renamed[new] = renamed.pop(old)
+    return renamed

@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, num_blocks=256,
-              block_size=16, seed=0, device="cpu", dtype=None, policy="continuous",
+              block_size=16, seed=0, device="cpu", dtype=None, batching="continuous",
               kv_cache_memory=None, quantization=None, kernels="auto")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[2]

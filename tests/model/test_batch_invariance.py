@@ -58,7 +58,7 @@ def test_continuous_equals_alone(tiny_llama, prompts, alone):
 
 
 def test_static_equals_alone(tiny_llama, prompts, alone):
-    _, outputs = run(tiny_llama, prompts, max_num_seqs=6, num_blocks=256, policy="static")
+    _, outputs = run(tiny_llama, prompts, max_num_seqs=6, num_blocks=256, batching="static")
     assert_close(alone, outputs)
 
 

@@ -43,7 +43,7 @@ CONFIGS = {
     "continuous": dict(max_num_seqs=6, num_blocks=256),
     "chunked": dict(max_num_seqs=6, num_blocks=256, max_num_batched_tokens=16),
     "preempt": dict(max_num_seqs=8, num_blocks=24, max_num_batched_tokens=40),
-    "static": dict(max_num_seqs=5, num_blocks=64, policy="static"),
+    "static": dict(max_num_seqs=5, num_blocks=64, batching="static"),
 }
 
 
@@ -92,7 +92,7 @@ def test_n_completions_prefill_the_prompt_once(tiny_llama, policy):
     outs = {}
     for caching in (True, False):
         llm = tiny_llm(tiny_llama, block_size=BLOCK, enable_prefix_caching=caching,
-                       policy=policy)
+                       batching=policy)
         counts = count_prefill_tokens(llm)
         outs[caching] = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
         llm.engine.check_integrity()

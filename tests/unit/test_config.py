@@ -72,7 +72,7 @@ def test_chat_keeps_its_one_slot_default():
 @pytest.mark.parametrize("flags,expected", [
     (["--model", "m.gguf"], {"model": "m.gguf"}),
     (["--device", "cuda", "--dtype", "bfloat16"], {"device": "cuda", "dtype": "bfloat16"}),
-    (["--policy", "static"], {"policy": Policy.STATIC}),
+    (["--batching", "static"], {"batching": Policy.STATIC}),
     (["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "128"],
      {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 128}),
     (["--block-size", "8", "--num-blocks", "100"], {"block_size": 8, "num_blocks": 100}),
@@ -191,7 +191,7 @@ def test_engine_config_refuses_unknown_settings():
     with pytest.raises(TypeError, match="max_num_seq"):
         engine_config(max_num_seq=4)
     assert engine_config(kv_cache_memory=1024).cache.memory_bytes == 1024
-    assert set(engine_fields()) >= {"max_num_seqs", "kv_cache_memory", "policy", "kernels"}
+    assert set(engine_fields()) >= {"max_num_seqs", "kv_cache_memory", "batching", "kernels"}
 
 
 def test_str_enums_behave_as_their_strings():

@@ -396,7 +396,7 @@ def test_calibrate_on_a_tiny_model_fits_and_plan_uses_it(tmp_path, capsys):
                  "--max-num-batched-tokens", "64", "--rates", "1,inf"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "best: --policy continuous --max-num-seqs" in text and "100%" in text
+    assert "best: --batching continuous --max-num-seqs" in text and "100%" in text
 
 
 def test_plan_prefers_the_setting_that_meets_a_tight_ttft():

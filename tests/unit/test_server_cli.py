@@ -13,12 +13,12 @@ from slotserve.server.startup import access_policy, listen_host, served_model_na
 
 def test_serve_flags():
     args = build_parser().parse_args(
-        ["serve", "--port", "9000", "--policy", "static", "--max-num-seqs", "4",
+        ["serve", "--port", "9000", "--batching", "static", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "256", "--kv-cache-memory", "64M", "--max-waiting", "3",
          "--trace", "t.json"])
     # NOTE: --host has no default now: listen_host picks loopback and logs it (issue 14)
-    assert (args.host, args.port, args.policy, args.max_num_seqs) == (None, 9000,
-                                                                       "static", 4)
+    assert (args.host, args.port, args.batching, args.max_num_seqs) == (None, 9000,
+                                                                         "static", 4)
     assert listen_host(args, access_policy(args)) == "127.0.0.1"
     assert args.max_num_batched_tokens == 256 and args.kv_cache_memory == 64 << 20
     assert args.max_waiting == 3 and args.trace == "t.json" and args.model is None

@@ -196,7 +196,7 @@ def _scenario(args: argparse.Namespace, vocab: int | None) -> Workload:
 
 def _variants(args: argparse.Namespace) -> list[tuple[str | None, dict]]:
     if args.compare:
-        return [(policy, {"policy": policy}) for policy in args.compare]
+        return [(policy, {"batching": policy}) for policy in args.compare]
     if args.sweep:
         name, values = args.sweep
         return [(f"{name}={v}", {name: v}) for v in values]

@@ -84,7 +84,7 @@ def verify(winner, workload, slo, args: argparse.Namespace) -> None:
 
     s = winner.settings
     target = EngineTarget.load(
-        args.model, policy=s.policy, max_num_seqs=s.max_num_seqs,
+        args.model, batching=s.policy, max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=s.max_prefill_tokens_while_decoding,
         max_model_len=s.max_model_len, block_size=s.block_size, num_blocks=s.resolved_num_blocks(),

@@ -110,7 +110,7 @@ def format_plan(candidates: list[Candidate], slo: SLO, top: int = 8) -> str:
                      f"{c.goodput:>9.2f}{c.attainment:>6.0%}{_pair(b.ttft_ms):>18}"
                      f"{_pair(b.tpot_ms):>18}")
     win = rows[0]
-    lines.append(f"best: --policy {win.settings.policy} --max-num-seqs "
+    lines.append(f"best: --batching {win.settings.policy} --max-num-seqs "
                  f"{win.settings.max_num_seqs} --max-num-batched-tokens "
                  f"{win.settings.max_num_batched_tokens} at {_rate(win.rate)} req/s: "
                  f"predicted goodput {win.goodput:.2f} req/s ({win.attainment:.0%} meet the SLOs)")
