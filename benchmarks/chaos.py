@@ -20,8 +20,11 @@ so that the machine's drift hits both alike:
   holes of issue 29: the victim's prompt probed for a prefix-cache hit, a regex slow to
   build with n=16, a priority outside its key's range, 100k stop_token_ids, a logprobs
   volume past the cap, slo_tpot_ms 0.001, tool-call arguments nested 200k deep, a foreign
-  Host header; and, through the whole phase, slow-loris uploads (a valid request's body
-  dribbled a few bytes at a time, then abandoned; one without a key).
+  Host header; issue 34's fields at hostile sizes: a logit_bias of 60k entries, 150k and
+  10**6 bad_words, 10**6 stop strings, 150k allowed_token_ids, 10**4 prompts in one list,
+  1000 prompts past the waiting bound, echo of a 1 MB prompt, a long prompt scored (echo,
+  logprobs, max_tokens 0); and, through the whole phase, slow-loris uploads (a valid
+  request's body dribbled a few bytes at a time, then abandoned; one without a key).
 
 Checked (each failure is listed; exit status 1 if any):
 - victim: 0 errors (HTTP 200, `[DONE]`, finish_reason length, max_tokens tokens, its
@@ -370,6 +373,75 @@ def slo_tpot_tiny(ctx):
     return small(slo_tpot_ms=0.001)
 
 
+# ------------------------------------------------- issue 34's fields at hostile sizes
+# A long prompt scored (echo, max_tokens 0): 360 tokens of the context's 512
+ECHO_SCORED_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
+
+
+@status_of()
+def logit_bias_huge(ctx):
+    """60k entries (0.8 MB, under the body bound): refused at OpenAI's 300, not applied."""
+    return small(logit_bias={str(i): 1.0 for i in range(60_000)})
+
+
+@status_of()
+def bad_words_150k(ctx):
+    """150k words (0.75 MB): the count cap (100) refuses it before any is tokenized."""
+    return small(bad_words=["w"] * 150_000)
+
+
+@status_of()
+def bad_words_million(ctx):
+    """10**6 words: a 5 MB body, refused by its Content-Length before it is read."""
+    return small(bad_words=["w"] * 1_000_000)
+
+
+@status_of()
+def stop_million(ctx):
+    return small(stop=["s"] * 1_000_000)
+
+
+@status_of()
+def allowed_token_ids_150k(ctx):
+    """150k allowed ids, each inside the vocabulary (repeats): served or refused, never a
+    stall of the others (the mask is built once, at admission)."""
+    return small(allowed_token_ids=[i % 1000 for i in range(150_000)])
+
+
+@status_of()
+def prompts_10k(ctx):
+    return small(prompt=[ADVERSARY_PROMPT] * 10_000)
+
+
+@status_of()
+def prompts_past_the_queue(ctx):
+    """1000 prompts (under --max-prompts): 1000 sequences can never wait in a queue of
+    --max-waiting 64: refused before any is tokenized or queued (admitted one by one, they
+    filled the shared queue: the next requests of every tenant got 429)."""
+    return small(prompt=[f"{ADVERSARY_PROMPT} {i}" for i in range(1000)], max_tokens=1)
+
+
+@status_of()
+def echo_1mb(ctx):
+    """A 1 MB prompt to score (echo, logprobs, max_tokens 0): refused by the byte
+    pre-check, never tokenized nor run."""
+    return small(prompt="word " * 200_000, echo=True, logprobs=5, max_tokens=0)
+
+
+async def echo_long_prompt_scored(ctx: Context) -> Outcome:
+    """A 360-token prompt scored (echo, logprobs 5, max_tokens 0): served, the prompt's
+    logits computed in its prefill chunks beside the victim."""
+    prompt = ECHO_SCORED_PROMPT
+    r = await post(ctx, "echo_long", small(prompt=prompt, echo=True, logprobs=5, max_tokens=0))
+    if r.status_code != 200:
+        return Outcome(r.status_code, _error_note(r))
+    answer = r.json()
+    choice, usage = answer["choices"][0], answer["usage"]
+    ok = (choice["text"] == prompt and usage["completion_tokens"] == 0
+          and len(choice["logprobs"]["tokens"]) == usage["prompt_tokens"])
+    return Outcome(200, f"{usage['prompt_tokens']} prompt tokens scored", ok)
+
+
 async def tool_arguments_deep(ctx: Context) -> Outcome:
     """A chat history whose tool call's arguments nest 200,000 brackets deep: kept as text
     (200) or refused (400), never a RecursionError's 500."""
@@ -498,6 +570,15 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "slo_tpot_ms 0.001": (slo_tpot_tiny, frozenset({200})),
     "tool-call arguments 200k brackets deep": (tool_arguments_deep, frozenset({200, 400})),
     "a foreign Host header": (foreign_host, frozenset({400, 421})),
+    "logit_bias of 60k entries": (logit_bias_huge, frozenset({400})),
+    "150k bad_words": (bad_words_150k, frozenset({400})),
+    "10**6 bad_words (a 5 MB body)": (bad_words_million, frozenset({413})),
+    "10**6 stop strings (a 5 MB body)": (stop_million, frozenset({413})),
+    "150k allowed_token_ids": (allowed_token_ids_150k, frozenset({200, 400})),
+    "10**4 prompts in one list": (prompts_10k, frozenset({400})),
+    "1000 prompts (past --max-waiting 64)": (prompts_past_the_queue, frozenset({400})),
+    "echo of a 1 MB prompt": (echo_1mb, frozenset({400})),
+    "echo of a 360-token prompt, scored": (echo_long_prompt_scored, frozenset({200})),
 }
 
 

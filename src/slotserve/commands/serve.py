@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -178,7 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_replicas(args)
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
-    limits = server_limits(args)
+    # NOTE: one engine queues every prompt of a list (replicas may spread them)
+    limits = dataclasses.replace(server_limits(args), max_waiting=args.max_waiting)
     weights = tenant_weights(policy)
     scope = resolve_prefix_cache_scope(args.prefix_cache_scope, policy.keys_required)
     async_engine = AsyncEngine.launch(lambda: build_engine(

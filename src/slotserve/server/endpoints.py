@@ -146,6 +146,7 @@ class Server:
         or none (Generations)."""
         params = self._sampling_params(body)
         prompts = body.engine_prompts(self.limits.max_prompts)
+        self.limits.check_queueable(len(prompts), params.n)
         await self._check_structured(params, body.structured_spec()[1])
         ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
         self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))

@@ -78,6 +78,10 @@ class ServerLimits:
     time); one asking for prompt logprobs (prompt_logprobs, echo with logprobs) when its
     prompt tokens x max(top N, 1) is.
     max_prompts: prompts in one /v1/completions request (a list); more get 400.
+    max_waiting: the server's --max-waiting (the engine enforces it, sequence by sequence):
+    a /v1/completions request whose prompts x n pass it could never be queued whole, so it
+    gets 400 before its prompts are tokenized or admitted (admitted one by one, they would
+    fill the queue every tenant shares until the last one was refused). None: no bound.
     default_max_tokens: the max_tokens of a request that names none (None: chat 1024,
     completions 16, OpenAI's legacy default); max_tokens caps it too.
     allowed_hosts: the Host names (a name, `*.domain`, or an IP; any port) requests must
@@ -98,6 +102,7 @@ class ServerLimits:
     default_max_tokens: int | None = None
     allowed_hosts: tuple[str, ...] | None = None
     max_prompts: int = DEFAULT_MAX_PROMPTS
+    max_waiting: int | None = None
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:
@@ -107,7 +112,7 @@ class ServerLimits:
                              f"{self.max_user_tenants!r}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
                      "max_stop_chars", "max_n", "max_stop_token_ids", "max_logprobs_volume",
-                     "default_max_tokens", "max_prompts"):
+                     "default_max_tokens", "max_prompts", "max_waiting"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
@@ -152,6 +157,18 @@ class ServerLimits:
                        param=param,
                        code="logprobs_limit_exceeded")
 
+
+    def check_queueable(self, prompts: int, n: int) -> None:
+        """APIError (400, param "prompt") when a list of prompts x n sequences passes
+        max_waiting: it could never be queued whole. NOTE: one prompt with too large an n is
+        the engine's 400 (AsyncEngine.validate)."""
+        sequences = prompts * n
+        if self.max_waiting is None or prompts == 1 or sequences <= self.max_waiting:
+            return
+        raise APIError(f"prompt: {prompts} prompts x n ({n}) = {sequences} sequences can never "
+                       f"be queued: this server queues at most {self.max_waiting} "
+                       "(--max-waiting); send fewer at once", param="prompt",
+                       code="prompt_limit_exceeded")
 
     def check_prompt_logprobs_volume(self, params: SamplingParams, prompt_tokens: int) -> None:
         """APIError (400, param "prompt_logprobs") when the prompt logprobs asked (all
