@@ -79,6 +79,13 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-prompts", type=_positive_int, default=1024, metavar="N",
                    help="/v1/completions requests with a list of more than N prompts get 400 "
                         "(default: 1024)")
+    p.add_argument("--chat-template", type=_chat_template, default=None,
+                   metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template of /v1/chat/completions and /tokenize, "
+                        "instead of the model's: a file, or the template itself (as vLLM's; "
+                        "a value with {, } or a newline that is no file is the template). "
+                        "Checked at start-up (default: the model's, from its tokenizer "
+                        "config or GGUF metadata)")
     add_structured_args(p)
     add_access_args(p)
     p.add_argument("--log-level", default="info",
@@ -160,6 +167,15 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _chat_template(text: str) -> str:
+    from slotserve.loader.chat_template import load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_size(text: str) -> int:

@@ -22,10 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
-import jinja2
 from tokenizers import Tokenizer as Backend
 
-from slotserve.loader.chat_template import compile_chat_template, hf_chat_template
+from slotserve.loader.chat_template import compiled_chat_template, hf_chat_template
 from slotserve.loader.gguf_vocab import (
     SENTENCEPIECE_ARCHS,
     add_gguf_special_tokens,
@@ -203,26 +202,32 @@ class Tokenizer:
     # -- chat ----------------------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, **kwargs: Any
     ) -> str:
         """The prompt text of a conversation, as HF's `apply_chat_template(tokenize=False)`.
 
-        Extra keyword arguments (e.g. `tools`) are passed to the template.
-        Raises ValueError when the model has no chat template.
+        chat_template: a template used instead of the model's (HF's argument of that name;
+        the server's `--chat-template`). Extra keyword arguments (`tools`, a request's
+        `chat_template_kwargs` such as Qwen3's `enable_thinking`) are passed to the template.
+        Raises ValueError when there is no chat template.
         """
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain completion prompt")
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError("this model has no chat template; send a plain completion prompt "
+                             "(or start the server with --chat-template)")
         context = {
             "bos_token": self._token_text(self._bos_token_id),
             "eos_token": self._token_text(self._eos_token_ids[0] if self._eos_token_ids else None),
             **kwargs,
         }
-        return self._compiled_template.render(
+        return compiled_chat_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, **kwargs: Any
     ) -> list[int]:
         """The prompt token ids of a conversation: the one prompt path of the server and
         the offline `LLM.chat`, as HF's `apply_chat_template(tokenize=True)`.
@@ -230,7 +235,7 @@ class Tokenizer:
         NOTE: the template writes any BOS itself (`{{ bos_token }}`), so no special token is
         added when encoding its text: BOS appears exactly as often as the template writes it.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property
@@ -243,10 +248,6 @@ class Tokenizer:
         size = self.vocab_size
         texts = self.backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         return max([1, *(len(t.encode("utf-8", "surrogatepass")) for t in texts)])
-
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        return compile_chat_template(self.chat_template or "")
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:

@@ -100,7 +100,13 @@ def chat_choice_logprobs(tokenizer, token_ids: list[int], logprobs,
 def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.AssistantMessage:
     """The message of a finished choice: a tool call (content null) when the request forced
     one and the output is a complete call, or a named function's arguments cut short (as
-    OpenAI answers with finish_reason "length"); its text otherwise."""
+    OpenAI answers with finish_reason "length"); with tool_choice "auto", the calls found
+    in the text and the content around them; its text otherwise."""
+    if plan is not None and plan.call_format is not None:
+        content, calls = p.parse_tool_calls(c.text, plan.call_format)
+        return p.AssistantMessage(content=content, tool_calls=[p.ToolCall(
+            function=p.FunctionCall(name=call.name, arguments=call.arguments))
+            for call in calls] or None)
     call = plan.call_of(c.text) if plan is not None else None
     if call is None and plan is not None and plan.name is not None:
         call = plan.name, c.text
@@ -112,8 +118,12 @@ def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.Assista
 
 
 def chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | None:
-    """"tool_calls" for a complete forced call that ended by itself (OpenAI's reason)."""
+    """"tool_calls" for a complete forced call, or a text with calls (tool_choice "auto"),
+    that ended by itself (OpenAI's reason)."""
     ended_by_itself = c.finish_reason == FinishReason.STOP
+    if plan is not None and plan.call_format is not None:
+        called = ended_by_itself and p.parse_tool_calls(c.text, plan.call_format)[1]
+        return "tool_calls" if called else c.finish_reason
     if plan is not None and ended_by_itself and plan.call_of(c.text) is not None:
         return "tool_calls"
     return c.finish_reason

@@ -13,6 +13,7 @@ from fastapi import Request
 
 from slotserve.engine.async_engine import EngineClosedError
 from slotserve.engine.client import EngineClient
+from slotserve.loader.chat_template import renders_tool_calls, tool_call_format
 from slotserve.obs.metrics import ServerMetrics
 from slotserve.sampling import SamplingParams
 from slotserve.server import protocol as p
@@ -63,6 +64,13 @@ class Server:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        """The chat template requests are rendered with: --chat-template, else the model's."""
+        if self.limits.chat_template is not None:
+            return self.limits.chat_template
+        return None if self.tokenizer is None else self.tokenizer.chat_template
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -176,6 +184,7 @@ class Server:
                 for prompt, prompt_ids in zip(prompts, ids)]
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
+        body.use_tool_call_format(tool_call_format(self.chat_template))
         params = self._sampling_params(body)
         await self._check_structured(params, body.constraint_param())
         ids = await self._chat_ids(body)
@@ -239,12 +248,15 @@ class Server:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer", param="prompt")
         if body.messages is not None:
-            messages = [m.as_template_dict() for m in body.messages]
+            structured = renders_tool_calls(self.chat_template)
+            messages = [m.as_template_dict(structured) for m in body.messages]
+            kwargs = body.template_kwargs()  # NOTE: checks chat_template_kwargs (400)
             self._check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
                                       for m in messages), "messages")
             try:
                 ids = await self._off_loop(self.tokenizer.encode_chat, messages,
-                                           add_generation_prompt=body.add_generation_prompt)
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           chat_template=self.limits.chat_template, **kwargs)
             except Exception as exc:  # a template may raise on an unusual conversation
                 raise APIError(f"messages: the chat template failed: {exc}",
                                param="messages") from exc
@@ -291,12 +303,14 @@ class Server:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
-        messages = body.template_messages()
+        messages = body.template_messages(renders_tool_calls(self.chat_template))
+        kwargs = body.template_kwargs()  # NOTE: checks chat_template_kwargs (400)
         self._check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
                                   for m in messages), "messages")
         try:
             ids = await self._off_loop(self.tokenizer.encode_chat, messages,
-                                       add_generation_prompt=True)
+                                       add_generation_prompt=True,
+                                       chat_template=self.limits.chat_template, **kwargs)
         except Exception as exc:  # a template may raise on an unusual conversation
             raise APIError(f"messages: the chat template failed: {exc}",
                            param="messages") from exc

@@ -86,6 +86,9 @@ class ServerLimits:
     completions 16, OpenAI's legacy default); max_tokens caps it too.
     allowed_hosts: the Host names (a name, `*.domain`, or an IP; any port) requests must
     carry, else 400; None: any.
+    chat_template: the Jinja chat template chat requests are rendered with instead of the
+    model's (`--chat-template`, read by loader.chat_template.load_chat_template); None: the
+    model's.
     """
 
     max_tokens: int | None = None
@@ -103,6 +106,7 @@ class ServerLimits:
     allowed_hosts: tuple[str, ...] | None = None
     max_prompts: int = DEFAULT_MAX_PROMPTS
     max_waiting: int | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.body_timeout_s > 0:

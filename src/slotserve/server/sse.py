@@ -166,8 +166,14 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
 
     Named function: the output is the arguments, streamed as generated. tool_choice
     "required": the output is {"name": ..., "arguments": ...}, so each choice is held back
-    until it finishes, then sent whole (the name must be known first).
+    until it finishes, then sent whole (the name must be known first). tool_choice "auto":
+    content as it is known to be content, each call whole as soon as it is complete
+    (`_parsed_pieces`).
     """
+    if plan.call_format is not None:
+        async for piece in _parsed_pieces(completions, plan):
+            yield piece
+        return
     opened: set[int] = set()
     async for c in completions:
         first_piece = c.index not in opened
@@ -188,6 +194,28 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
                     function=p.FunctionCall(name=call[0], arguments=call[1])), None)
             else:
                 yield _ToolCallPiece(c, None, None, content=c.text)
+        if c.finished:
+            yield _ToolCallPiece(c, None, chat_finish_reason(c, plan))
+
+
+async def _parsed_pieces(completions: AsyncIterator[CompletionOutput], plan: p.ToolPlan
+                         ) -> AsyncIterator[_ToolCallPiece]:
+    """tool_choice "auto": each choice's text through a ToolCallStream (the whole answer's
+    parser, so the pieces join to the whole answer): content deltas, a delta per call
+    (id, name and all its arguments), then the finish reason."""
+    streams: dict[int, p.ToolCallStream] = {}
+    calls_sent: dict[int, int] = {}
+    async for c in completions:
+        parser = streams.setdefault(c.index, p.ToolCallStream(plan.call_format))
+        for piece in parser.feed(c.text, c.finished):
+            if isinstance(piece, str):
+                yield _ToolCallPiece(c, None, None, content=piece)
+                continue
+            index = calls_sent.get(c.index, 0)
+            calls_sent[c.index] = index + 1
+            yield _ToolCallPiece(c, p.ToolCallDelta(
+                index=index, id=p.new_id("call"), type="function",
+                function=p.FunctionCall(name=piece.name, arguments=piece.arguments)), None)
         if c.finished:
             yield _ToolCallPiece(c, None, chat_finish_reason(c, plan))
 

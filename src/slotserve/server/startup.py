@@ -90,6 +90,7 @@ def server_limits(args: argparse.Namespace):
                         max_logprobs_volume=args.max_logprobs_volume,
                         default_max_tokens=args.default_max_tokens,
                         max_prompts=args.max_prompts,
+                        chat_template=getattr(args, "chat_template", None),
                         allowed_hosts=allowed_hosts_for(args.host or DEFAULT_HOST,
                                                         args.allowed_hosts))
 

@@ -68,6 +68,11 @@ from slotserve.server.protocol.structured import (
     structured_error,
     with_structured,
 )
+from slotserve.server.protocol.tool_parsers import (
+    ParsedCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 from slotserve.server.protocol.tools import (
     AUTO_TOOLS_UNSUPPORTED,
     FunctionCallIn,
@@ -89,10 +94,12 @@ __all__ = [
     "CompletionRequest", "CompletionResponse", "DeltaMessage", "DetokenizeRequest",
     "DetokenizeResponse", "ErrorInfo", "ErrorResponse", "FunctionCall", "FunctionCallIn",
     "FunctionDefinition", "IgnoredFields", "ModelCard", "ModelList", "ModelNamed",
-    "NamedFunction", "NamedToolChoice", "PromptLogprob", "PromptTokensDetails", "RequestModel",
+    "NamedFunction", "NamedToolChoice", "ParsedCall", "PromptLogprob", "PromptTokensDetails",
+    "RequestModel",
     "StreamOptions", "StructuredFields", "TextPart", "TokenizeRequest", "TokenizeResponse",
-    "ToolCall", "ToolCallDelta", "ToolCallIn", "ToolDefinition", "ToolPlan", "TopLogprob",
+    "ToolCall", "ToolCallDelta", "ToolCallIn", "ToolCallStream", "ToolDefinition", "ToolPlan",
+    "TopLogprob",
     "UsageInfo", "chat_logprobs", "completion_logprobs", "echo_logprobs", "invalid_request",
-    "join_logprobs", "new_id", "prompt_logprobs",
+    "join_logprobs", "new_id", "parse_tool_calls", "prompt_logprobs",
     "structured_error", "token_bytes", "token_text", "tool_plan", "with_structured",
 ]

@@ -4,9 +4,11 @@ and their conversion to the engine's SamplingParams."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+import json
+import re
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from slotserve.config import MAX_SLO_MS
 from slotserve.sampling import SamplingParams
@@ -270,18 +272,80 @@ class ChatMessage(RequestModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
-        """{role, content} with text parts joined (what chat templates expect). An assistant
-        turn's tool calls, which templates without a tool format cannot show, are written
-        as the JSON the model was constrained to ({"name": ..., "arguments": {...}})."""
+    def as_template_dict(self, structured_tool_calls: bool = False) -> dict[str, Any]:
+        """{role, content} with text parts joined (what chat templates expect).
+
+        An assistant turn's tool calls: with `structured_tool_calls` (a template that shows
+        them, e.g. Qwen's) as HF's and vLLM's templates take them, `tool_calls` with each
+        call's arguments parsed into a dict, and a tool turn's `tool_call_id`; otherwise
+        (a template without a tool format) written into the content as the JSON the model
+        was constrained to ({"name": ..., "arguments": {...}}).
+        """
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        if structured_tool_calls:
+            message: dict[str, Any] = {"role": role, "content": content or ""}
+            if self.tool_calls:
+                message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+            if self.tool_call_id is not None:
+                message["tool_call_id"] = self.tool_call_id
+            return message
         if self.tool_calls and not content:
             content = "\n".join(call.as_text() for call in self.tool_calls)
-        role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
+
+
+# chat_template_kwargs (vLLM's): extra variables for the chat template, e.g. Qwen3's
+# {"enable_thinking": false}. Bounded: this many bytes as compact JSON, this deep.
+MAX_CHAT_TEMPLATE_KWARGS_BYTES = 16 * 1024
+MAX_CHAT_TEMPLATE_KWARGS_DEPTH = 8
+# The template's own variables: set by the server (or by other request fields), never by
+# chat_template_kwargs.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize",
+    "continue_final_message", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """APIError (400, param "chat_template_kwargs") unless every key is a template variable
+    name (an identifier, not one of RESERVED_TEMPLATE_VARIABLES) and the whole is at most
+    MAX_CHAT_TEMPLATE_KWARGS_BYTES of JSON, nested at most MAX_CHAT_TEMPLATE_KWARGS_DEPTH."""
+    def refuse(why: str) -> APIError:
+        return APIError(f"chat_template_kwargs: {why}", param="chat_template_kwargs")
+
+    for key in kwargs:
+        if not _TEMPLATE_VARIABLE.fullmatch(key):
+            raise refuse(f"{key[:64]!r} is not a template variable name (letters, digits "
+                         "and _, not starting with a digit, at most 64 characters)")
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise refuse(f"{key!r} is set by the server, not by chat_template_kwargs")
+    if _depth(kwargs) > MAX_CHAT_TEMPLATE_KWARGS_DEPTH:
+        raise refuse(f"nested more than {MAX_CHAT_TEMPLATE_KWARGS_DEPTH} levels deep")
+    size = len(json.dumps(kwargs, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass"))
+    if size > MAX_CHAT_TEMPLATE_KWARGS_BYTES:
+        raise refuse(f"at most {MAX_CHAT_TEMPLATE_KWARGS_BYTES} bytes of JSON, got {size}")
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict) else item
+                    if isinstance(item, list) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_CHAT_TEMPLATE_KWARGS_DEPTH:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class ChatCompletionRequest(CommonRequest, StructuredFields):
@@ -292,7 +356,7 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
         **CommonRequest.refused_fields, "add_special_tokens": (False,), "echo": (False,),
         "prompt_logprobs": (),
         "add_generation_prompt": (True,), "continue_final_message": (False,),
-        "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+        "chat_template": (), "documents": (),
         "mm_processor_kwargs": (), "functions": (), "function_call": (),
         "modalities": (["text"],), "audio": (), "reasoning_effort": (), "verbosity": (),
         "web_search_options": (),
@@ -303,6 +367,14 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     top_logprobs: int | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's)
+    # The tool-call format of the template this request is rendered with (the server sets
+    # it, `use_tool_call_format`): tool_choice "auto" parses calls in it from the output.
+    _tool_call_format: str | None = PrivateAttr(default=None)
+
+    def use_tool_call_format(self, name: str | None) -> None:
+        """The server's chat template defines tool calls in format `name` (None: none)."""
+        self._tool_call_format = name
 
     def to_sampling_params(self, max_tokens_cap: int | None = None,
                            default_max_tokens: int | None = None) -> SamplingParams:
@@ -327,13 +399,14 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
 
     def constraint_param(self) -> str | None:
         """The request field whose constraint the output follows (for error messages)."""
-        if self.tool_plan() is not None:
+        plan = self.tool_plan()
+        if plan is not None and plan.spec is not None:
             return "tools"
         return self.structured_spec()[1]
 
     def tool_plan(self) -> ToolPlan | None:
-        """The forced tool call, or None (see tools.tool_plan)."""
-        return tool_plan(self.tools, self.tool_choice)
+        """How the output becomes tool calls, or None (see tools.tool_plan)."""
+        return tool_plan(self.tools, self.tool_choice, self._tool_call_format)
 
     @property
     def chat_max_tokens(self) -> int:
@@ -343,8 +416,19 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
                 return value
         return DEFAULT_CHAT_MAX_TOKENS
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.as_template_dict() for m in self.messages]
+    def template_messages(self, structured_tool_calls: bool = False) -> list[dict[str, Any]]:
+        """The messages as the chat template gets them (see ChatMessage.as_template_dict)."""
+        return [m.as_template_dict(structured_tool_calls) for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's variables beyond messages: `tools` (as HF's and vLLM's templates
+        take them, when the request has tools) and chat_template_kwargs (checked: APIError
+        400 naming the field)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        check_chat_template_kwargs(kwargs)
+        if self.tools and self.tool_choice != "none":
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
 
 
 def with_prompt_logprobs(params: SamplingParams, top_n: int | None) -> SamplingParams:
@@ -370,16 +454,27 @@ def _check_cap(max_tokens: int, cap: int | None, param: str) -> None:
 
 
 class TokenizeRequest(ModelNamed):
-    """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered with the chat template."""
+    """POST /tokenize (vLLM's): a `prompt`, or `messages` rendered with the chat template
+    (with `tools` and `chat_template_kwargs` as a chat request renders them)."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError("send exactly one of prompt and messages", param="prompt")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template's variables beyond messages (as ChatCompletionRequest's)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        check_chat_template_kwargs(kwargs)
+        if self.tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return kwargs
 
 
 class DetokenizeRequest(ModelNamed):

@@ -38,10 +38,28 @@ class ToolCallIn(RequestModel):
         return json.dumps({"name": self.function.name, "arguments": arguments},
                           ensure_ascii=False)
 
+    def as_template_dict(self) -> dict[str, Any]:
+        """The call as HF's chat templates take it (vLLM's too): the arguments parsed into a
+        dict (a template writes them with `tojson`); arguments that are not a JSON object
+        stay text."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except (ValueError, RecursionError):
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        call: dict[str, Any] = {"type": "function", "function": {
+            "name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
 
 class FunctionDefinition(RequestModel):
+    """A function the model may call; the whole definition is given to the chat template
+    (a template with a tools section shows name, description and parameters)."""
+
     field_prefix = "tools.function."
-    unused_fields = frozenset({"description"})  # NOTE: only the parameters constrain the output
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
@@ -69,21 +87,26 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' is not supported for this model; use 'required' "
-                          "or a named function")
+AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' is not supported for this model (its chat "
+                          "template defines no tool-call format); use 'required' or a named "
+                          "function")
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolPlan:
-    """How a request's tool call is produced: the output is constrained to `spec`.
+    """How a request's tool calls are produced.
 
-    name: the named function (tool_choice {"type": "function", ...}): the output is its
-    arguments. None (tool_choice "required"): the output is {"name": ..., "arguments": ...}
-    for one of the tools.
+    Forced (tool_choice "required" or a named function): the output is constrained to
+    `spec`. name: the named function: the output is its arguments. None ("required"): the
+    output is {"name": ..., "arguments": ...} for one of the tools.
+    tool_choice "auto": `spec` and `name` are None, `call_format` names the chat template's
+    tool-call format (tool_parsers.py): the model writes text, calls in that format or not,
+    and the calls found in it become the answer's tool_calls.
     """
 
-    spec: StructuredOutputs
+    spec: StructuredOutputs | None
     name: str | None
+    call_format: str | None = None
 
     def call_of(self, text: str) -> tuple[str, str] | None:
         """(function name, arguments as JSON text) of a finished output; None when the text
@@ -105,9 +128,12 @@ def _parameters(function: FunctionDefinition) -> dict:
 
 
 def tool_plan(tools: list[ToolDefinition] | None,
-              choice: str | NamedToolChoice | None) -> ToolPlan | None:
-    """The forced tool call, or None (no tools, or tool_choice "none"). APIError (400) for
-    tool_choice "auto" (this server has no tool-call parser for free text) and for a
+              choice: str | NamedToolChoice | None,
+              call_format: str | None = None) -> ToolPlan | None:
+    """How the request's tool calls are produced, or None (no tools, or tool_choice "none").
+
+    call_format: the tool-call format of the chat template the request is rendered with
+    (None: it defines none). APIError (400) for tool_choice "auto" without one, and for a
     tool_choice that names no tool."""
     if not tools:
         if choice not in (None, "none"):
@@ -115,11 +141,13 @@ def tool_plan(tools: list[ToolDefinition] | None,
         return None
     if choice == "none":
         return None
-    if choice in (None, "auto"):  # NOTE: OpenAI's default with tools is "auto"
-        raise APIError(AUTO_TOOLS_UNSUPPORTED, param="tool_choice")
     functions = {tool.function.name: tool.function for tool in tools}
     if len(functions) != len(tools):
         raise APIError("tools: two tools have the same function name", param="tools")
+    if choice in (None, "auto"):  # NOTE: OpenAI's default with tools is "auto"
+        if call_format is None:
+            raise APIError(AUTO_TOOLS_UNSUPPORTED, param="tool_choice")
+        return ToolPlan(None, None, call_format)
     if isinstance(choice, NamedToolChoice):
         function = functions.get(choice.function.name)
         if function is None:
