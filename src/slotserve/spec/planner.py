@@ -1,0 +1,207 @@
+"""`Speculator`: how many draft tokens each running decode verifies this iteration (no torch).
+
+The scheduler calls `plan` once per iteration, after the running requests got their decode
+tokens and prefill chunks and before waiting requests are admitted, so draft tokens draw on
+what is left of the token budget then. A drafted sequence is verified as a chunk of k + 1
+tokens (its last sampled token and the k drafts), with logits at each of them.
+
+How many:
+- fixed (`num_speculative_tokens` an integer): that many, fewer when the proposer has fewer,
+  the sequence's max_tokens or length cap is closer, or the budget is short;
+- "auto": the plan that maximises expected tokens per second. A sequence whose drafts are
+  each accepted with probability a (given the ones before were: its observed rate, see
+  `AcceptanceStats`) gains a^j expected tokens from its j-th draft; the iteration costs
+  `cost.seconds(tokens)`. Draft increments are taken in order of gain while they raise
+  (tokens produced) / (step seconds). With a step cost of overhead + per_token x n this is
+  the exact optimum, and it is zero when the batch is large: the j-th draft pays only while
+  a^j > per_token x produced / seconds, which approaches 1 as decodes fill the step.
+
+NOTE: the proposer is only asked for the sequences that get drafts, so a large batch costs
+no proposal work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from slotserve.spec.config import SpeculativeConfig
+from slotserve.spec.proposers import NgramProposer, Proposer, SuffixProposer
+
+# The acceptance prior (a Beta(1, 1) on the per-draft acceptance): a new sequence is
+# assumed to accept half its drafts until it has shown otherwise.
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+# The default step cost until the scheduler's own fit knows a fixed cost per step: an
+# iteration costs as much as DEFAULT_OVERHEAD_TOKENS tokens' work besides its tokens (reading
+# the weights; a small model on a CPU measured 20-60; a GPU is in the hundreds).
+DEFAULT_OVERHEAD_TOKENS = 32.0
+
+
+class StepCost(Protocol):
+    """The estimated seconds (or any unit) of an iteration of num_tokens batched tokens."""
+
+    def seconds(self, num_tokens: int) -> float: ...
+
+
+class LinearStepCost:
+    """overhead + per_token x n (the default: DEFAULT_OVERHEAD_TOKENS tokens of overhead)."""
+
+    def __init__(self, overhead: float = DEFAULT_OVERHEAD_TOKENS, per_token: float = 1.0
+                 ) -> None:
+        self.overhead = overhead
+        self.per_token = per_token
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.overhead + self.per_token * num_tokens
+
+
+@dataclass
+class AcceptanceStats:
+    """One sequence's record: drafts accepted, and verifications that rejected one.
+
+    NOTE: a verification of k drafts that accepts a of them is a successes and, if a < k,
+    one failure of a geometric law, so `rate` (with the prior) estimates the probability
+    that a draft is accepted given that the ones before it were.
+    """
+
+    accepted: int = 0
+    rejections: int = 0
+
+    @property
+    def rate(self) -> float:
+        return ((self.accepted + PRIOR_ACCEPTED)
+                / (self.accepted + self.rejections + PRIOR_ACCEPTED + PRIOR_REJECTED))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A running sequence that decodes this iteration and may speculate.
+
+    max_tokens: most drafts it may take (its output and length caps, the config's bound).
+    """
+
+    seq_id: str
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    max_tokens: int
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixProposer(config.suffix_decoding_max_tree_depth,
+                          config.suffix_decoding_max_cached_requests,
+                          config.suffix_decoding_max_spec_factor,
+                          config.suffix_decoding_min_token_prob)
+
+
+class Speculator:
+    """The speculation state of one engine: the proposer, each sequence's acceptance, totals.
+
+    proposer: default: the config's method. step_cost: the cost model "auto" plans with;
+    None: the scheduler passes its own (or `LinearStepCost()` while that knows too little).
+    """
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
+                 step_cost: StepCost | None = None) -> None:
+        self.config = config
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.step_cost = step_cost
+        self.stats: dict[str, AcceptanceStats] = {}
+        self.num_drafts = 0  # verifications (sequences that had drafts), as vLLM counts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.max_tokens
+
+    # ----------------------------------------------------------------- planning
+    def plan(self, candidates: list[Candidate], budget: int, planned_tokens: int,
+             producing: int, cost: StepCost | None = None) -> dict[str, list[int]]:
+        """Draft tokens per sequence id (only those with some), within `budget` tokens.
+
+        planned_tokens: tokens the iteration holds already; producing: sequences that will
+        sample a token in it (decodes and last prefill chunks); cost: the scheduler's step
+        cost model (used when this speculator has none of its own).
+        """
+        if budget <= 0 or not candidates:
+            return {}
+        if self.config.auto:
+            wanted = self._auto_lengths(candidates, budget, planned_tokens, producing,
+                                        self.step_cost or cost or LinearStepCost())
+        else:
+            wanted = {c.seq_id: min(c.max_tokens, self.config.max_tokens) for c in candidates}
+        drafts: dict[str, list[int]] = {}
+        for cand in candidates:
+            k = min(wanted.get(cand.seq_id, 0), budget)
+            if k <= 0:
+                continue
+            tokens = self.proposer.propose(cand.seq_id, cand.prompt_ids, cand.output_ids, k)
+            if tokens:
+                drafts[cand.seq_id] = tokens[:k]
+                budget -= len(drafts[cand.seq_id])
+        return drafts
+
+    def _auto_lengths(self, candidates: list[Candidate], budget: int, planned_tokens: int,
+                      producing: int, cost: StepCost) -> dict[str, int]:
+        """Each sequence's draft count maximising expected tokens per unit of step cost."""
+        gains = []
+        for cand in candidates:
+            rate = self.rate(cand.seq_id)
+            limit = min(cand.max_tokens, self.config.max_tokens)
+            gains += [(rate ** j, cand.seq_id) for j in range(1, limit + 1)]
+        gains.sort(key=lambda g: -g[0])
+        tokens = max(planned_tokens, 1)
+        produced = float(max(producing, 1))
+        seconds = cost.seconds(tokens)
+        wanted: dict[str, int] = {}
+        for gain, seq_id in gains[:budget]:
+            more = cost.seconds(tokens + 1)
+            if not (seconds > 0 and (produced + gain) * seconds > produced * more):
+                break  # NOTE: gains only fall from here, so no later increment pays
+            tokens, produced, seconds = tokens + 1, produced + gain, more
+            wanted[seq_id] = wanted.get(seq_id, 0) + 1
+        return wanted
+
+    def rate(self, seq_id: str) -> float:
+        stats = self.stats.get(seq_id)
+        return stats.rate if stats is not None else AcceptanceStats().rate
+
+    # ----------------------------------------------------------------- outcomes
+    def observe(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verification of num_drafts drafts accepted the first num_accepted."""
+        if num_drafts <= 0:
+            return
+        stats = self.stats.setdefault(seq_id, AcceptanceStats())
+        stats.accepted += num_accepted
+        stats.rejections += int(num_accepted < num_drafts)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(min(num_accepted, len(self.accepted_per_position))):
+            self.accepted_per_position[position] += 1
+
+    def finish(self, seq_id: str, output_ids: Sequence[int], completed: bool) -> None:
+        """The sequence left; completed (stop or length): its output may serve others."""
+        self.stats.pop(seq_id, None)
+        if completed:
+            self.proposer.finish(seq_id, output_ids)
+        else:
+            self.proposer.forget(seq_id)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens since start (0.0 before any)."""
+        return (self.num_accepted_tokens / self.num_draft_tokens
+                if self.num_draft_tokens else 0.0)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Expected tokens of a verification of k drafts at per-draft acceptance `rate` (the
+    accepted drafts plus the one token sampled after them)."""
+    if k <= 0:
+        return 1.0
+    if math.isclose(rate, 1.0):
+        return k + 1.0
+    return (1 - rate ** (k + 1)) / (1 - rate)

@@ -1,0 +1,300 @@
+"""Draft-token proposers that need no second model (numpy, no torch).
+
+- `NgramProposer` (vLLM's `ngram`, prompt lookup decoding): the longest n-gram (between
+  prompt_lookup_min and prompt_lookup_max tokens) that ends the sequence and occurred earlier
+  in its prompt or output proposes the tokens that followed its earliest occurrence.
+- `SuffixProposer` (vLLM's `suffix`, Arctic Inference's suffix decoding): the longest suffix
+  of the sequence (up to max_tree_depth tokens) is matched in the sequence itself and in a
+  bounded store of recent outputs (`RecentOutputs`); from the matched occurrences it walks
+  forward, each step taking the most frequent next token, while the path's estimated
+  probability (the product of each step's frequency share) stays >= min_token_prob and the
+  length <= max_spec_factor x match length. The source (sequence or store) whose path has the
+  larger expected accepted length (the sum of the path's probabilities) wins.
+
+Every proposer keeps a numpy copy of each sequence's tokens (`TokenHistory`), grown as
+output tokens arrive, so a proposal costs no copy of the whole sequence.
+
+Interface (what `planner.Speculator` calls):
+    propose(seq_id, prompt_ids, output_ids, max_tokens) -> list[int]  (maybe empty)
+    finish(seq_id, output_ids)  # the sequence left; a suffix proposer remembers its output
+    forget(seq_id)              # the sequence left, nothing to remember
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class Proposer(Protocol):
+    """What the speculator needs of a proposer (see the module docstring)."""
+
+    def propose(self, seq_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                max_tokens: int) -> list[int]: ...
+
+    def finish(self, seq_id: str, output_ids: Sequence[int]) -> None: ...
+
+    def forget(self, seq_id: str) -> None: ...
+
+
+class TokenHistory:
+    """A growing int64 copy of one sequence's tokens (prompt, then output).
+
+    NOTE: synced by length: a sequence only ever appends output tokens while it runs (a
+    preempted one keeps them), so the tokens past the copy's length are the new ones; a
+    sequence that got shorter (never, while running) is copied again whole.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> np.ndarray:
+        """The sequence's tokens as an array view (valid until the next sync)."""
+        total = len(prompt_ids) + len(output_ids)
+        if self.size > total or self.size < len(prompt_ids):
+            self.size = 0
+            self._append(prompt_ids)
+        self._append(output_ids[self.size - len(prompt_ids):])
+        return self._buf[:self.size]
+
+    def _append(self, tokens: Sequence[int]) -> None:
+        if not tokens:
+            return
+        end = self.size + len(tokens)
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[:self.size] = self._buf[:self.size]
+            self._buf = grown
+        self._buf[self.size:end] = tokens
+        self.size = end
+
+
+def longest_suffix_match(tokens: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
+    """(m, ends): the longest m <= max_len such that the last m tokens also end at an earlier
+    position e (tokens[e-m+1 : e+1] == tokens[-m:], e <= len - 2), and all such e, ascending.
+    (0, empty) when the last token never occurred before.
+
+    NOTE: the candidates only shrink as m grows, so the work is the number of earlier
+    occurrences of the last token plus those of longer matches, not len x max_len.
+    """
+    n = len(tokens)
+    if n < 2 or max_len < 1:
+        return 0, np.empty(0, dtype=np.int64)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    length = 1 if ends.size else 0
+    while ends.size and length < max_len:
+        longer = ends[ends >= length]
+        longer = longer[tokens[longer - length] == tokens[n - 1 - length]]
+        if not longer.size:
+            break
+        ends = longer
+        length += 1
+    return length, ends
+
+
+class _PerSequence:
+    """Each live sequence's TokenHistory, by sequence id."""
+
+    def __init__(self) -> None:
+        self._histories: dict[str, TokenHistory] = {}
+
+    def tokens(self, seq_id: str, prompt_ids: Sequence[int],
+               output_ids: Sequence[int]) -> np.ndarray:
+        history = self._histories.get(seq_id)
+        if history is None:
+            history = self._histories[seq_id] = TokenHistory()
+        return history.sync(prompt_ids, output_ids)
+
+    def forget(self, seq_id: str) -> None:
+        self._histories.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._histories)
+
+
+class NgramProposer(_PerSequence):
+    """vLLM's `ngram` proposer (prompt lookup decoding); see the module docstring."""
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        super().__init__()
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{prompt_lookup_min} and {prompt_lookup_max}")
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+
+    def propose(self, seq_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                max_tokens: int) -> list[int]:
+        if max_tokens <= 0:
+            return []
+        tokens = self.tokens(seq_id, prompt_ids, output_ids)
+        return ngram_proposal(tokens, self.min_n, self.max_n, max_tokens)
+
+    def finish(self, seq_id: str, output_ids: Sequence[int]) -> None:
+        self.forget(seq_id)
+
+
+def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the earliest earlier occurrence of the longest n-gram
+    (min_n <= n <= max_n) ending `tokens` (vLLM's `_find_longest_matched_ngram_and_propose_
+    tokens`); [] if none. Fewer than k when the occurrence is near the end."""
+    length, ends = longest_suffix_match(tokens, max_n)
+    if length < min_n:
+        return []
+    start = int(ends[0]) + 1
+    return tokens[start:start + k].tolist()
+
+
+def walk_most_frequent(sources: list[tuple[np.ndarray, np.ndarray]], max_tokens: int,
+                       min_prob: float) -> tuple[list[int], float]:
+    """Follow matched occurrences forward, each step the most frequent next token.
+
+    sources: (tokens, next positions) pairs: each position is where an occurrence of the
+    matched context is followed. A step's probability is its token's share of the
+    occurrences still followed; the path's is their product, and the walk stops before it
+    falls below min_prob. Returns (tokens, score = sum of the path's probabilities, the
+    expected number of them accepted if those estimates hold).
+    """
+    drafts: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(drafts) < max_tokens:
+        live = [(toks, pos[pos < len(toks)]) for toks, pos in sources]
+        live = [(toks, pos) for toks, pos in live if pos.size]
+        if not live:
+            break
+        nexts = np.concatenate([toks[pos] for toks, pos in live])
+        values, counts = np.unique(nexts, return_counts=True)
+        best = int(counts.argmax())
+        prob *= counts[best] / nexts.size
+        if prob < min_prob:
+            break
+        token = int(values[best])
+        drafts.append(token)
+        score += prob
+        sources = [(toks, pos[toks[pos] == token] + 1) for toks, pos in live]
+    return drafts, score
+
+
+class RecentOutputs:
+    """A bounded store of recent outputs for suffix decoding: the last `max_outputs` outputs
+    (oldest evicted first), indexed by their token pairs.
+
+    NOTE: bounded memory: each pair keeps at most 4 x `candidates` positions (only the most
+    recent `candidates` are looked at), and the index is rebuilt from the live outputs once
+    evicted outputs' tokens outnumber the live ones.
+    """
+
+    def __init__(self, max_outputs: int, candidates: int = 32) -> None:
+        self.max_outputs = max_outputs
+        self.candidates = candidates
+        self._outputs: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._index: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._next_id = 0
+        self._live_tokens = 0
+        self._dead_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def add(self, output_ids: Sequence[int]) -> None:
+        if self.max_outputs <= 0 or len(output_ids) < 3:
+            return
+        tokens = np.asarray(output_ids, dtype=np.int64)
+        key = self._next_id
+        self._next_id += 1
+        self._outputs[key] = tokens
+        self._live_tokens += len(tokens)
+        self._index_output(key, tokens)
+        while len(self._outputs) > self.max_outputs:
+            _, old = self._outputs.popitem(last=False)
+            self._live_tokens -= len(old)
+            self._dead_tokens += len(old)
+        if self._dead_tokens > self._live_tokens:
+            self._rebuild()
+
+    def _index_output(self, key: int, tokens: np.ndarray) -> None:
+        limit = 4 * self.candidates
+        pairs = zip(tokens[:-1].tolist(), tokens[1:].tolist())
+        for end, pair in enumerate(pairs, start=1):
+            entries = self._index.setdefault(pair, [])
+            entries.append((key, end))
+            if len(entries) > limit:
+                del entries[:len(entries) - self.candidates]
+
+    def _rebuild(self) -> None:
+        self._index.clear()
+        for key, tokens in self._outputs.items():
+            self._index_output(key, tokens)
+        self._dead_tokens = 0
+
+    def match(self, tokens: np.ndarray, max_len: int) -> tuple[int, list[tuple[np.ndarray,
+                                                                              np.ndarray]]]:
+        """(m, sources): the longest m <= max_len (>= 2) such that the sequence's last m
+        tokens occur in a stored output, and for each output holding such occurrences its
+        tokens and the positions following them (for `walk_most_frequent`); (0, [])."""
+        if len(tokens) < 2 or max_len < 2:
+            return 0, []
+        entries = self._index.get((int(tokens[-2]), int(tokens[-1])))
+        if not entries:
+            return 0, []
+        tail = tokens[-max_len:][::-1].tolist()  # the sequence backwards from its end
+        best, found = 0, {}
+        for key, end in reversed(entries[-self.candidates:]):
+            stored = self._outputs.get(key)
+            if stored is None:
+                continue
+            length = _backward_match(stored, end, tail)
+            if length > best:
+                best, found = length, {}
+            if length == best:
+                found.setdefault(key, []).append(end + 1)
+        sources = [(self._outputs[k], np.array(sorted(p), dtype=np.int64))
+                   for k, p in found.items()]
+        return best, sources
+
+
+def _backward_match(stored: np.ndarray, end: int, tail: list[int]) -> int:
+    """How many of tail's tokens (the sequence backwards) match stored backwards from end."""
+    length = 0
+    limit = min(len(tail), end + 1)
+    while length < limit and int(stored[end - length]) == tail[length]:
+        length += 1
+    return length
+
+
+class SuffixProposer(_PerSequence):
+    """vLLM's `suffix` proposer (suffix decoding); see the module docstring."""
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+        super().__init__()
+        self.max_depth = max_tree_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.store = RecentOutputs(max_cached_requests)
+
+    def propose(self, seq_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                max_tokens: int) -> list[int]:
+        if max_tokens <= 0:
+            return []
+        tokens = self.tokens(seq_id, prompt_ids, output_ids)
+        best: tuple[list[int], float] = ([], 0.0)
+        own_len, ends = longest_suffix_match(tokens, self.max_depth)
+        for length, sources in ((own_len, [(tokens, ends + 1)] if own_len else []),
+                                self.store.match(tokens, self.max_depth)):
+            if not length:
+                continue
+            cap = min(max_tokens, int(self.max_spec_factor * length))
+            drafts, score = walk_most_frequent(sources, cap, self.min_token_prob)
+            if score > best[1]:
+                best = (drafts, score)
+        return best[0]
+
+    def finish(self, seq_id: str, output_ids: Sequence[int]) -> None:
+        """The sequence finished: its output joins the store of recent outputs."""
+        self.forget(seq_id)
+        self.store.add(output_ids)
