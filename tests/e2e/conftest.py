@@ -6,6 +6,8 @@ ENGINE_FLAGS; the oracle loads while the server starts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,19 @@ def launch_server(log_dir: Path, *flags: str) -> ServerProcess:
     return ServerProcess.launch(log_dir / f"server-{port}.log", *flags, port=port, cwd=REPO)
 
 
+@contextmanager
+def running_server(log_dir: Path, *flags: str) -> Iterator[ServerProcess]:
+    """A launched server, ready (a failed start fails the test); stopped when the block ends,
+    however it ends. A module's own server fixture: `with running_server(...) as proc: yield
+    proc`."""
+    proc = launch_server(log_dir, *flags)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="session")
 def offline_llm():
     """The offline API on the same model and engine settings as the server."""
@@ -70,3 +85,9 @@ def server(request, tmp_path_factory):
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An openai client of the module's `server` (a module's own server fixture included)."""
+    return server.client()

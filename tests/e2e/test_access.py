@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, running_server
 from tests.support.launch import cli_flags
 
 ADMIN = "adm-e2e-secret"
@@ -22,13 +22,9 @@ def keyed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keyed")
     keys = folder / "keys.txt"
     keys.write_text("# key tenant weight\nsk-alice alice 2\nsk-bob bob\n")
-    proc = launch_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys),
-                         "--admin-key", ADMIN)
-    try:
-        proc.wait_ready()
+    with running_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys),
+                        "--admin-key", ADMIN) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def client(server, key: str, cls=openai.OpenAI):

@@ -11,24 +11,15 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, running_server
 from tests.support.launch import cli_flags
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = launch_server(tmp_path_factory.mktemp("parity"), *cli_flags(**ENGINE_FLAGS),
-                         "--max-prompts", "8")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("parity"), *cli_flags(**ENGINE_FLAGS),
+                        "--max-prompts", "8") as proc:
         yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def complete(client, **kwargs):

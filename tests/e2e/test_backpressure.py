@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL_NAME, cli_flags, launch_server
+from tests.e2e.conftest import MODEL_NAME, cli_flags, running_server
 
 MAX_TOKENS = 6
 
@@ -21,12 +21,8 @@ MAX_TOKENS = 6
 def small_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("overload")
     flags = cli_flags(max_num_seqs=1, max_waiting=2, num_blocks=64, max_model_len=256)
-    proc = launch_server(folder, *flags, f"--trace={folder / 'trace.json'}")
-    try:
-        proc.wait_ready()
+    with running_server(folder, *flags, f"--trace={folder / 'trace.json'}") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_excess_requests_get_429_and_admitted_ones_complete(small_server):

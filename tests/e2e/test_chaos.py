@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from benchmarks import chaos
-from tests.e2e.conftest import launch_server
+from tests.e2e.conftest import running_server
 
 VICTIMS, MAX_TOKENS = 6, 16
 
@@ -29,12 +29,8 @@ def keyed_server(tmp_path_factory):
     """`slotserve serve` with the victim's and the adversary's keys and an admin key."""
     log_dir = tmp_path_factory.mktemp("chaos")
     keys = chaos.write_keys_file(log_dir / "keys.txt")
-    proc = launch_server(log_dir, *chaos.server_flags(keys))
-    try:
-        proc.wait_ready()
+    with running_server(log_dir, *chaos.server_flags(keys)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_the_victim_does_not_notice_the_adversary(keyed_server):
@@ -63,13 +59,9 @@ def test_the_victim_does_not_notice_the_adversary(keyed_server):
 @pytest.fixture
 def two_connection_server(tmp_path):
     keys = chaos.write_keys_file(tmp_path / "keys.txt")
-    proc = launch_server(tmp_path, *chaos.server_flags(keys), "--max-connections=2",
-                         "--body-timeout=3")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path, *chaos.server_flags(keys), "--max-connections=2",
+                        "--body-timeout=3") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_slow_loris_uploads_do_not_lock_out_other_tenants(two_connection_server):

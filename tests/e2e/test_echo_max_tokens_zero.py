@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, running_server
 from tests.support.launch import cli_flags
 
 PROMPT = "The capital of France is Paris"
@@ -16,17 +16,8 @@ PROMPT = "The capital of France is Paris"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = launch_server(tmp_path_factory.mktemp("echo"), *cli_flags(**ENGINE_FLAGS))
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("echo"), *cli_flags(**ENGINE_FLAGS)) as proc:
         yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def complete(client, **kwargs):

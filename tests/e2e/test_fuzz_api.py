@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.conftest import cli_flags, launch_server
+from tests.e2e.conftest import cli_flags, running_server
 
 schemathesis = pytest.importorskip("schemathesis")  # a dev dependency
 
@@ -49,12 +49,8 @@ CASES = [(m, p, "positive") for m, p in OPERATIONS] + [(m, p, "negative") for m,
 def fuzz_server(tmp_path_factory):
     flags = cli_flags(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                       num_blocks=128, block_size=16, seed=0)
-    proc = launch_server(tmp_path_factory.mktemp("fuzz"), *flags, f"--max-tokens-cap={CAP}")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("fuzz"), *flags, f"--max-tokens-cap={CAP}") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, running_server
 from tests.support.launch import cli_flags
 
 # A's longest gap between two tokens while B's constraints are compiled. NOTE: generous (2
@@ -40,12 +40,8 @@ def tenants(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tenants")
     keys = folder / "keys.txt"
     keys.write_text("sk-a a\nsk-b b\n")
-    proc = launch_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys))
-    try:
-        proc.wait_ready()
+    with running_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def stream_token_times(base_url: str, started: threading.Event, times: list[float]) -> None:

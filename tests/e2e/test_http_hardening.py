@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, running_server
 from tests.support.launch import cli_flags
 
 ADMIN = "adm-hardening-e2e"
@@ -28,13 +28,9 @@ def server(tmp_path_factory):
                     f"{BOB} bob\n")
     admin = folder / "admin.txt"
     admin.write_text(ADMIN + "\n")
-    proc = launch_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys),
-                         "--admin-key-file", str(admin))
-    try:
-        proc.wait_ready()
+    with running_server(folder, *cli_flags(**ENGINE_FLAGS), "--api-keys-file", str(keys),
+                        "--admin-key-file", str(admin)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def post(server, key: str, path: str, body: dict, **kwargs) -> httpx.Response:

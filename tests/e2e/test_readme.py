@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, running_server
 from tests.support.launch import cli_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,12 +69,8 @@ def test_every_code_block_runs_or_is_marked_illustrative():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = launch_server(tmp_path_factory.mktemp("readme"), *cli_flags(**ENGINE_FLAGS))
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("readme"), *cli_flags(**ENGINE_FLAGS)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 RUNNABLE = [b for b in ALL_BLOCKS if b.runnable and not b.illustrative]

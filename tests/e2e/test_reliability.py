@@ -32,7 +32,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.server.api import ServerLimits, build_app
 from slotserve.server.startup import server_limits
 from tests.conftest import tiny_engine, tiny_llm
-from tests.e2e.conftest import MODEL_NAME, cli_flags, free_port, launch_server
+from tests.e2e.conftest import MODEL_NAME, cli_flags, free_port, running_server
 
 GREEDY_NO_EOS = {"temperature": 0.0, "ignore_eos": True}
 
@@ -78,12 +78,8 @@ PRESSURE_BLOCKS = 24  # x 16 tokens: room for 3 of the 16 ~100-token sequences a
 def pressured(tmp_path_factory):
     flags = cli_flags(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512,
                       num_blocks=PRESSURE_BLOCKS, block_size=16, seed=0)
-    proc = launch_server(tmp_path_factory.mktemp("pressure"), *flags, "--drain-timeout=1")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("pressure"), *flags, "--drain-timeout=1") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def pressure_prompts(count: int = 16) -> list[str]:
@@ -272,14 +268,10 @@ def test_limit_and_drain_flags():
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     flags = cli_flags(max_num_seqs=4, num_blocks=64, max_model_len=128)
-    proc = launch_server(tmp_path_factory.mktemp("limits"), *flags,
-                         f"--max-tokens-cap={CAP}", f"--max-body-bytes={BODY_BYTES}",
-                         f"--max-connections={CONNECTIONS}", "--drain-timeout=60")
-    try:
-        proc.wait_ready()
+    with running_server(tmp_path_factory.mktemp("limits"), *flags,
+                        f"--max-tokens-cap={CAP}", f"--max-body-bytes={BODY_BYTES}",
+                        f"--max-connections={CONNECTIONS}", "--drain-timeout=60") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_prompt_over_the_model_length_is_400(limited):

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, launch_server
+from tests.e2e.conftest import ENGINE_FLAGS, MODEL_NAME, running_server
 from tests.support.launch import cli_flags
 
 SLOTS = 16
@@ -31,13 +31,9 @@ def server(tmp_path_factory):
     keys = folder / "keys.txt"
     keys.write_text("sk-tenant-a ta\nsk-tenant-b tb\n")
     flags = cli_flags(**{**ENGINE_FLAGS, "max_num_seqs": SLOTS})
-    proc = launch_server(folder, *flags, "--api-keys-file", str(keys),
-                         "--scheduling-policy", "deadline", "--max-waiting-per-tenant", "64")
-    try:
-        proc.wait_ready()
+    policy = ("--scheduling-policy", "deadline", "--max-waiting-per-tenant", "64")
+    with running_server(folder, *flags, "--api-keys-file", str(keys), *policy) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def client(server, key: str, cls=openai.OpenAI):

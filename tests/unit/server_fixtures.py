@@ -1,14 +1,22 @@
 """A tiny text model for the server's tests: a byte-level BPE tokenizer (built with the
-`tokenizers` library, vocabulary inside the tiny model's 512 rows) on the tiny random Llama."""
+`tokenizers` library, vocabulary inside the tiny model's 512 rows) on the tiny random Llama;
+and the in-process server the tests share: an AsyncEngine running (`started`), and a
+TestClient of its app (`app_client`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi.testclient import TestClient
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from slotserve.config import ModelConfig, engine_config
+from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader import Tokenizer
+from slotserve.server.api import build_app
 
 SPECIAL = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 # A ChatML template that writes BOS itself, as many Llama-family templates do.
@@ -44,3 +52,22 @@ def text_engine(hf_model, tokenizer: Tokenizer | None = None, **kwargs) -> LLMEn
     kwargs.setdefault("quantization", "none")
     return LLMEngine(engine_config(**kwargs), cfg, weights,
                      tokenizer=tokenizer or tiny_tokenizer())
+
+
+@contextmanager
+def started(engine: AsyncEngine) -> Iterator[AsyncEngine]:
+    """The AsyncEngine with its loop running; stopped when the block ends."""
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@contextmanager
+def app_client(engine: AsyncEngine, **app_kwargs) -> Iterator[TestClient]:
+    """A TestClient of build_app(engine, "tiny", **app_kwargs), its lifespan running and the
+    engine `started` around it; a server error comes back as a 500, not an exception."""
+    with started(engine), TestClient(build_app(engine, "tiny", **app_kwargs),
+                                     raise_server_exceptions=False) as client:
+        yield client

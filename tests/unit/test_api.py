@@ -13,6 +13,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.server.api import build_app
 from slotserve.server.generation import ClientGone, unless_disconnected
 from tests.conftest import tiny_engine
+from tests.unit.server_fixtures import app_client
 
 PROMPT = [5, 6, 7, 8]
 JSON = {"content-type": "application/json"}
@@ -21,11 +22,8 @@ JSON = {"content-type": "application/json"}
 @pytest.fixture(scope="module")
 def served(tiny_llama):
     engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    app = build_app(engine, "tiny", aliases=("tiny-alias",))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with app_client(engine, aliases=("tiny-alias",)) as client:
         yield client, engine
-    engine.stop()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.server.api import build_app
 from slotserve.server.auth import AccessPolicy, Tenant, load_api_keys_file
 from tests.conftest import tiny_engine
+from tests.unit.server_fixtures import started
 
 PROMPT = [5, 6, 7, 8]
 KEYS = (("sk-alice", Tenant("alice", 2.0)), ("sk-bob", Tenant("bob")))
@@ -26,10 +27,8 @@ ADMIN_PATHS = ("/metrics", "/debug/trace", "/", "/dashboard")
 @pytest.fixture
 def engine(tiny_llama):
     """NOTE: one per test: an app's shutdown stops its engine accepting requests."""
-    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    yield engine
-    engine.stop()
+    with started(AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))) as engine:
+        yield engine
 
 
 def app_client(engine, **policy) -> TestClient:

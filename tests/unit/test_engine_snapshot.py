@@ -13,6 +13,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.events import EngineSnapshot, IterationEvent, build_block_map
 from slotserve.sampling import SamplingParams
 from tests.conftest import tiny_engine
+from tests.unit.server_fixtures import started
 
 BLOCK = 4
 SHARED = list(range(10, 22))  # three full blocks of BLOCK tokens
@@ -181,10 +182,8 @@ async def generate(served: AsyncEngine, request_id: str, prompt, salt=None):
 
 @pytest.fixture
 def served(engine):
-    served = AsyncEngine(engine)
-    served.start()
-    yield served
-    served.stop()
+    with started(AsyncEngine(engine)) as served:
+        yield served
 
 
 def test_cache_salt_keeps_prefixes_apart(served):

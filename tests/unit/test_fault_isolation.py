@@ -25,6 +25,7 @@ from slotserve.engine.async_engine import (
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_engine
+from tests.unit.server_fixtures import started
 
 NUM_BLOCKS = 64
 MAX_TOKENS = 8
@@ -233,10 +234,8 @@ def test_fail_all_ends_everything_and_frees_every_block(tiny_llama):
 # --------------------------------------------------------------------------- AsyncEngine
 @pytest.fixture
 def served(tiny_llama):
-    engine = AsyncEngine(new_engine(tiny_llama))
-    engine.start()
-    yield engine
-    engine.stop()
+    with started(AsyncEngine(new_engine(tiny_llama))) as engine:
+        yield engine
 
 
 async def generate(engine: AsyncEngine, request_id: str, prompt, params):

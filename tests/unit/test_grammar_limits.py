@@ -15,7 +15,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from slotserve.config import ModelConfig, engine_config
+from slotserve.config import engine_config
 from slotserve.engine import sequence as seqs
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm_engine import LLMEngine
@@ -25,31 +25,13 @@ from slotserve.structured import StructuredOutputs
 from slotserve.structured import grammar as grammar_module
 from slotserve.structured.grammar import GrammarCompiler
 from slotserve.structured.limits import StructuredLimits
-from tests.conftest import tiny_hf_model
+from tests.unit.server_fixtures import app_client
 
 VOCAB = 49152  # the embedded SmolLM2's
 PROMPT = [1, 2, 3, 4]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from slotserve.loader import load_model
-
-    return load_model().tokenizer
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, VOCAB, tuple(tokenizer.eos_token_ids))
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_parts(tokenizer):
-    hf = tiny_hf_model("llama")
-    hf.resize_token_embeddings(VOCAB)
-    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
-    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return cfg, weights, tokenizer
+# NOTE: the tokenizer, compiler and smollm2_vocab_model fixtures: tests/unit/conftest.py's.
 
 
 def new_engine(parts) -> LLMEngine:
@@ -123,8 +105,8 @@ def test_a_compiled_entrys_size_grows_with_its_grammar(compiler):
 
 
 # ------------------------------------------------------------------ prebuilt matchers
-def test_the_engine_checks_the_matchers_it_is_handed(tiny_engine_parts):
-    engine = new_engine(tiny_engine_parts)
+def test_the_engine_checks_the_matchers_it_is_handed(smollm2_vocab_model):
+    engine = new_engine(smollm2_vocab_model)
     params = SamplingParams(n=2, max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
     built = seqs.build_matchers(engine.grammars, params)
     with pytest.raises(ValueError, match="1 grammar matchers for n=2"):
@@ -141,7 +123,7 @@ def test_the_engine_checks_the_matchers_it_is_handed(tiny_engine_parts):
     assert not engine.has_request("a") and engine.has_request("e")
 
 
-def test_no_matcher_is_built_on_the_engine_thread(tiny_engine_parts, monkeypatch):
+def test_no_matcher_is_built_on_the_engine_thread(smollm2_vocab_model, monkeypatch):
     """AsyncEngine compiles and copies matchers on its grammar threads; the engine thread
     only receives them (the compile of a large spec took it 0.7 s per matcher before)."""
     threads: list[str] = []
@@ -158,7 +140,7 @@ def test_no_matcher_is_built_on_the_engine_thread(tiny_engine_parts, monkeypatch
 
     monkeypatch.setattr(GrammarCompiler, "_compile_uncached", recording_compile)
     monkeypatch.setattr(grammar_module.CompiledGrammar, "new_matcher", recording_copy)
-    engine = AsyncEngine(new_engine(tiny_engine_parts))
+    engine = AsyncEngine(new_engine(smollm2_vocab_model))
     engine.start()
 
     async def run() -> list[str]:
@@ -227,15 +209,10 @@ CAPS = StructuredLimits(max_schema_bytes=200, max_regex_bytes=50, max_grammar_by
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine_parts):
-    from slotserve.server.api import build_app
-
-    engine = AsyncEngine(new_engine(tiny_engine_parts))
-    engine.start()
-    app = build_app(engine, "tiny", limits=ServerLimits(structured=CAPS))
-    with TestClient(app, raise_server_exceptions=False) as test_client:
+def client(smollm2_vocab_model):
+    engine = AsyncEngine(new_engine(smollm2_vocab_model))
+    with app_client(engine, limits=ServerLimits(structured=CAPS)) as test_client:
         yield test_client
-    engine.stop()
 
 
 BIG_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "integer"}
@@ -283,7 +260,7 @@ def test_within_the_caps_a_constrained_request_runs(client):
 
 
 # ------------------------------------------------------------------ under --replicas
-def test_the_replica_front_pre_checks_constraints_too(tiny_engine_parts):
+def test_the_replica_front_pre_checks_constraints_too(smollm2_vocab_model):
     """ReplicaFront compiles with its own GrammarCompiler (the replicas' tokenizer): a
     rejected constraint is a 400 at the ingress, before any replica is asked."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -291,7 +268,7 @@ def test_the_replica_front_pre_checks_constraints_too(tiny_engine_parts):
     from tests.support.replicas import InProcessReplica, in_process_front
 
     front = in_process_front({"replica-0": InProcessReplica(AsyncEngine(
-        new_engine(tiny_engine_parts)))}, block_size=16)
+        new_engine(smollm2_vocab_model)))}, block_size=16)
     app = build_app(front, "tiny", limits=ServerLimits(structured=CAPS))
     with TestClient(app, raise_server_exceptions=False) as test_client:
         for body, param, words in [

@@ -33,6 +33,7 @@ from slotserve.server.auth import (
 from slotserve.server.limits import ServerLimits, allowed_hosts_for
 from slotserve.server.startup import access_policy, server_limits
 from tests.conftest import tiny_engine
+from tests.unit.server_fixtures import started
 
 PROMPT = [5, 6, 7, 8]
 ADMIN = "adm-hardening"
@@ -44,10 +45,8 @@ APP_JS = Path(__file__).resolve().parents[2] / "src/slotserve/server/dashboard/a
 def engine(tiny_llama):
     """NOTE: the apps below are used without their lifespan (no `with TestClient`), so none
     of them stops the shared engine accepting requests."""
-    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    yield engine
-    engine.stop()
+    with started(AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))) as engine:
+        yield engine
 
 
 def client_of(engine, limits: ServerLimits | None = None, access: AccessPolicy | None = None,

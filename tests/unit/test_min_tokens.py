@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from slotserve.config import ModelConfig, engine_config
 from slotserve.core.outputs import ScheduledSeq
@@ -16,9 +15,8 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.runner.sampler import Sampler
 from slotserve.sampling import SamplingParams
-from slotserve.server.api import build_app
 from tests.conftest import tiny_engine
-from tests.unit.server_fixtures import text_engine
+from tests.unit.server_fixtures import app_client, text_engine
 
 PROMPT = [5, 6, 7, 8]
 EOS = 3
@@ -128,10 +126,8 @@ def test_the_engine_skips_its_stop_checks_before_min_tokens(tiny_llama):
 @pytest.fixture(scope="module")
 def client(tiny_llama):
     engine = AsyncEngine(text_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+    with app_client(engine) as client:
         yield client
-    engine.stop()
 
 
 @pytest.mark.parametrize("path,body", [

@@ -21,6 +21,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.isolation import execute_isolated, is_fault
 from slotserve.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_engine
+from tests.unit.server_fixtures import started
 
 NUM_BLOCKS = 64
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -179,10 +180,8 @@ def test_a_panic_building_one_output_fails_only_it(tiny_llama, clean, monkeypatc
 # --------------------------------------------------------------------------- AsyncEngine
 @pytest.fixture
 def served(tiny_llama):
-    engine = AsyncEngine(new_engine(tiny_llama))
-    engine.start()
-    yield engine
-    engine.stop()
+    with started(AsyncEngine(new_engine(tiny_llama))) as engine:
+        yield engine
 
 
 async def generate(engine: AsyncEngine, request_id: str, prompt):

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.server.api import build_app
 from slotserve.server.auth import AccessPolicy, Tenant
-from tests.unit.server_fixtures import text_engine
+from tests.unit.server_fixtures import started, text_engine
 
 PROMPT = list(range(10, 50))  # two full blocks of 16 and a tail
 ADMIN = "admin-secret"
@@ -36,10 +36,8 @@ class SaltRecorder(AsyncEngine):
 
 @pytest.fixture
 def engine(tiny_llama):
-    engine = SaltRecorder(text_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    yield engine
-    engine.stop()
+    with started(SaltRecorder(text_engine(tiny_llama, num_blocks=64, max_num_seqs=4))) as engine:
+        yield engine
 
 
 def app_client(engine, **policy) -> TestClient:

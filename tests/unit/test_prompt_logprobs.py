@@ -145,18 +145,13 @@ def test_bad_values_name_the_field(value):
 # Llama): exact against HF, in OpenAI's index order, admitted all or nothing.
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    from fastapi.testclient import TestClient
-
     from slotserve.engine.async_engine import AsyncEngine
-    from slotserve.server.api import build_app
-    from tests.unit.server_fixtures import text_engine
+    from tests.unit.server_fixtures import app_client, text_engine
 
     engine = AsyncEngine(text_engine(tiny_llama, num_blocks=96, max_num_seqs=4,
                                      enable_prefix_caching=True))
-    engine.start()
-    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+    with app_client(engine) as client:
         yield client, engine
-    engine.stop()
 
 
 def complete(client, **body) -> dict:

@@ -18,7 +18,7 @@ from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm import LLM
 from slotserve.server.api import ServerLimits, build_app
 from tests.support.launch import free_port
-from tests.unit.server_fixtures import text_engine, tiny_tokenizer
+from tests.unit.server_fixtures import app_client, text_engine, tiny_tokenizer
 
 MESSAGES = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": "hello world, name three colours"}]
@@ -39,11 +39,8 @@ class RecordingEngine(AsyncEngine):
 @pytest.fixture(scope="module")
 def served(tiny_llama):
     engine = RecordingEngine(text_engine(tiny_llama, num_blocks=64, max_num_seqs=4))
-    engine.start()
-    app = build_app(engine, "tiny", limits=ServerLimits(max_body_bytes=8 << 20))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with app_client(engine, limits=ServerLimits(max_body_bytes=8 << 20)) as client:
         yield client, engine
-    engine.stop()
 
 
 def test_encode_chat_writes_bos_once():

@@ -5,14 +5,12 @@ are refused by the engine (ValueError offline, 400 naming the field through the 
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.sampling import SamplingParams
-from slotserve.server.api import build_app
 from slotserve.server.limits import ServerLimits
 from tests.conftest import tiny_engine
-from tests.unit.server_fixtures import text_engine
+from tests.unit.server_fixtures import app_client, text_engine
 
 MAX_TOKENS = 6
 ENDPOINTS = [
@@ -24,14 +22,10 @@ ENDPOINTS = [
 @pytest.fixture(scope="module")
 def served(tiny_llama):
     llm_engine = text_engine(tiny_llama, num_blocks=64, max_num_seqs=4)
-    engine = AsyncEngine(llm_engine)
-    engine.start()
     # NOTE: the stop-token cap raised to the vocabulary: a test stops on every token
     limits = ServerLimits(max_stop_token_ids=llm_engine.model_config.vocab_size)
-    with TestClient(build_app(engine, "tiny", limits=limits),
-                    raise_server_exceptions=False) as client:
+    with app_client(AsyncEngine(llm_engine), limits=limits) as client:
         yield client, llm_engine.model_config.vocab_size
-    engine.stop()
 
 
 def _post(client, path: str, body: dict, **fields):

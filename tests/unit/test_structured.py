@@ -65,18 +65,7 @@ def test_sampling_params_rejects_unknown_structured_fields():
 
 
 # ------------------------------------------------------------------ the grammar wrapper
-@pytest.fixture(scope="module")
-def tokenizer():
-    from slotserve.loader import load_model
-
-    return load_model().tokenizer
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, 49152, tuple(tokenizer.eos_token_ids))
-
-
+# NOTE: the tokenizer and compiler fixtures are tests/unit/conftest.py's (SmolLM2's).
 def allowed_now(matcher) -> torch.Tensor:
     bitmask = allocate_bitmask(1, 49152)
     fill_bitmasks([(matcher, 0)], bitmask)

@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from slotserve.config import ModelConfig, engine_config
+from slotserve.config import engine_config
 from slotserve.engine.async_engine import AsyncEngine
 from slotserve.engine.llm_engine import LLMEngine
-from tests.conftest import tiny_hf_model
+from tests.unit.server_fixtures import app_client
 
 VOCAB = 49152  # the embedded SmolLM2's
 SCHEMA = {"type": "object",
@@ -40,30 +40,13 @@ USER = [{"role": "user", "content": "Tell me about Bo."}]
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    """(ModelConfig, weights, tokenizer): a tiny random Llama with SmolLM2's vocabulary."""
-    from slotserve.loader import load_model
-
-    tokenizer = load_model().tokenizer
-    hf = tiny_hf_model("llama")
-    hf.resize_token_embeddings(VOCAB)
-    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
-    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return cfg, weights, tokenizer
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model):
-    from slotserve.server.api import build_app
-
-    cfg, weights, tokenizer = tiny_model
+def served(smollm2_vocab_model):
+    cfg, weights, tokenizer = smollm2_vocab_model
     engine = AsyncEngine(LLMEngine(engine_config(max_model_len=512, num_blocks=128,
                                                  max_num_seqs=8), cfg, weights,
                                    tokenizer=tokenizer))
-    engine.start()
-    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
+    with app_client(engine) as client:
         yield client, tokenizer
-    engine.stop()
 
 
 @pytest.fixture
@@ -424,7 +407,7 @@ def test_random_schemas_at_temperature_1_always_validate(served):
 SCHEMAS_PER_BATCH = 16
 
 
-def test_200_random_schemas_16_different_ones_per_engine_step(tiny_model):
+def test_200_random_schemas_16_different_ones_per_engine_step(smollm2_vocab_model):
     """13 batches of 16 different random schemas (208 in all), 2 samples each, at temperature
     1: all 32 completions of a batch are sampled in the same engine steps, each under its own
     grammar, and every one is complete and valid.
@@ -440,7 +423,7 @@ def test_200_random_schemas_16_different_ones_per_engine_step(tiny_model):
     from slotserve.engine.llm import LLM
     from slotserve.structured import StructuredOutputs
 
-    cfg, weights, tokenizer = tiny_model
+    cfg, weights, tokenizer = smollm2_vocab_model
     rows = 2 * SCHEMAS_PER_BATCH
     llm = LLM(engine=LLMEngine(engine_config(max_model_len=512, num_blocks=512,
                                              max_num_seqs=rows), cfg, weights,

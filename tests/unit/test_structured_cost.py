@@ -6,24 +6,17 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.structured_cost import main, run_rounds, schema_for
-from slotserve.config import ModelConfig, engine_config
+from slotserve.config import engine_config
 from slotserve.engine.llm import LLM
 from slotserve.engine.llm_engine import LLMEngine
-from tests.conftest import tiny_hf_model
-
-VOCAB = 49152  # the embedded SmolLM2's
 
 
 @pytest.fixture(scope="module")
-def tiny_llm():
-    from slotserve.loader import load_model
-
-    hf = tiny_hf_model("llama")
-    hf.resize_token_embeddings(VOCAB)
-    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
-    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+def tiny_llm(smollm2_vocab_model):
+    """The offline API on tests/unit/conftest.py's tiny model with SmolLM2's vocabulary."""
+    cfg, weights, tokenizer = smollm2_vocab_model
     engine = LLMEngine(engine_config(max_model_len=512, num_blocks=64, max_num_seqs=4), cfg,
-                       weights, tokenizer=load_model().tokenizer)
+                       weights, tokenizer=tokenizer)
     return LLM(engine=engine)
 
 
