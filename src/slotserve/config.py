@@ -27,6 +27,8 @@ from slotserve.config_gate import (
 )
 from slotserve.flat_config import FlatField, build_flat, flat_fields
 from slotserve.layer_windows import hf_layer_windows
+from slotserve.spec.config import SpeculativeConfig
+from slotserve.spec.config import parse as parse_speculative_config
 
 
 class _StrEnum(str, enum.Enum):
@@ -480,6 +482,14 @@ class EngineConfig:
         benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
+    speculative_config: speculative decoding, as vLLM's JSON: {"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (method
+        ngram: prompt lookup; suffix: suffix decoding over the sequence and recent outputs);
+        "num_speculative_tokens": "auto" (the default) lets the scheduler pick each
+        sequence's number every iteration from the step cost and its acceptance (none when
+        the batch is compute-bound). Greedy output is unchanged, sampled output keeps its
+        distribution; sequences with a grammar or logit shaping (penalties, logit_bias, ...)
+        do not speculate. None: off. See slotserve/spec/config.py for every key.
     """
 
     model: str | None = None
@@ -491,10 +501,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_capacity: int = 4096
+    # NOTE: stored as canonical JSON text (a dict or a SpeculativeConfig is accepted too);
+    # `speculative` is the parsed form.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        speculative = parse_speculative_config(self.speculative_config)  # ValueError naming it
+        object.__setattr__(self, "speculative_config",
+                           None if speculative is None else speculative.to_json())
         if self.quantization is None:  # NOTE: None, the fp32 spelling before "auto" existed
             object.__setattr__(self, "quantization", "none")
         if self.quantization not in QUANTIZATIONS:
@@ -503,6 +519,11 @@ class EngineConfig:
         if self.quantization in ("bf16", "int8", "gguf") and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
                              f"got device {self.device!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (None: speculation off)."""
+        return parse_speculative_config(self.speculative_config)
 
 
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(

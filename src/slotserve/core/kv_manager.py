@@ -219,6 +219,30 @@ class KVCacheManager:
             self.pool.cache_block(table[index], hashes[index])  # False: a duplicate, kept plain
         self._num_cached_blocks[request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the blocks past the first ceil(num_tokens / block_size) of a request's
+        table (speculative decoding: blocks taken for draft tokens that were rejected).
+        Returns how many went back.
+
+        NOTE: only a request's own unhashed tail goes back (never a cached block: those hold
+        computed, accepted tokens before num_tokens), so it keeps the invariant that a
+        request holds exactly the blocks its cached-or-scheduled positions need.
+        """
+        request_id = request.request_id
+        table = self.block_tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        if keep < self.num_cached_blocks(request_id):
+            raise RuntimeError(f"{request_id}: trimming to {num_tokens} tokens would drop "
+                               "cached blocks")
+        tail = table[keep:]
+        del table[keep:]
+        for index in range(keep, keep + len(tail)):
+            self._end_in_flight(request_id, index)
+        self.pool.free(list(reversed(tail)))
+        return len(tail)
+
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks to the pool (no-op if it holds none)."""
         blocks = self.block_tables.pop(request_id, [])

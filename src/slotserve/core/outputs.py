@@ -13,6 +13,9 @@ class ScheduledSeq:
 
     token_ids are the new tokens to process, at positions start_pos .. start_pos+len-1.
     sample: this chunk ends at the request's last token, so one token is sampled after it.
+    spec_token_ids: speculative decoding's draft tokens, the last len(spec_token_ids) of
+    token_ids (a decode verified with them: logits at each of its 1 + k rows; the runner
+    accepts a prefix of them and samples one token after it, `RunnerOutput.accepted`).
     """
 
     request_id: str
@@ -23,6 +26,7 @@ class ScheduledSeq:
     sampling_params: SamplingParams
     num_output_tokens: int  # generated so far: the index of the token sampled now
     kind: str  # "prefill" | "decode"
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +45,8 @@ class SlotState:
     request_id: str
     kind: str  # "prefill" | "decode" | "stalled"
     tokens: int
+    proposed: int = 0  # draft tokens verified (speculative decoding), among `tokens`
+    accepted: int = 0  # of those, accepted (set when the iteration's result is applied)
 
 
 @dataclass
@@ -68,7 +74,19 @@ class RunnerOutput:
     """What the forward pass produced: one sampled token per sampling request.
 
     logprobs[request_id] maps token id -> log-probability: the sampled token and the top-N.
+    accepted[request_id]: for a request verified with draft tokens, the drafts accepted (a
+    prefix of its spec_token_ids, maybe empty); they come before its sampled token, which
+    was sampled after them. accepted_logprobs: their logprobs (when the request asks).
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+    def merge(self, other: RunnerOutput) -> None:
+        """Add another part of the same iteration's result (fault isolation's halves)."""
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.accepted.update(other.accepted)
+        self.accepted_logprobs.update(other.accepted_logprobs)

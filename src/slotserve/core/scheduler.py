@@ -17,6 +17,15 @@ a shared prefix is computed once.
 Tenants (core/tenant_share.py): while a tenant below its share of the slots waits, no other
 tenant is admitted past its share, and one far over it gives up a slot (preemption), under
 every policy.
+
+Speculative decoding (spec/, off unless a `Speculator` is given): after the running requests
+got their tokens and before waiting ones are admitted, the speculator gives draft tokens to
+running decodes (fixed, or "auto" from the step-cost model and acceptance: spec/planner.py);
+a drafted decode is planned as a chunk of 1 + k tokens, with blocks for all of them (never
+preempting for drafts: fewer drafts instead). `update` keeps the accepted drafts and the token
+sampled after them, rewinds `num_computed_tokens` past the rejected drafts' positions (their
+K/V is garbage that later tokens overwrite) and gives back the blocks only they needed;
+blocks are hashed for the prefix cache only once their tokens are accepted.
 """
 
 from __future__ import annotations
@@ -33,15 +42,18 @@ from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, 
 from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
+from slotserve.spec.planner import Candidate, Speculator
 
 
 class Scheduler:
     """Decides every iteration; owns the waiting queue, the running batch and the KV blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 speculator: Speculator | None = None) -> None:
         """clock: seconds, for request timestamps, SLO deadlines and the cost model (tests
-        inject a fake one; it must be the clock of the requests' arrival times)."""
+        inject a fake one; it must be the clock of the requests' arrival times).
+        speculator: speculative decoding's planner and proposer (None: off)."""
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -58,6 +70,12 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs))
         self.iteration = 0
         self.num_preemptions = 0
+        self.speculator = speculator
+        # Which running requests may take draft tokens (the engine's: none with a grammar
+        # or logit shaping).
+        self.may_speculate: Callable[[Request], bool] = lambda request: True
+        self._drafts: dict[str, list[int]] = {}  # the plan being built: drafts by request
+        self.last_extra_tokens = 0  # accepted drafts appended by the last update
 
     # ----------------------------------------------------------------- requests in / out
     @property
@@ -109,6 +127,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self.speculator is not None:
+            self.speculator.finish(request_id, request.output_token_ids, completed=status in (
+                RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release_slot(request)
@@ -157,6 +178,10 @@ class Scheduler:
         self.queue_policy.order_running(self.running)
         self._prefill_allowance = self.queue_policy.prefill_allowance(self.running, now)
         budget = self._schedule_running(budget, plan, preempted)
+        self._drafts = {}
+        # NOTE: no drafts in an iteration that had to preempt: memory is short.
+        if self.speculator is not None and not preempted:
+            budget = self._schedule_drafts(budget, plan)
         if not plan:
             # NOTE: the prefill cap protects running decodes; with none planned it would
             # only idle the iteration, so progress wins (at least one chunk).
@@ -197,6 +222,54 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_drafts(self, budget: int, plan: dict[str, int]) -> int:
+        """Give draft tokens to running decodes (the speculator's plan) from what is left of
+        the budget; returns what is left then."""
+        if budget <= 0:
+            return budget
+        candidates = [self._candidate(r) for r in self.running
+                      if plan.get(r.request_id) == 1 and self._is_decode(r)
+                      and self.may_speculate(r)]
+        candidates = [c for c in candidates if c.max_tokens > 0]
+        if not candidates:
+            return budget
+        producing = sum(1 for r in self.running if r.request_id in plan
+                        and r.num_computed_tokens + plan[r.request_id] == r.num_tokens)
+        cost = self.cost if self.cost.per_token and self.cost.overhead > 0 else None
+        proposed = self.speculator.plan(candidates, budget, sum(plan.values()), producing,
+                                        cost)
+        for request_id, drafts in proposed.items():
+            request = self.requests[request_id]
+            num = self._fit_drafts(request, min(len(drafts), budget))
+            if num > 0:
+                self._drafts[request_id] = list(drafts[:num])
+                plan[request_id] += num
+                budget -= num
+        return budget
+
+    @staticmethod
+    def _is_decode(request: Request) -> bool:
+        """It has sampled a token and computed everything before it."""
+        return bool(request.output_token_ids) and (
+            request.num_computed_tokens == request.num_tokens - 1)
+
+    def _candidate(self, request: Request) -> Candidate:
+        """A decoding request as the speculator sees it; max_tokens keeps the drafts and
+        the token after them within max_tokens and the length cap."""
+        left = min(request.sampling_params.max_tokens - len(request.output_token_ids),
+                   request.max_total_tokens - request.num_tokens)
+        return Candidate(request.request_id, request.prompt_token_ids,
+                         request.output_token_ids,
+                         min(left - 1, self.speculator.config.max_tokens))
+
+    def _fit_drafts(self, request: Request, num: int) -> int:
+        """The most drafts (<= num) whose positions get blocks now, taken (never preempting)."""
+        while num > 0:
+            if self.kv.allocate_slots(request, request.num_computed_tokens + 1 + num) is not None:
+                return num
+            num -= 1
+        return 0
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         """Find blocks for num_new more tokens, preempting the last running requests (the
@@ -349,7 +422,8 @@ class Scheduler:
         for request in self.running:
             num = plan.get(request.request_id, 0)
             slots[request.slot] = SlotState(
-                request.request_id, kinds.get(request.request_id, "stalled"), num)
+                request.request_id, kinds.get(request.request_id, "stalled"), num,
+                proposed=len(self._drafts.get(request.request_id, ())))
         output = SchedulerOutput(
             iteration=self.iteration, seqs=seqs, slots=slots, preempted=preempted,
             num_waiting=len(self.waiting), kv_blocks_used=self.kv.pool.num_used)
@@ -358,16 +432,18 @@ class Scheduler:
 
     def _scheduled_seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
-        is_decode = num_new == 1 and request.output_token_ids and start == request.num_tokens - 1
+        drafts = self._drafts.get(request.request_id, [])
+        num_known = num_new - len(drafts)  # NOTE: drafts follow the request's last token
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=request.all_token_ids[start:start + num_known] + drafts,
             start_pos=start,
             block_table=list(self.kv.block_tables[request.request_id]),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_known == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
-            kind="decode" if is_decode else "prefill",
+            kind="decode" if self._is_decode(request) else "prefill",
+            spec_token_ids=list(drafts),
         )
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -380,11 +456,16 @@ class Scheduler:
         if self._scheduled_at is not None and output.seqs:
             self.cost.observe(output.num_batched_tokens, now - self._scheduled_at)
         self._scheduled_at = None
+        self.last_extra_tokens = 0
         touched: list[Request] = []
         for seq in output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the forward ran
+            if seq.spec_token_ids:
+                self._apply_verified(output, seq, request, result, now)
+                touched.append(request)
+                continue
             self.queue_policy.on_processed(request, seq.start_pos, seq.num_tokens, seq.sample)
             request.num_computed_tokens += seq.num_tokens
             self.kv.cache_full_blocks(request)
@@ -400,6 +481,50 @@ class Scheduler:
         if self.config.slo_reject:
             touched += self._reject_hopeless(now)
         return touched
+
+    def _apply_verified(self, output: SchedulerOutput, seq: ScheduledSeq, request: Request,
+                        result: RunnerOutput, now: float) -> None:
+        """A drafted decode's result: the accepted drafts and the token after them, each
+        checked for a stop as if it came alone (what follows a stop is dropped).
+
+        NOTE: num_computed_tokens counts the last token and the accepted drafts (their K/V
+        are right); the rejected drafts' positions are not computed, and the blocks only
+        they needed go back. Blocks are hashed only up to accepted tokens.
+        """
+        drafts = seq.spec_token_ids
+        accepted = list(result.accepted.get(seq.request_id, []))
+        if accepted != drafts[:len(accepted)]:
+            raise RuntimeError(f"{seq.request_id}: accepted tokens that were not its drafts")
+        tokens = [*accepted, result.sampled[seq.request_id]]
+        logprobs = [*result.accepted_logprobs.get(seq.request_id, [None] * len(accepted)),
+                    result.logprobs.get(seq.request_id)]
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"{seq.request_id}: {len(logprobs)} logprobs for "
+                               f"{len(tokens)} tokens")
+        status = None
+        appended = 0
+        for token, logprob in zip(tokens, logprobs):
+            request.append_token(token, now)
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+            appended += 1
+            self.queue_policy.on_processed(request, seq.start_pos + appended - 1,
+                                           int(appended == 1), True)
+            status = request.check_stop()
+            if status is not None:
+                break
+        self.last_extra_tokens += appended - 1
+        if self.speculator is not None:
+            self.speculator.observe(seq.request_id, len(drafts), len(accepted))
+        slot = output.slots[request.slot] if request.slot is not None else None
+        if slot is not None and slot.request_id == request.request_id:
+            slot.accepted = len(accepted)
+        request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens)
+        self.kv.cache_full_blocks(request)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        else:
+            self.kv.trim(request, request.num_computed_tokens)
 
     def _reject_hopeless(self, now: float) -> list[Request]:
         """Finish (FINISHED_REJECTED) the waiting requests that can no longer meet their

@@ -75,5 +75,4 @@ def _bisect(runner, plan: SchedulerOutput, seqs: list[ScheduledSeq], merged: Run
             else:
                 _bisect(runner, plan, half, merged, culprits)
             continue
-        merged.sampled.update(result.sampled)
-        merged.logprobs.update(result.logprobs)
+        merged.merge(result)  # NOTE: with speculative decoding's accepted drafts

@@ -62,6 +62,7 @@ from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
 from slotserve.runner.model_runner import ModelRunner
 from slotserve.runner.prompt_logprobs import PromptLogprobs
 from slotserve.sampling import SamplingParams
+from slotserve.spec.planner import Speculator
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
 if TYPE_CHECKING:
@@ -106,7 +107,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  tenant_scoped=config.cache.tenant_scoped)
-        self.scheduler = Scheduler(sched, self.kv)
+        speculative = config.speculative
+        self.scheduler = Scheduler(sched, self.kv, speculator=None if speculative is None
+                                   else Speculator(speculative))
+        self.scheduler.may_speculate = self._may_speculate
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
                                    settings=trace_settings(sched, config.cache))
@@ -277,6 +281,13 @@ class LLMEngine:
         seq = self._sequences.get(request_id)
         return None if seq is None else seq.prompt_logprobs
 
+    def _may_speculate(self, request: Request) -> bool:
+        """Whether a running completion may take draft tokens: not with a grammar (each
+        draft would need the matcher's approval first) nor with logit shaping (penalties
+        change with every draft). NOTE: the scheduler's, under the state lock."""
+        seq = self._sequences.get(request.request_id)
+        return seq is not None and seq.grammar is None and seq.shaping is None
+
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""
         seq = self._sequences.get(request_id)
@@ -363,6 +374,7 @@ class LLMEngine:
         try:
             record = self.trace.record(plan, start, end)
             self.stats.on_step(plan, result, end - start, self.scheduler.num_preemptions)
+            self.stats.generation_tokens += self.scheduler.last_extra_tokens  # accepted drafts
         except BaseException as exc:
             if not is_fault(exc):
                 raise

@@ -161,19 +161,44 @@ def detokenize(seq: SequenceState, scheduler: Scheduler) -> None:
 
     NOTE: the flush comes before the stop-string check, so a stop string in the held-back
     text still cuts the text (and whatever follows it).
+    NOTE: several new tokens (accepted draft tokens of speculative decoding) with stop
+    strings are added and checked one at a time, and the tokens after the one that completes
+    a stop string are dropped: the output is what one token per step would have given.
     """
     request = seq.request
-    seq.text += seq.detokenizer.add(request.output_token_ids[seq.sent_tokens:])
+    new = request.output_token_ids[seq.sent_tokens:]
+    if len(new) > 1 and request.sampling_params.stop:
+        for index, token in enumerate(new[:-1]):
+            seq.text += seq.detokenizer.add([token])
+            if cut_at_stop_string(seq, seq.sent_tokens + index + 1):
+                drop_output_after(request, seq.sent_tokens + index + 1)
+                finish_stopped(scheduler, request)
+                return
+        new = new[-1:]
+    seq.text += seq.detokenizer.add(new)
     if request.is_finished:  # the output may end inside a character (or in a real U+FFFD)
         seq.text += seq.detokenizer.flush()
     if cut_at_stop_string(seq):
         finish_stopped(scheduler, request)
 
 
-def cut_at_stop_string(seq: SequenceState) -> bool:
-    """Cut the text at the first stop string in its new tail; True if one was found."""
+def drop_output_after(request: Request, num_tokens: int) -> None:
+    """Keep only the first num_tokens output tokens (and their logprobs and times)."""
+    del request.output_token_ids[num_tokens:]
+    del request.output_logprobs[num_tokens:]
+    del request.times.token_times[num_tokens:]
+
+
+def cut_at_stop_string(seq: SequenceState, num_output: int | None = None) -> bool:
+    """Cut the text at the first stop string in its new tail; True if one was found.
+
+    num_output: the output tokens the text holds (default: all of the request's), for the
+    min_tokens rule.
+    """
     params = seq.request.sampling_params
-    if not params.stop or not seq.request.reached_min_tokens:  # NOTE: as vLLM
+    if num_output is None:
+        num_output = len(seq.request.output_token_ids)
+    if not params.stop or num_output < params.min_tokens:  # NOTE: as vLLM
         return False
     # Only the tail can hold a new match: the new text plus a stop string's length.
     window_start = max(0, seq.sent_text_len - seq.hold_back)

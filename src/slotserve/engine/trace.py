@@ -28,12 +28,18 @@ from slotserve.core.outputs import SchedulerOutput
 TRACE_VERSION = 1
 
 
-class TraceSlot(TypedDict):
-    """What one slot did in one iteration."""
-
+class _TraceSlotRequired(TypedDict):
     request: str
     kind: Literal["prefill", "decode", "stalled"]
     tokens: int
+
+
+class TraceSlot(_TraceSlotRequired, total=False):
+    """What one slot did in one iteration; a decode verified with draft tokens (speculative
+    decoding) also records how many it `proposed` (among `tokens`) and `accepted`."""
+
+    proposed: int
+    accepted: int
 
 
 class TraceIteration(TypedDict):
@@ -136,7 +142,8 @@ class TraceRecorder:
         cache, so its start position is the prefill that was skipped (`cached_tokens`).
         """
         slots = [None if s is None else
-                 {"request": s.request_id, "kind": s.kind, "tokens": s.tokens}
+                 {"request": s.request_id, "kind": s.kind, "tokens": s.tokens,
+                  **({"proposed": s.proposed, "accepted": s.accepted} if s.proposed else {})}
                  for s in plan.slots]
         record = {"index": plan.iteration, "start": self._rel(start), "end": self._rel(end),
                   "slots": slots, "num_waiting": plan.num_waiting,

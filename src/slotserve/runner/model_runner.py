@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -17,6 +18,12 @@ from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
+from slotserve.spec.verify import (
+    accept_greedy,
+    accept_sampled,
+    acceptance_generator,
+    target_probs,
+)
 from slotserve.structured.grammar import (
     GrammarMatcher,
     allocate_bitmask,
@@ -120,6 +127,8 @@ class ModelRunner:
         self._fill_prompt_logprobs(seqs, hidden)  # NOTE: before hidden keeps only sample rows
         if not sampling:
             return RunnerOutput(sampled={})
+        if any(s.spec_token_ids for s in sampling):  # speculative decoding: verify drafts
+            return self._sample_verified(seqs, hidden, allowed)
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)  # (S, V), only where sampling
@@ -133,6 +142,74 @@ class ModelRunner:
         return RunnerOutput(
             sampled=dict(zip(ids, tokens)),
             logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _sample_verified(self, seqs: list[ScheduledSeq], hidden: torch.Tensor,
+                         allowed: AllowedTokens | None) -> RunnerOutput:
+        """Sampling when some sequences carry draft tokens (spec/verify.py): logits at each of
+        a drafted sequence's 1 + k last rows, all rows through the sampler in one batch (row
+        i of a drafted sequence as output position num_output_tokens + i), then each drafted
+        sequence accepts a prefix of its drafts and takes the token after it.
+
+        NOTE: drafted sequences have no grammar and no logit shaping (the engine does not
+        speculate for them), so the masks and shaping apply to the undrafted rows only.
+        """
+        ends = np.cumsum([s.num_tokens for s in seqs]) - 1
+        rows: list[int] = []
+        row_seqs: list[ScheduledSeq] = []
+        first_row: dict[str, int] = {}  # sampling sequence -> its first row among `rows`
+        for end, seq in zip(ends.tolist(), seqs):
+            if not seq.sample:
+                continue
+            k = len(seq.spec_token_ids)
+            first_row[seq.request_id] = len(rows)
+            rows += range(end - k, end + 1)
+            row_seqs += [replace(seq, num_output_tokens=seq.num_output_tokens + i) if i else seq
+                         for i in range(k + 1)]
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(rows, device=hidden.device)])  # (R, V)
+        sampling = [s for s in seqs if s.sample]
+        last_row = [first_row[s.request_id] + len(s.spec_token_ids) for s in sampling]
+        extra: dict = {}
+        if allowed is not None:
+            extra["allowed"] = ([last_row[i] for i in allowed[0]], allowed[1])
+        shaping = [None] * len(rows)
+        for s, row in zip(sampling, last_row):
+            shaping[row] = None if s.spec_token_ids else self.shaping_of(s.request_id)
+        if any(x is not None for x in shaping):
+            extra["shaping"] = shaping
+        tokens, logprobs = self.sampler(logits, row_seqs, **extra)
+        out = RunnerOutput(sampled={}, logprobs={})
+        for s, row in zip(sampling, last_row):
+            if not s.spec_token_ids:
+                out.sampled[s.request_id] = tokens[row]
+                if logprobs[row] is not None:
+                    out.logprobs[s.request_id] = logprobs[row]
+                continue
+            self._verify_drafts(s, first_row[s.request_id], logits, row_seqs, tokens, out)
+        return out
+
+    def _verify_drafts(self, seq: ScheduledSeq, first: int, logits: torch.Tensor,
+                       row_seqs: list[ScheduledSeq], tokens: list[int],
+                       out: RunnerOutput) -> None:
+        """Accept a prefix of one sequence's drafts (rows first .. first + k) into `out`."""
+        drafts = seq.spec_token_ids
+        k = len(drafts)
+        span = slice(first, first + k + 1)
+        if seq.sampling_params.greedy:
+            num_accepted, token = accept_greedy(drafts, tokens[span])
+        else:
+            probs = target_probs(logits[span], row_seqs[span], self.sampler.eos_token_ids)
+            gens = [acceptance_generator(seq, i, self.sampler.generator, self.device)
+                    for i in range(k)]
+            num_accepted, token = accept_sampled(drafts, probs, tokens[first + k], gens)
+        chosen = [*drafts[:num_accepted], token]
+        out.sampled[seq.request_id] = token
+        out.accepted[seq.request_id] = list(drafts[:num_accepted])
+        if seq.sampling_params.logprobs is not None:
+            params = [seq.sampling_params] * len(chosen)
+            entries = Sampler._logprobs(logits[first:first + len(chosen)], params, chosen)
+            out.logprobs[seq.request_id] = entries[-1]
+            out.accepted_logprobs[seq.request_id] = entries[:-1]
 
     def _fill_prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """The prompt rows' logprobs of the completions that ask for them (runner/
