@@ -58,6 +58,7 @@ DECODE_CASES = [  # (sequences, context length, window)
     (64, 8192, 4096)]
 DRY_DECODE_CASES = [(2, 40, None), (1, 40, 20)]
 TOKEN_COUNTS, DRY_TOKEN_COUNTS = (64, 4096), (3,)
+TESTS_TIMEOUT_S = 270  # tests/gpu on CUDA (Triton compiles every kernel variant first)
 
 
 class Report:
@@ -111,8 +112,12 @@ def run_tests(out_dir: Path, pythonpath: str) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                "--confcutdir", "tests/gpu", "tests/gpu", "--junitxml",
                str(out_dir / "tests-gpu.xml")]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=420)
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as expired:  # NOTE: what ran is kept, not lost
+        output = (expired.stdout or b"").decode(errors="replace")
+        return {"returncode": "timeout", "timeout_s": TESTS_TIMEOUT_S, "tail": output[-4000:]}
     output = done.stdout + done.stderr
     print(output[-3000:], flush=True)
     return {"returncode": done.returncode, "summary": output.strip().splitlines()[-1:],
@@ -283,6 +288,20 @@ def elementwise_case(device, timer: Timer, tokens: int) -> list:
     return rows
 
 
+def engine_steps(report: Report, device, copy_gbps: float | None, dry: bool) -> None:
+    """The engine on the device (benchmarks/gpu_engine.py): HF equality, then the speed of
+    a 1B- and an 8B-shaped model (the dry run: a tiny one, on the CPU)."""
+    from benchmarks import gpu_engine
+
+    report.step("engine_hf_equality", gpu_engine.hf_equality, device, dry)
+    if dry:
+        report.step("engine_dry", gpu_engine.engine_speed, "dry", device, copy_gbps, (2, 4))
+        return
+    for shape in ("llama-3.2-1b", "llama-3.1-8b"):
+        report.step(f"engine_{shape}", gpu_engine.engine_speed, shape, device, copy_gbps,
+                    (64, 256), True)
+
+
 def summary(data: dict) -> str:
     lines = [f"machine: {data.get('machine')}",
              f"tests/gpu: {data.get('tests', {}).get('summary', data.get('tests'))}",
@@ -298,6 +317,9 @@ def summary(data: dict) -> str:
     for row in data.get("elementwise", []) if isinstance(data.get("elementwise"), list) else []:
         lines.append(f"{row['op']:>12} x {row['tokens']:>4}: triton {row['triton_ms']:.4f} ms "
                      f"({row['triton_gb_per_s']:.0f} GB/s), torch {row['torch_ms']:.4f} ms")
+    for name, value in data.items():
+        if name.startswith("engine_") and isinstance(value, dict) and "error" not in value:
+            lines.append(f"{name}: {json.dumps(value)}")
     errors = [name for name, value in data.items()
               if isinstance(value, dict) and "error" in value]
     if errors:
@@ -312,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, default=None,
                         help="a folder of wheels to install first (no index)")
     parser.add_argument("--skip-tests", action="store_true", help="leave tests/gpu out")
+    parser.add_argument("--parts", default="engine,tests,kernels",
+                        help="which parts to run, in this order: engine (the model on the "
+                             "device), tests (tests/gpu), kernels (the kernels' timings)")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU in Triton's interpreter (a script check)")
     args = parser.parse_args(argv)
@@ -329,16 +354,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
         return 2
-    if not args.skip_tests and not args.dry_run:
-        report.step("tests", run_tests, args.out, os.pathsep.join(pythonpath))
     device = torch.device("cpu" if args.dry_run else "cuda")
     timer = Timer(cuda=not args.dry_run)
     report.step("copy_bandwidth", copy_bandwidth, device, timer, args.dry_run)
     copy_gbps = report.data["copy_bandwidth"].get("gb_per_s")
-    report.step("decode_attention", decode_attention_cases, device, timer,
-                DRY_DECODE_CASES if args.dry_run else DECODE_CASES, copy_gbps)
-    report.step("elementwise", elementwise_cases, device, timer,
-                DRY_TOKEN_COUNTS if args.dry_run else TOKEN_COUNTS)
+    parts = set(args.parts.split(","))
+    if "engine" in parts:
+        engine_steps(report, device, copy_gbps, args.dry_run)
+    if "tests" in parts and not args.skip_tests and not args.dry_run:
+        report.step("tests", run_tests, args.out, os.pathsep.join(pythonpath))
+    if "kernels" in parts:
+        report.step("decode_attention", decode_attention_cases, device, timer,
+                    DRY_DECODE_CASES if args.dry_run else DECODE_CASES, copy_gbps)
+        report.step("elementwise", elementwise_cases, device, timer,
+                    DRY_TOKEN_COUNTS if args.dry_run else TOKEN_COUNTS)
     print(summary(report.data))
     failed = any(isinstance(v, dict) and ("error" in v or v.get("returncode"))
                  for v in report.data.values())

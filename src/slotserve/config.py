@@ -490,6 +490,8 @@ class EngineConfig:
         the batch is compute-bound). Greedy output is unchanged, sampled output keeps its
         distribution; sequences with a grammar or logit shaping (penalties, logit_bias, ...)
         do not speculate. None: off. See slotserve/spec/config.py for every key.
+    enforce_eager: on CUDA, run decode-only iterations eagerly, not as the CUDA graphs
+        captured at start (a few padded batch sizes up to max_num_seqs), as vLLM's flag.
     """
 
     model: str | None = None
@@ -504,6 +506,7 @@ class EngineConfig:
     # NOTE: stored as canonical JSON text (a dict or a SpeculativeConfig is accepted too);
     # `speculative` is the parsed form.
     speculative_config: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:

@@ -26,3 +26,13 @@ def test_the_gpu_check_runs_every_step_in_a_dry_run(tmp_path, device):
     ops = {r["op"] for r in report["elementwise"]}
     assert ops == {"rms_norm", "add_rms_norm", "silu_mul", "rotary", "write_kv"}
     assert all(r.get("rel_error", 0) < 1e-2 for r in report["elementwise"])
+    equality = report["engine_hf_equality"]
+    assert "error" not in equality, equality.get("error")
+    assert equality["fp32_identical_sequences"] == equality["prompts"]
+    assert 0 < equality["bf16_teacher_forced_agreement"] <= 1
+    engine = report["engine_dry"]
+    assert "error" not in engine, engine.get("error")
+    assert engine["graphs"]["batch_1"]["tpot_ms"] > 0
+    assert [r["slots"] for r in engine["graphs"]["full"]] == [2, 4]
+    assert all(r["output_tok_per_s"] > 0 for r in engine["graphs"]["full"])
+    assert engine["eager"]["batch_1"]["tpot_ms"] > 0

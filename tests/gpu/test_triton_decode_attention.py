@@ -191,3 +191,22 @@ def test_the_fused_cpu_kernels_call_form(device):
     windowed = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 8)
     torch.testing.assert_close(windowed, reference(q, k_cache, v_cache, tables, lens, 0.25, 8),
                                **FP32_TOL)
+
+
+def test_auto_partition_size_spreads_a_small_batch_over_splits():
+    # batch 1, 8 KV heads, 25 blocks: 7 splits of 4 blocks (not 8 programs looping 32 times)
+    assert ops.auto_partition_size(1, 8, 25, 16, None) == 64
+    assert ops.num_decode_splits(25, 16, None, 64) == (7, 4)
+    assert ops.auto_partition_size(64, 8, 25, 16, None) == 16 * 16  # 2 splits
+    assert ops.auto_partition_size(256, 8, 25, 16, None) == 32 * 16  # enough programs: one
+    assert ops.auto_partition_size(1, 8, 2048, 16, None) == 32 * 16  # at most 64 splits
+    assert ops.auto_partition_size(1, 8, 2, 16, None) == 2 * 16  # never under the table
+    assert ops.auto_partition_size(1, 8, 2048, 16, 4096) == 8 * 16  # 257 blocks read
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", DTYPES[::2], ids=["fp32", "bf16"])
+def test_decode_attention_with_its_own_splits_equals_torch_reference(device, q_dtype,
+                                                                     kv_dtype):
+    case = make_case(device, lens=[100, 1, 16, 17, 33], q_dtype=q_dtype, kv_dtype=kv_dtype)
+    check(*case, partition_size=None)
+    check(*case, window=24, partition_size=None)

@@ -104,6 +104,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
                                   kernels=kernels, kv_cache_dtype=kv_dtype)
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(sched.max_num_seqs, sched.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  tenant_scoped=config.cache.tenant_scoped)

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+# What KernelSet.describe_linears says of these kernels (the model's layer ops).
+DESCRIPTION = "Triton kernels (norms, RoPE, SiLU, K/V writes, decode attention)"
 """True when the kernels were decorated under TRITON_INTERPRET=1: they run on CPU tensors."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -241,6 +243,34 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, num_splits,
              _cast(out, out_ptr.dtype.element_ty), mask=dims < HD)
 
 
+# The decode attention's split count when none is asked for (auto_partition_size): enough
+# splits for about TARGET_PROGRAMS programs per launch, none under MIN_PARTITION_BLOCKS
+# blocks, at most MAX_SPLITS. NOTE: measured on an H200 (benchmarks/GPU.md): one split per
+# KV head at batch 1 (8 programs looping over every block, latency-bound) took 78 us a layer
+# at a context of ~300 positions, 39% of an 8B model's decode forward.
+TARGET_PROGRAMS = 1024
+MIN_PARTITION_BLOCKS = 4
+MAX_SPLITS = 64
+
+
+def auto_partition_size(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                        window: int | None) -> int:
+    """Positions per split of a decode launch of num_seqs x num_kv_heads programs per split
+    (see TARGET_PROGRAMS); a power of two of blocks, so few kernel variants are compiled.
+    NOTE: known on the host from shapes alone: a CUDA graph keeps its grid."""
+    blocks_read = _blocks_read(max_blocks, block_size, window)
+    wanted = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    splits = max(1, min(wanted, MAX_SPLITS, -(-blocks_read // MIN_PARTITION_BLOCKS)))
+    return triton.next_power_of_2(-(-blocks_read // splits)) * block_size
+
+
+def _blocks_read(max_blocks: int, block_size: int, window: int | None) -> int:
+    """The most blocks one sequence reads: its whole table, or its window's blocks."""
+    if window:
+        return min(max_blocks, -(-window // block_size) + 1)
+    return max_blocks
+
+
 def num_decode_splits(max_blocks: int, block_size: int, window: int | None,
                       partition_size: int = DEFAULT_PARTITION_SIZE) -> tuple[int, int]:
     """(splits, blocks per split) for block tables `max_blocks` wide: the most blocks one
@@ -252,9 +282,7 @@ def num_decode_splits(max_blocks: int, block_size: int, window: int | None,
     partition: the kernel loops over a split's blocks a constant number of times (a
     compile-time constant: a few variants, not one per table width).
     """
-    blocks_read = max_blocks
-    if window:
-        blocks_read = min(max_blocks, -(-window // block_size) + 1)
+    blocks_read = _blocks_read(max_blocks, block_size, window)
     partition_blocks = max(1, partition_size // block_size)
     splits = max(1, -(-blocks_read // partition_blocks))
     if splits == 1:
@@ -265,7 +293,7 @@ def num_decode_splits(max_blocks: int, block_size: int, window: int | None,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int | None = None,
-                           partition_size: int = DEFAULT_PARTITION_SIZE,
+                           partition_size: int | None = None,
                            num_warps: int = 4) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V
     already written), as torch_paged.decode_attention.
@@ -275,8 +303,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     >= 1 and <= maxb * block_size; window: the layer's sliding window (the query at position
     L-1 reads positions L-window .. L-1; the blocks before them are not read), None or 0 for
     all -> (D, nh, hd) in q's dtype. GQA: head h reads KV head h // (nh / nkv), as HF.
-    A context longer than partition_size positions is split over programs (flash-decoding)
-    and the partial softmaxes are reduced by a second kernel.
+    A context longer than partition_size positions (None: auto_partition_size's) is split
+    over programs (flash-decoding) and the partial softmaxes are reduced by a second kernel.
     """
     _check_cache_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -293,6 +321,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check(context_lens.shape == (num_seqs,) and context_lens.dtype == torch.int64,
            f"context_lens must be ({num_seqs},) int64")
     _check(window is None or window >= 0, f"window must be >= 0 or None, got {window}")
+    if partition_size is None:
+        partition_size = auto_partition_size(q.shape[0], k_cache.shape[2],
+                                             block_tables.shape[1], k_cache.shape[1], window)
     _check(partition_size >= 1, f"partition_size must be >= 1, got {partition_size}")
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                    context_lens=context_lens)

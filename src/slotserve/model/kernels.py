@@ -261,7 +261,7 @@ class KernelSet:
             text = (f"bf16 weight panels, fp32 activations below {self.dot_min_rows} rows, "
                     "x rounded to bf16 and vdpbf16ps from there (fused CPU kernel)")
         if self.fused_layers:
-            text += " + fused CPU ops"
+            text += f" + {getattr(self.ops, 'DESCRIPTION', 'fused CPU ops')}"
         if self.decode_stack:
             text += " (decodes: one C++ call for all layers)"
         if self.model_note:
@@ -350,6 +350,8 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     a class this CPU lacks).
     """
     model_dtype = resolve_dtype(device, dtype)
+    if torch.device(device).type == "cuda":
+        return cuda_kernels(kernels, quantization, model_dtype)
     cpu_fp32 = torch.device(device).type == "cpu" and model_dtype == torch.float32
     cpu = cpu_class(cpu_isa)
     ops = cpu_ops.load_cpu_ops(cpu.march) if kernels != "reference" and cpu_fp32 else None
@@ -369,6 +371,37 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     return KernelSet(linear, ops, fused_layers=fused, decode_stack=fused, amx_min_rows=amx_rows,
                      weights=weights, reason=reason, dot_min_rows=dot_rows,
                      cpu_class=cpu.name, cpu_reason=cpu.reason)
+
+
+def cuda_kernels(kernels: str, quantization: str | None, model_dtype: torch.dtype
+                 ) -> KernelSet:
+    """The kernels of a model on CUDA: auto: the Triton kernels (slotserve.gpu.triton_ops)
+    for norms, RoPE, SiLU, K/V writes and decode attention, cuBLAS for the linears (torch's
+    matmul), prefill attention through torch's SDPA; reference: plain torch everywhere.
+    The weights compute in the model's dtype (quantization has no GPU kernels)."""
+    weights = str(model_dtype).removeprefix("torch.")
+    if quantization not in ("auto", "none", None):
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only")
+    if kernels == "reference":
+        return KernelSet(weights=weights, reason="kernels=reference")
+    ops, why_not = _triton_ops()
+    if ops is None:
+        return KernelSet(weights=weights, reason=f"{weights} on CUDA; torch's ops: {why_not}")
+    return KernelSet(ops=ops, fused_layers=True, weights=weights, reason=f"{weights} on CUDA")
+
+
+def _triton_ops():
+    """(slotserve.gpu.triton_ops, "") where they compile for this machine's GPU, else
+    (None, why not). NOTE: Triton is imported only where a GPU is used."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    try:
+        from slotserve.gpu import triton_ops
+    except ImportError as error:
+        return None, f"Triton is not installed ({error})"
+    if triton_ops.INTERPRETED:
+        return None, "TRITON_INTERPRET=1 (the kernels would run on the CPU)"
+    return triton_ops, ""
 
 
 def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.dtype

@@ -14,6 +14,7 @@ from slotserve.config import CacheConfig, ModelConfig, SlotKind
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
+from slotserve.runner.decode_graphs import DecodeGraphs
 from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
@@ -64,7 +65,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
-        self.model = build_model(model_config, self.kernels)
+        with torch.device(self.device):  # NOTE: a GPU's model never takes host memory
+            self.model = build_model(model_config, self.kernels)
         # NOTE: the model may run less (no decode stack for some families: KernelSet.for_model)
         self.kernels = getattr(self.model, "kernels", self.kernels)
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -81,6 +83,18 @@ class ModelRunner:
         self.prompt_logprobs_of: Callable[[str], PromptLogprobs | None] = (
             lambda request_id: None)
         self._mask_worker: ThreadPoolExecutor | None = None
+        # Decode-only iterations through CUDA graphs, once capture_decode_graphs ran.
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode-only forward as CUDA graphs at a few padded batch sizes up to
+        max_num_seqs (runner/decode_graphs.py), on CUDA with the Triton kernels; nothing
+        elsewhere (the CPU's decode stack is its one call per iteration)."""
+        if self.device.type != "cuda" or not self.kernels.fused_layers:
+            return
+        tables_width = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                          max_num_seqs, tables_width, self.device)
 
     @property
     def linear_kernel(self) -> str:
@@ -100,8 +114,12 @@ class ModelRunner:
         zero pages lazily, so a large pool costs nothing until its blocks are used.
         """
         cfg = self.config
-        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        # NOTE: one tensor (layers, K|V, blocks, block_size, nkv, hd); each layer's K and V
+        # are contiguous views of it
+        pool = self._zeros((cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,
+                            cfg.num_key_value_heads, cfg.head_dim))
+        # NOTE: select, not unbind: views that are written in place must be single views
+        return [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         dtype = self.kv_cache_dtype
@@ -113,15 +131,10 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run one iteration: all scheduled tokens in one forward, then sample."""
         seqs = plan.seqs
-        input_ids, positions, sample_rows = self._prepare_inputs(plan)
-        # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
-        # avoid, so all decodes go in one group (one call per layer).
-        meta = build_metadata(seqs, self.block_size, self.device,
-                              group_decodes=not self.fused_cpu_ops)
         sampling = [s for s in seqs if s.sample]
         masks = self._start_masks(sampling)  # NOTE: computed on a worker during the forward
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+            hidden, sample_rows = self._forward(plan)  # (T, H), (S,)
         finally:
             allowed = None if masks is None else masks.result()  # (raises what the worker did)
         self._fill_prompt_logprobs(seqs, hidden)  # NOTE: before hidden keeps only sample rows
@@ -266,6 +279,21 @@ class ModelRunner:
         if empty.size:  # NOTE: fails the iteration; fault isolation narrows it to this row
             raise ValueError(f"the grammar allows no next token (row {rows[empty[0]][1]})")
         return [i for _, i in rows], torch.from_numpy(allowed)
+
+    def _forward(self, plan: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states of every scheduled token (T, H) and the rows sampled (S,): a
+        decode-only iteration through the captured CUDA graphs where they run it, else one
+        eager forward."""
+        seqs = plan.seqs
+        if self.decode_graphs is not None and self.decode_graphs.runs(seqs):
+            hidden = self.decode_graphs.forward(seqs)  # (D, H)
+            return hidden, torch.from_numpy(np.flatnonzero([s.sample for s in seqs]))
+        input_ids, positions, sample_rows = self._prepare_inputs(plan)
+        # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
+        # avoid, so all decodes go in one group (one call per layer).
+        meta = build_metadata(seqs, self.block_size, self.device,
+                              group_decodes=not self.fused_cpu_ops)
+        return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
 
     def _prepare_inputs(self, plan: SchedulerOutput):
         """Flat token ids (T,), positions (T,) and the rows whose logits are sampled."""
