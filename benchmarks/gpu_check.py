@@ -1,4 +1,4 @@
-"""The GPU machine's check of the Triton kernels (slotserve.gpu), in one run of ~5-8 minutes.
+"""The GPU machine's check of the engine and its Triton kernels, in one run of ~2-3 minutes.
 
 Steps, each written to the JSON report as soon as it ends (a run cut short keeps the rest):
 1. the machine: GPU, its multiprocessors and memory, torch / triton / CUDA versions;
@@ -15,23 +15,24 @@ Steps, each written to the JSON report as soon as it ends (a run cut short keeps
 Times: triton.testing.do_bench's median (it clears the L2 before each call). Each Triton
 result is also compared with its torch reference (relative error ||a - b|| / ||b||).
 
-NOTE: the engine does not run on CUDA yet (issue 36, item 1): no model, TPOT or throughput
-here; that part of the issue's check comes with the device-neutral engine.
+The engine on the device (benchmarks/gpu_engine.py, run first: `--parts`): HF equality in
+fp32 and bf16, batch-1 TPOT against the bandwidth floor and full batches of 64 and 256 slots
+with 1B- and 8B-shaped models. Results: benchmarks/GPU.md.
 
-The GPU machine lacks one of slotserve's imports (llguidance); it travels as a wheel.
-Here, once, from the repository root:
+The GPU machine lacks two of slotserve's imports (llguidance, gguf); they travel as wheels
+(the versions of the venv's). Here, once, from the repository root:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-        --implementation cp --platform manylinux_2_28_x86_64 \\
-        --platform manylinux_2_17_x86_64 -d .whl llguidance
+        --implementation cp --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 
 There (the device tool's run, carrying [".whl"]):
 
     python3 -m benchmarks.gpu_check --wheels .whl --out $OUT
 
-`--dry-run` runs steps 3-5 at tiny sizes on the CPU through Triton's interpreter (checks the
-script, times nothing meaningful); `--skip-tests` leaves step 2 out.
+`--dry-run` runs the engine and steps 3-5 at tiny sizes on the CPU through Triton's
+interpreter (checks the script, times nothing meaningful); `--skip-tests` leaves step 2 out.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The GPU path's kernels, in Triton (the optional `gpu` extra: `pip install slotserve[gpu]`).
 
 `triton_ops` holds them, each the GPU twin of an op the CPU path has in plain torch
-(attention/torch_paged.py, model/layers.py) and tested against that op. Nothing else in
-slotserve imports this package yet: the engine does not run on CUDA (issue 36, item 1).
+(attention/torch_paged.py, model/layers.py) and tested against that op. The engine runs
+them on CUDA (model/kernels.cuda_kernels); nothing imports this package on a CPU-only path.
 
 NOTE: Triton decides at decoration time, i.e. when `triton_ops` is first imported, whether
 its kernels are compiled (CUDA tensors) or run by Triton's interpreter (CPU tensors; set
