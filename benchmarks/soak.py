@@ -49,16 +49,25 @@ from benchmarks.soak_checks import (
     near_tie,
     reference_entry,
     rss_bytes,
+    server_outcomes,
     success_counts,
     wait_idle,
 )
 from benchmarks.soak_clients import run_workload
-from benchmarks.soak_workload import ENGINE_FLAGS, case_pools, make_workload, peak_workload
+from benchmarks.soak_workload import (
+    ENGINE_FLAGS,
+    MODEL,
+    WORDS,
+    case_pools,
+    make_workload,
+    peak_workload,
+)
 from slotserve.lab.bench.server import ServerProcess, ServerStartError, cli_flags, scrape_metrics
 
 # NOTE: the pieces are benchmarks/soak_workload.py, soak_clients.py and soak_checks.py;
-# the names tests use stay importable from here.
-__all__ = ["ENGINE_FLAGS", "main", "near_tie", "reference_entry", "soak"]
+# the names tests and benchmarks/chaos.py use stay importable from here.
+__all__ = ["ENGINE_FLAGS", "MODEL", "REPO", "WORDS", "main", "near_tie", "reference_entry",
+           "server_outcomes", "soak"]
 
 REPO = Path(__file__).resolve().parents[1]
 
