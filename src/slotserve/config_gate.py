@@ -228,6 +228,44 @@ def check_hf_config(cfg: dict[str, Any]) -> None:
             raise UnsupportedConfig(entry.key, value, why)
 
 
+# -- GGUF ------------------------------------------------------------------------------------
+
+# The `{arch}.*` metadata keys of a GGUF file, by what the loader does with them (gguf_config
+# reads the first group, and refuses values it does not compute as llama.cpp / HF do). A key
+# in neither group is refused: it may change the math (MoE experts, attention scale, clamps,
+# YaRN's parameters, ALiBi, parallel residuals, ...), and nothing is silently ignored.
+GGUF_READ_KEYS = (
+    "context_length", "embedding_length", "block_count", "feed_forward_length",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "rope.freq_base",
+    "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+    "rope.scaling.attn_factor", "attention.sliding_window",
+    "attention.sliding_window_pattern")
+# Keys that cannot change the computation here: the vocabulary size (the embedding table's
+# rows are), and RoPE scaling's bookkeeping (`original_context_length` is read where a
+# scaling needs it: Phi-3's longrope; `finetuned` is informational).
+GGUF_HARMLESS_KEYS = ("vocab_size", "rope.scaling.original_context_length",
+                      "rope.scaling.finetuned")
+# Per architecture, the keys its family reads beyond those.
+GGUF_FAMILY_KEYS: dict[str, tuple[str, ...]] = {
+    "gemma2": ("attn_logit_softcapping", "final_logit_softcapping"),
+    "gemma3": ("attn_logit_softcapping", "final_logit_softcapping", "rope.freq_base_swa"),
+}
+
+
+def check_gguf_keys(meta: dict[str, Any], arch: str) -> None:
+    """UnsupportedConfig naming the first `{arch}.*` key of a GGUF file's metadata that the
+    loader neither reads nor knows to be harmless (see GGUF_READ_KEYS)."""
+    known = {*GGUF_READ_KEYS, *GGUF_HARMLESS_KEYS, *GGUF_FAMILY_KEYS.get(arch, ())}
+    prefix = f"{arch}."
+    for key, value in meta.items():
+        if key.startswith(prefix) and key[len(prefix):] not in known:
+            shown = value if not isinstance(value, list) else f"[{len(value)} values]"
+            raise UnsupportedConfig(key, shown, f"a GGUF key that {arch!r} models are not "
+                                                "computed with here (it may change the "
+                                                "model's math): refused")
+
+
 def family_value(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
     """cfg[key], else HF's default for the model_type, else `default`."""
     if key in cfg:
@@ -358,4 +396,4 @@ def rope_scaling_from_json(value: Any) -> RopeScaling | None:
 
 
 __all__ = ["GATE", "GateKey", "RopeScaling", "RopeSettings", "UnsupportedConfig",
-           "check_hf_config", "family_value", "rope_settings"]
+           "check_gguf_keys", "check_hf_config", "family_value", "rope_settings"]

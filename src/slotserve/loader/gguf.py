@@ -21,7 +21,12 @@ from slotserve.loader.gguf_config import CONFIG_TENSORS, SUPPORTED_ARCHS, model_
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
 from slotserve.loader.tokenizer import Tokenizer
-from slotserve.loader.validation import ModelFileError, check_config, check_weight_shapes
+from slotserve.loader.validation import (
+    ModelFileError,
+    check_config,
+    check_weight_shapes,
+    expected_shapes,
+)
 
 __all__ = ["SUPPORTED_ARCHS", "GGUFTensor", "dequantize", "hf_name", "load_gguf",
            "model_config", "read_gguf", "unpermute_qk"]
@@ -39,20 +44,33 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# gemma3: its sandwich norms and q/k norms; `ffn_norm` is the norm before the MLP there.
-_GEMMA3_LAYER_NAMES = {
+# qwen3 (and gemma3): per-head q/k RMSNorms.
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# gemma2 / gemma3: the sandwich norms; `ffn_norm` is the norm before the MLP there.
+_GEMMA2_LAYER_NAMES = {
     **_LAYER_NAMES,
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_NAMES_OF_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# phi3: convert_hf_to_gguf keeps HF's fused tensors: `attn_qkv` (q, k, v rows) and `ffn_up`
+# (gate then up rows, HF's gate_up_proj); there is no `ffn_gate`.
+_PHI3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q", "attn_k", "attn_v",
+                                                          "ffn_gate")},
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_LAYER_NAMES_OF_ARCH = {
+    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    "gemma2": _GEMMA2_LAYER_NAMES,
+    "gemma3": {**_GEMMA2_LAYER_NAMES, **_QK_NORM_NAMES},
+    "phi3": _PHI3_LAYER_NAMES,
+}
 # The architectures whose RMSNorm weights convert_hf_to_gguf stores as 1 + w (Gemma's
 # `(1 + w)` norm): the loader subtracts the 1 again (in float32, as HF's GGUF loader does), so
 # the family's norm_offset adds it back.
-_NORM_SHIFTED_ARCHS = ("gemma3",)
+_NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -80,6 +98,7 @@ def load_gguf(path: str, keep_quantized: bool = False
     gguf_names = {hf: t.name for hf, t in names.items()}
     check_weight_shapes(path, config, {hf: tuple(reversed(t.shape)) for hf, t in names.items()},
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
+    _check_no_extra_tensors(path, config, gguf_names)
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
     weights = {hf: _block_tensor(t, config, path)
                if keep_quantized and _kept_in_blocks(hf, t, config) else _convert(t, config, arch)
@@ -108,6 +127,18 @@ def _hf_name_in(path: str, gguf_name: str, arch: str) -> str:
         return hf_name(gguf_name, arch)
     except ValueError as exc:
         raise ModelFileError(path, str(exc)) from None
+
+
+def _check_no_extra_tensors(path: str, config: ModelConfig, gguf_names: dict[str, str]
+                            ) -> None:
+    """A ModelFileError naming the first tensor the model has no place for (a bias, a norm
+    its family does not have, an LM head beside tied embeddings...): a weight left out
+    would compute a different model."""
+    expected = {name for name, _ in expected_shapes(config)}
+    for hf, gguf in gguf_names.items():
+        if hf not in expected:
+            raise ModelFileError(path, f"unexpected tensor {gguf}: a {config.architecture} "
+                                       "model of this config has no such weight")
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:

@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 
 from slotserve.config import ModelConfig
-from slotserve.config_gate import RopeScaling
+from slotserve.config_gate import RopeScaling, UnsupportedConfig, check_gguf_keys
 from slotserve.layer_windows import gguf_layer_windows
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor
 from slotserve.loader.gguf_vocab import gguf_eos_token_ids
 from slotserve.loader.validation import ModelFileError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # GGUF architecture -> ModelConfig.architecture (the family, model/families.py), where they differ.
 FAMILY_OF_ARCH = {"gemma3": "gemma3_text"}
 
@@ -28,7 +28,8 @@ def model_config(
 ) -> ModelConfig:
     """ModelConfig from `{arch}.*` metadata; tied embeddings when there is no `output.weight`.
 
-    A missing or mistyped key raises ModelFileError naming `path`.
+    A missing or mistyped key raises ModelFileError naming `path`; so does an `{arch}.*` key
+    the model would not be computed with (config_gate.check_gguf_keys: nothing is ignored).
     """
     key = _ArchKeys(path, meta, _architecture(path, meta))
     shapes = {t.name: t.shape for t in tensors}
@@ -60,6 +61,12 @@ def model_config(
     )
     if key.arch == "gemma3":
         config = dataclasses.replace(config, **_gemma3_fields(key, config))
+    if key.arch == "gemma2":
+        config = dataclasses.replace(config, **_gemma2_fields(key, config))
+    try:  # NOTE: after the keys it reads: a missing key is named as missing first
+        check_gguf_keys(meta, key.arch)
+    except UnsupportedConfig as exc:
+        raise ModelFileError(path, str(exc)) from None
     return config
 
 
@@ -101,11 +108,6 @@ def _gemma3_fields(key: _ArchKeys, config: ModelConfig) -> dict[str, Any]:
     NOTE: the norms' +1 is undone where the weights are converted (gguf.py); the windows
     (every 6th layer global) come from layer_windows.gguf_layer_windows.
     """
-    if key.present("attention.value_length") and (
-            key("attention.value_length") != config.head_dim):
-        raise ModelFileError(key.path, f"gemma3.attention.value_length "
-                                       f"{key.meta['gemma3.attention.value_length']!r} != "
-                                       f"key_length {config.head_dim}: unsupported")
     if key.present("attn_logit_softcapping"):  # NOTE: Gemma 3 has none; llama.cpp reads none
         raise ModelFileError(key.path, f"gemma3.attn_logit_softcapping="
                                        f"{key.meta['gemma3.attn_logit_softcapping']!r}: "
@@ -121,6 +123,32 @@ def _gemma3_fields(key: _ArchKeys, config: ModelConfig) -> dict[str, Any]:
         local_rope_theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, kind=float)),
         query_pre_attn_scalar=float(scalar),
         final_logit_softcapping=cap,
+    )
+
+
+# Gemma 2 as llama.cpp computes a `gemma2` file (LLM_ARCH_GEMMA2): its 46-layer model (27B)
+# scales queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5; both soft-caps
+# always on, 50 and 30 unless the file says otherwise (HF's Gemma2Config defaults too).
+GEMMA2_27B_LAYERS = 46
+GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 50.0, 30.0
+
+
+def _gemma2_fields(key: _ArchKeys, config: ModelConfig) -> dict[str, Any]:
+    """What a `gemma2` file's metadata says beyond the Llama keys, as llama.cpp reads it:
+    GeGLU (tanh GELU), the query scale, attention and final logit soft-caps.
+
+    NOTE: the norms' +1 is undone where the weights are converted (gguf.py); the windows
+    (every 2nd layer global) come from layer_windows.gguf_layer_windows.
+    """
+    scalar = (config.hidden_size / config.num_attention_heads
+              if config.num_hidden_layers == GEMMA2_27B_LAYERS else config.head_dim)
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(scalar),
+        attn_logit_softcapping=float(key("attn_logit_softcapping", GEMMA2_ATTN_SOFTCAP,
+                                         kind=float)),
+        final_logit_softcapping=float(key("final_logit_softcapping", GEMMA2_FINAL_SOFTCAP,
+                                          kind=float)),
     )
 
 
@@ -150,11 +178,16 @@ def _head_dim(key: _ArchKeys, hidden: int, heads: int) -> int:
     if key("rope.dimension_count", head_dim) != head_dim:
         raise ModelFileError(key.path, "partial rotary embeddings (rope.dimension_count != "
                                        "head_dim) unsupported")
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ModelFileError(key.path, f"{key.arch}.attention.value_length "
+                                       f"{key.meta[key.arch + '.attention.value_length']!r} "
+                                       f"!= key_length {head_dim}: unsupported")
     return head_dim
 
 
 # The GGUF tensors that are config, not weights (the loader reads them here, maps no name).
-CONFIG_TENSORS = ("rope_freqs.weight",)
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+CONFIG_TENSORS = ("rope_freqs.weight", *LONGROPE_TENSORS)
 # `{arch}.rope.scaling.type` values computed as llama.cpp does (none: plain RoPE).
 GGUF_ROPE_SCALING = ("none", "linear")
 
@@ -166,6 +199,9 @@ def _rope_scaling(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
     `rope_freqs` tensor (frequency i / factor i: convert_hf_to_gguf writes Llama 3's llama3
     scaling so). Other types (yarn, longrope) are refused: a ModelFileError naming the key.
     """
+    longrope = [t for t in tensors if t.name in LONGROPE_TENSORS]
+    if longrope or key.arch == "phi3":
+        return _phi3_longrope(key, tensors, head_dim)
     kind = key.meta.get(f"{key.arch}.rope.scaling.type", "none")
     if kind not in GGUF_ROPE_SCALING:
         raise ModelFileError(key.path, f"{key.arch}.rope.scaling.type={kind!r}: unsupported "
@@ -191,16 +227,77 @@ def _rope_scaling(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
 
 def _freq_factors(path: str, tensor: GGUFTensor, head_dim: int) -> tuple[float, ...]:
     if tensor.shape != (head_dim // 2,):
-        raise ModelFileError(path, f"wrong shape for rope_freqs.weight: {tensor.shape}, "
+        raise ModelFileError(path, f"wrong shape for {tensor.name}: {tensor.shape}, "
                                    f"expected ({head_dim // 2},)")
     values = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(-1)
     if not (np.isfinite(values).all() and (values > 0).all()):
-        raise ModelFileError(path, "rope_freqs.weight must hold positive finite factors")
+        raise ModelFileError(path, f"{tensor.name} must hold positive finite factors")
     return tuple(float(v) for v in values)
 
 
+def _phi3_longrope(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
+                   ) -> RopeScaling | None:
+    """Phi-3's RoPE from GGUF: plain, or LongRoPE when convert_hf_to_gguf wrote its factors
+    (`rope_factors_short` / `_long` tensors, `rope.scaling.original_context_length`, and
+    `rope.scaling.attn_factor` = HF's default attention factor). Computed as HF computes the
+    checkpoint it came from (model/rope.py: short factors below the original context, long
+    ones from it on); anything else is a ModelFileError naming the key or tensor.
+
+    NOTE: llama.cpp picks one factor set per context size instead (long when n_ctx exceeds
+    the original context); both agree on sequences up to original_context_length.
+    """
+    kind = key.meta.get(f"{key.arch}.rope.scaling.type", "none")
+    if key.arch != "phi3":
+        raise ModelFileError(key.path, f"LongRoPE factors ({', '.join(LONGROPE_TENSORS)}) "
+                                       f"in a {key.arch!r} file: supported only for phi3")
+    if kind not in ("none", "longrope"):
+        raise ModelFileError(key.path, f"phi3.rope.scaling.type={kind!r}: unsupported "
+                                       "(Phi-3 from GGUF: plain RoPE or LongRoPE)")
+    if any(t.name == "rope_freqs.weight" for t in tensors):
+        raise ModelFileError(key.path, "rope_freqs.weight in a phi3 file: unsupported")
+    factors = {t.name: t for t in tensors if t.name in LONGROPE_TENSORS}
+    attn_factor = key.meta.get(f"{key.arch}.rope.scaling.attn_factor", 1.0)
+    if not factors:
+        if attn_factor != 1.0 or kind != "none":
+            raise ModelFileError(key.path, f"{key.arch}.rope.scaling.attn_factor="
+                                           f"{attn_factor!r} without LongRoPE factors: "
+                                           "unsupported")
+        return None
+    missing = [name for name in LONGROPE_TENSORS if name not in factors]
+    if missing:
+        raise ModelFileError(key.path, f"missing tensor {missing[0]} (LongRoPE needs both)")
+    original = key("rope.scaling.original_context_length")
+    factor = key("context_length") / original
+    attention = float(key("rope.scaling.attn_factor", kind=float))
+    hf_default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    # NOTE: the file holds HF's default as a float32: then HF's own value is used (exact)
+    same = math.isclose(attention, hf_default, rel_tol=1e-6)
+    return RopeScaling(
+        "longrope", factor=factor, original_max_position_embeddings=original,
+        attention_factor=None if same else attention,
+        short_factor=_freq_factors(key.path, factors["rope_factors_short.weight"], head_dim),
+        long_factor=_freq_factors(key.path, factors["rope_factors_long.weight"], head_dim))
+
+
 def _sliding_windows(path: str, meta: dict[str, Any], arch: str, layers: int):
-    """Each layer's sliding window, as llama.cpp applies `{arch}.attention.sliding_window`."""
+    """Each layer's sliding window, as llama.cpp applies `{arch}.attention.sliding_window`
+    (Phi-3: on every layer, as HF's Phi-3 applies the checkpoint's `sliding_window`).
+
+    NOTE: llama.cpp currently turns Phi-3's window off (with a warning that results may
+    suffer); the file holds the HF config's `sliding_window`, so here the model computes as
+    the checkpoint it was converted from (HF's Phi-3 applies it on every layer).
+    """
+    if arch == "phi3":
+        if meta.get("phi3.attention.sliding_window_pattern") is not None:
+            raise ModelFileError(path, "phi3.attention.sliding_window_pattern: Phi-3's window "
+                                       "is on every layer; a pattern is not supported")
+        window = meta.get("phi3.attention.sliding_window")
+        if window is None:
+            return ()
+        if type(window) is not int or window < 1:
+            raise ModelFileError(path, f"phi3.attention.sliding_window={window!r}: must be "
+                                       "a positive integer")
+        return (window,) * layers
     try:
         return gguf_layer_windows(meta, arch, layers)
     except ValueError as exc:

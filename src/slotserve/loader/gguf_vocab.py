@@ -91,7 +91,7 @@ def add_gguf_special_tokens(backend: Backend, tokens: list[str], types: Sequence
 
 
 # The GGUF architectures whose SentencePiece vocabulary ("llama") is read, as Gemma's.
-SENTENCEPIECE_ARCHS = ("gemma3",)
+SENTENCEPIECE_ARCHS = ("gemma2", "gemma3")
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 
