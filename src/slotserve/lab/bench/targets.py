@@ -42,7 +42,7 @@ class EngineTarget:
         return cls(loaded.config, loaded.weights, loaded.tokenizer, engine_kwargs, loaded.source)
 
     def configured(self, **overrides) -> EngineTarget:
-        """The same weights with some engine settings changed (e.g. policy="static")."""
+        """The same weights with some engine settings changed (e.g. batching="static")."""
         return EngineTarget(self.model_config, self.weights, self.tokenizer,
                             {**self.engine_kwargs, **overrides}, self.source)
 
