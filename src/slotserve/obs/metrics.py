@@ -11,6 +11,10 @@
   vLLM counts them) and `prefix_cache_hit_rate`.
 - Latency histograms are observed from each `IterationEvent`'s finished completions, in
   the engine thread (`subscribe`); prometheus_client metrics are thread-safe.
+- Speculative decoding (--speculative-config), as vLLM names them: `spec_decode_num_drafts`
+  (verifications: a sequence with draft tokens in an iteration), `..._num_draft_tokens`,
+  `..._num_accepted_tokens` and `..._num_accepted_tokens_per_pos{position}` (drafts accepted
+  at each position 0, 1, ... of a verification), from each iteration's trace record.
 - Slot utilisation (busy slot-iterations / (slots x iterations), as in the seed) covers the
   iterations of the last `window_s` seconds (a `SlotWindow` fed by the same events).
 - Scheduling (--scheduling-policy): `scheduling_policy_info{scheduling_policy}`; per tenant
@@ -56,6 +60,8 @@ VLLM_FAMILIES = frozenset({
     "time_per_output_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
     "request_generation_tokens", "iteration_tokens_total",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
 })
 DEFAULT_TENANT = "default"
 # Finish reasons judged against the SLOs (goodput): normal ends, and the deadline policy's
@@ -107,6 +113,7 @@ class ServerMetrics(EngineSubscriber):
         self.known_tenants = tuple(sorted({DEFAULT_TENANT, *tenants,
                                            *getattr(snap, "configured_tenants", ())}))
         self._tenant_metrics(self.registry)
+        self._spec_metrics(self.registry)
         self.registry.register(EngineCollector(engine, self.slots, self))
 
     def _histograms(self, registry: CollectorRegistry) -> None:
@@ -134,6 +141,33 @@ class ServerMetrics(EngineSubscriber):
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens one iteration "
                                      "processed (prefill chunks + decodes).",
                                      snap.max_num_batched_tokens)
+
+    def _spec_metrics(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels=()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of draft tokens "
+                                   "(a sequence with drafts in one iteration).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+            "position in the verification (0: the first draft).", ["position"])
+
+    def _observe_speculation(self, record: dict) -> None:
+        """Count the drafts of one iteration's trace record (slots with `proposed`)."""
+        for slot in record["slots"]:
+            proposed = slot.get("proposed", 0) if slot else 0
+            if not proposed:
+                continue
+            accepted = slot.get("accepted", 0)
+            self.spec_drafts.inc()
+            self.spec_draft_tokens.inc(proposed)
+            self.spec_accepted_tokens.inc(accepted)
+            for position in range(accepted):
+                self.spec_accepted_per_pos.labels(str(position)).inc()
 
     def _tenant_metrics(self, registry: CollectorRegistry) -> None:
         # NOTE: histograms, not summaries: clients such as aiperf collect only histograms;
@@ -172,6 +206,7 @@ class ServerMetrics(EngineSubscriber):
         """Subscriber (engine thread): the slots' work and the finished latencies."""
         self.slots.on_iteration(event.record)
         self.iteration_tokens.observe(sum(s["tokens"] for s in event.record["slots"] if s))
+        self._observe_speculation(event.record)
         for finished in event.observed():
             self.observe_finished(finished)
         for finished in event.finished:
