@@ -336,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="a folder of wheels to install first (no index)")
     parser.add_argument("--skip-tests", action="store_true", help="leave tests/gpu out")
     parser.add_argument("--parts", default="engine,tests,kernels",
-                        help="which parts to run, in this order: engine (the model on the "
-                             "device), tests (tests/gpu), kernels (the kernels' timings)")
+                        help="which parts to run, in this order: real (--model on the engine and "
+                             "in HF), engine (random models on the device), tests "
+                             "(tests/gpu), kernels (the kernels' timings)")
+    parser.add_argument("--model", default=None,
+                        help="a real model's .gguf for the part 'real' (HF equality on it)")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU in Triton's interpreter (a script check)")
     args = parser.parse_args(argv)
@@ -360,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     report.step("copy_bandwidth", copy_bandwidth, device, timer, args.dry_run)
     copy_gbps = report.data["copy_bandwidth"].get("gb_per_s")
     parts = set(args.parts.split(","))
+    if "real" in parts and args.model:
+        from benchmarks import gpu_engine
+
+        report.step("engine_real_model", gpu_engine.real_model_equality, args.model, device)
     if "engine" in parts:
         engine_steps(report, device, copy_gbps, args.dry_run)
     if "tests" in parts and not args.skip_tests and not args.dry_run:

@@ -282,3 +282,59 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+REAL_QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.",
+    "Write one sentence about the sea.", "How many legs does a spider have?",
+    "What is 12 times 12?", "Give me a synonym for happy.",
+    "What language is spoken in Brazil?", "Describe a cat in five words.",
+    "What is the boiling point of water in Celsius?", "List two planets.",
+    "Who wrote Romeo and Juliet?", "What color is the sky on a clear day?",
+    "Translate 'thank you' into Spanish.", "What is the opposite of cold?",
+    "Name a fruit that is yellow.", "Why do leaves change color in autumn?",
+]
+
+
+def real_model_equality(path: str, device: torch.device, prompts: int = 16,
+                        new: int = 32) -> dict:
+    """A real model (a .gguf, e.g. the embedded SmolLM2) on the engine and in HF transformers
+    (its own load of the same file) on `device`: fp32 greedy continuations (identical, or
+    the first difference a near-tie: HF's token in our top 5), and the bf16 engine's
+    teacher-forced agreement with HF fp32 beside HF bf16's."""
+    import os
+
+    import transformers
+
+    from slotserve.lab.quality import teacher_forced_agreement
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    hf = hf.eval().to(device)
+    fp32 = LLMEngine.from_config(engine_config(model=path, device=device.type,
+                                               dtype="float32", max_num_seqs=16))
+    tok = fp32.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
+                                              add_generation_prompt=True))
+           for q in REAL_QUESTIONS[:prompts]]
+    reference = [_hf_greedy(hf, p, new, device) for p in ids]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=5)
+    from slotserve.engine.llm import LLM
+
+    outputs = LLM(engine=fp32).generate(ids, params, use_tqdm=False)
+    identical, near_ties = 0, 0
+    for out, ref in zip(outputs, reference):
+        first = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
+        identical += first is None
+        near_ties += first is not None and ref[first] in out.outputs[0].logprobs[first]
+    answer = tok.decode(outputs[0].token_ids)
+    del fp32
+    _free(device)
+    bf16 = LLMEngine.from_config(engine_config(model=path, device=device.type,
+                                               dtype="bfloat16", max_num_seqs=16))
+    ours = teacher_forced_agreement(bf16, ids, reference)
+    hf_bf16 = _hf_teacher_forced(hf.to(torch.bfloat16), ids, reference, device)
+    return {"model": os.path.basename(path), "prompts": len(ids), "new_tokens": new,
+            "fp32_identical_sequences": identical, "fp32_first_difference_near_tie": near_ties,
+            "first_answer": answer, "bf16_teacher_forced_agreement": ours,
+            "hf_bf16_teacher_forced_agreement": hf_bf16}
