@@ -77,12 +77,15 @@ def rope_parameters(cfg) -> dict:
 
 def write_gguf(path, model, arch: str, extra_meta: dict | None = None,
                extra_tensors: dict | None = None, skip: tuple[str, ...] = (),
-               window: bool = True) -> None:
+               window: bool = True, vocabulary=None) -> None:
     """`model` as convert_hf_to_gguf writes it (float32), plus extra metadata / tensors,
-    less the tensors in `skip` (and the sliding window's key unless `window`)."""
+    less the tensors in `skip` (and the sliding window's key unless `window`);
+    vocabulary(writer) adds the tokenizer's keys."""
     cfg = model.config
     rope = rope_parameters(cfg)
     writer = GGUFWriter(str(path), arch)
+    if vocabulary is not None:
+        vocabulary(writer)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -264,3 +267,87 @@ def test_what_is_not_computed_is_refused(family_files, tmp_path, model_type, cha
 
 
 assert COMMON["hidden_size"] == 64  # NOTE: the extra tensors' shapes above assume it
+
+
+# -- the Llama-style SentencePiece vocabulary (Llama 2, Mistral v0.1, Phi-3 files) -------------
+
+SPM_PIECES = ["\u2581", "\u2581t", "\u2581th", "\u2581the", "he", "th", "the", "\u2581a",
+              "\u2581an", "an", "nd", "\u2581and", "er", "re", "\u2581re", "in", "\u2581in",
+              "at", "\u2581at", "on", "\u2581on", "es", "st", "\u2581st", "ea", "ear",
+              "\u2581\u2581", "\u2581\u2581\u2581", "\n", "\u2581w", "\u2581wh"]
+SPM_TEXTS = ["the theatre and the rest", " leading space", "  two  spaces  ", "a\nb\n\nc",
+             "ünïcödé ✓ 日本", "<|user|>\nwhat is the weather?<|end|>\n<|assistant|>",
+             "", " ", "st stand instead earnest"]
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A tiny Llama-style SentencePiece vocabulary: <unk> <s> </s>, the 256 byte tokens, the
+    letters, pieces with descending scores, and Phi-3's chat control tokens."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3, *([6] * 256)]
+    letters = sorted(set("abcdefghijklmnopqrstuvwxyz.,?!"))
+    pieces = [*SPM_PIECES, *letters]
+    tokens += pieces
+    types += [1] * len(pieces)
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces)))]
+    for control in ("<|user|>", "<|assistant|>", "<|end|>"):
+        tokens.append(control)
+        types.append(3)
+        scores.append(0.0)
+    return tokens, scores, types
+
+
+def spm_vocabulary(writer: GGUFWriter) -> None:
+    """The SentencePiece vocabulary's keys, as llama.cpp writes them."""
+    tokens, scores, types = spm_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_space_prefix(True)
+
+
+def write_vocabulary_only(path, arch: str) -> None:
+    """A GGUF with the vocabulary's metadata and no tensors (what a tokenizer reads)."""
+    writer = GGUFWriter(str(path), arch)
+    spm_vocabulary(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["phi3", "llama"])
+def test_llama_sentencepiece_vocabulary_as_hf_reads_it(family_files, tmp_path, arch):
+    """The ids and texts of HF transformers' tokenizer built from the same GGUF
+    (AutoTokenizer.from_pretrained(..., gguf_file=...)): Phi-3's prefix space by normalizer,
+    Llama's by Metaspace; byte fallback for what no piece covers; control tokens whole."""
+    from transformers import AutoTokenizer
+
+    from slotserve.loader.gguf_reader import read_gguf
+    from slotserve.loader.tokenizer import Tokenizer
+
+    path = tmp_path / f"{arch}-spm.gguf"
+    write_vocabulary_only(path, arch)
+    ours = Tokenizer.from_gguf_metadata(read_gguf(str(path))[0])
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        assert ours.encode(text) == theirs.encode(text), text  # BOS as HF adds it
+    merged = ours.encode("the theatre", add_special_tokens=False)
+    assert len(merged) < len("the theatre")  # the merges apply (not only letters)
+
+
+def test_phi3_file_with_its_vocabulary_loads(family_files, tmp_path):
+    """The whole file: weights, config and the SentencePiece tokenizer together."""
+    hf_model, _, _ = family_files["phi3"]
+    path = tmp_path / "phi3-spm.gguf"
+    write_gguf(path, hf_model, "phi3", vocabulary=spm_vocabulary)
+    loaded = load_model(str(path), use_cache=False)
+    assert loaded.config.architecture == "phi3" and loaded.tokenizer is not None
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("the weather")) == "the weather"

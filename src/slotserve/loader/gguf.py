@@ -166,7 +166,8 @@ def _tokenizer(path: str, meta: dict[str, Any], config: ModelConfig) -> Tokenize
 
 def _check_tokenizer_metadata(path: str, meta: dict[str, Any], vocab_size: int) -> None:
     """A ModelFileError unless the tokenizer keys have the types Tokenizer reads them as."""
-    for key, item_type in (("tokens", str), ("merges", str), ("token_type", int)):
+    for key, item_type in (("tokens", str), ("merges", str), ("token_type", int),
+                           ("scores", float)):
         values = meta.get(f"tokenizer.ggml.{key}", [])
         if not isinstance(values, list) or not all(type(v) is item_type for v in values):
             raise ModelFileError(path, f"tokenizer.ggml.{key} must be a list of "

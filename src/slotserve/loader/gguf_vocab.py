@@ -125,6 +125,62 @@ def gemma_sentencepiece(tokens: list[str], types: Sequence[int], unk_token: str)
     return backend
 
 
+# The GGUF architectures whose Llama-style SentencePiece vocabulary ("llama": Llama 2, Mistral
+# v0.1, Phi-3) is read as HF transformers reads it from a GGUF; how each adds the prefix space.
+LLAMA_SENTENCEPIECE_ARCHS = ("llama", "phi3")
+
+
+def llama_sentencepiece(tokens: list[str], scores: Sequence[float], types: Sequence[int],
+                        arch: str) -> Backend:
+    """A Llama-style SentencePiece vocabulary (`tokenizer.ggml.model` "llama": merges implied by
+    the scores, byte fallback, a prefix space) as HF transformers builds it from a GGUF
+    (LlamaTokenizer over the file's vocabulary; for phi3 its `phi3_tokenizer`).
+
+    - Merges: every split of a token into two vocabulary entries, ranked by the token's score
+      (best first), then longer left part, then longer right part (HF's `generate_merges`).
+    - The prefix space: llama: Metaspace prepended to the first word only ("first", HF's
+      non-legacy Llama); phi3: a normalizer prepends it and spells every space as "\u2581"
+      (Phi-3's tokenizer.json). Decoding drops one leading space again.
+    Control tokens become special added tokens, user-defined ones plain added tokens.
+    """
+    if len(scores) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                         f"{len(tokens)} tokens")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, vocab),
+                                 fuse_unk=True, byte_fallback=True, dropout=None))
+    if arch == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE),
+                                                   normalizers.Replace(" ", SPM_SPACE)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE,
+                                                         prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPM_SPACE, " "),
+                                         decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED and t in vocab]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return backend
+
+
+def _merges_by_score(tokens: list[str], scores: Sequence[float], vocab: dict[str, int]
+                     ) -> list[tuple[str, str]]:
+    """transformers' `generate_merges(vocab, {token: score})`: each token's splits into two
+    vocabulary entries (in vocabulary-id order), all sorted by (score, len(left),
+    len(right)) descending, ties kept in file order (a stable sort)."""
+    token_scores = dict(zip(tokens, scores))  # NOTE: a repeated token: its last score
+    candidates = []
+    for token, score in token_scores.items():
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))
+                  if token[:cut] in vocab and token[cut:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        candidates += [(left, right, score) for left, right in splits]
+    candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
 def _merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Every (left, right) split of each token into two vocabulary entries, tokens in file
     order, each token's splits longest left part first.

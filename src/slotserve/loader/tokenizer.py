@@ -26,11 +26,13 @@ from tokenizers import Tokenizer as Backend
 
 from slotserve.loader.chat_template import compiled_chat_template, hf_chat_template
 from slotserve.loader.gguf_vocab import (
+    LLAMA_SENTENCEPIECE_ARCHS,
     SENTENCEPIECE_ARCHS,
     add_gguf_special_tokens,
     byte_level_bpe,
     gemma_sentencepiece,
     gguf_eos_token_ids,
+    llama_sentencepiece,
 )
 
 META_FILE = "tokenizer_meta.json"
@@ -66,10 +68,11 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Build from a GGUF file's metadata (a dict of `tokenizer.ggml.*` keys and values).
 
-        Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and Gemma's
-        SentencePiece one (`"llama"` in a `gemma3` file) are supported; BOS is prepended
-        when `tokenizer.ggml.add_bos_token` says so (llama.cpp's and HF's default for a
-        SentencePiece vocabulary: true).
+        Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`), Gemma's
+        SentencePiece one (`"llama"` in a `gemma2` / `gemma3` file) and the Llama-style one
+        (`"llama"` in a `llama` / `phi3` file: Llama 2, Mistral v0.1, Phi-3) are supported;
+        BOS is prepended when `tokenizer.ggml.add_bos_token` says so (llama.cpp's and HF's
+        default for a SentencePiece vocabulary: true).
         """
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -85,11 +88,20 @@ class Tokenizer:
                                  "space is not supported (Gemma's vocabulary has none)")
             backend = gemma_sentencepiece(tokens, types, _unk_token(meta, tokens))
             add_bos_default = True
+        elif kind == "llama" and meta.get("general.architecture") in LLAMA_SENTENCEPIECE_ARCHS:
+            if meta.get("tokenizer.ggml.add_space_prefix", True) is not True:
+                raise ValueError("tokenizer.ggml.add_space_prefix=False: a Llama-style "
+                                 "SentencePiece vocabulary without its prefix space is not "
+                                 "supported (HF transformers adds it whatever the file says)")
+            backend = llama_sentencepiece(tokens, meta.get("tokenizer.ggml.scores") or [],
+                                          types, meta["general.architecture"])
+            add_bos_default = True
         else:
             raise ValueError(
                 f"unsupported GGUF tokenizer model {kind!r} for architecture "
                 f"{meta.get('general.architecture')!r}: supported are byte-level BPE ('gpt2') "
-                f"and SentencePiece ('llama') for {', '.join(SENTENCEPIECE_ARCHS)}; load the "
+                f"and SentencePiece ('llama') for "
+                f"{', '.join(SENTENCEPIECE_ARCHS + LLAMA_SENTENCEPIECE_ARCHS)}; load the "
                 "model's Hugging Face directory instead"
             )
         return cls(
