@@ -71,6 +71,11 @@ class Scheduler:
         self.iteration = 0
         self.num_preemptions = 0
         self.speculator = speculator
+        # NOTE: "auto" speculation plans with the cost of decode-only iterations (decodes
+        # and their drafts): prefill chunks cost more per token (attention over the prompt,
+        # on the CPU the general path instead of the decode stack) and would make drafts
+        # look dear.
+        self.decode_cost = CostModel()
         # Which running requests may take draft tokens (the engine's: none with a grammar
         # or logit shaping).
         self.may_speculate: Callable[[Request], bool] = lambda request: True
@@ -236,7 +241,8 @@ class Scheduler:
             return budget
         producing = sum(1 for r in self.running if r.request_id in plan
                         and r.num_computed_tokens + plan[r.request_id] == r.num_tokens)
-        cost = self.cost if self.cost.per_token and self.cost.overhead > 0 else None
+        fit = self.decode_cost
+        cost = fit if fit.per_token and fit.overhead > 0 else None  # else the planner's prior
         proposed = self.speculator.plan(candidates, budget, sum(plan.values()), producing,
                                         cost)
         for request_id, drafts in proposed.items():
@@ -455,6 +461,8 @@ class Scheduler:
         now = self.clock()
         if self._scheduled_at is not None and output.seqs:
             self.cost.observe(output.num_batched_tokens, now - self._scheduled_at)
+            if self.speculator is not None and all(s.kind == "decode" for s in output.seqs):
+                self.decode_cost.observe(output.num_batched_tokens, now - self._scheduled_at)
         self._scheduled_at = None
         self.last_extra_tokens = 0
         touched: list[Request] = []

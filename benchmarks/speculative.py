@@ -1,0 +1,183 @@
+"""Speculative decoding on against off: output tok/s and TPOT, interleaved, per batch size.
+
+    PYTHONPATH=src python -m benchmarks.speculative --rounds 3 --out
+
+One engine per setting in process (the embedded SmolLM2-135M unless --model): speculation
+off, `--speculative-config` "auto" (default: ngram, prompt_lookup 2..5) and, with
+`--fixed K`, the same method at a fixed K drafts. Two workloads of greedy chat requests:
+`grounded` (answers that copy from their input: a code edit that repeats most of a
+function, fields extracted verbatim from a given text, a passage quoted back) and `free`
+(open questions, little to copy). For each workload and batch size (`--batches`, default
+1 4 16 64: that many requests sent at once, max_num_seqs 64) every round runs each setting
+once, in an order that rotates round by round, so a drift of the host's speed falls on
+every side. Per run: output tokens / wall time, TPOT p50 / p99 over the completions, and
+whether the tokens equal the off run's (greedy: they must, up to the near-tie rule of
+docs/ARCHITECTURE.md). The summary gives the median ratio on / off per cell.
+
+`--out [PATH]` writes the JSON report (default: benchmarks/results/speculative.json).
+NOTE: the lead runs it on a quiet machine; a loaded 2-core box swings tok/s several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from slotserve import SamplingParams
+from slotserve.engine.llm import LLM
+from slotserve.lab.bench.report import write_report
+from slotserve.percentile import percentile
+
+DEFAULT_OUT = "benchmarks/results/speculative.json"
+CODE = '''def parse_config(path):
+    """Read a key=value file into a dict, skipping comments and blank lines."""
+    result = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            result[key.strip()] = value.strip()
+    return result
+'''
+RECORD = ("Order 48213 was placed by Maria Keller on 12 March 2024 for three boxes of "
+          "blue ceramic tiles, to be delivered to 14 Linden Street, Hamburg. The invoice "
+          "total is 412.50 EUR and payment is due within 30 days.")
+PASSAGE = ("The river rises in the northern hills and runs south for two hundred "
+           "kilometres before it reaches the sea. Its valley was settled early, and the "
+           "old mills along its banks still stand, though none of them has turned a wheel "
+           "in a hundred years.")
+GROUNDED = (
+    f"Rename the variable `result` to `settings` in this function and return the whole "
+    f"function:\n\n{CODE}",
+    f"Copy the customer name, the address and the invoice total exactly as written in "
+    f"this text, one per line:\n\n{RECORD}",
+    f"Quote the following passage word for word, then stop:\n\n{PASSAGE}",
+    f"Add a docstring line saying the file must exist, and return the whole function:"
+    f"\n\n{CODE}",
+)
+FREE = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three good reasons to learn a second language? Explain each briefly.",
+    "Describe a perfect autumn day in a small mountain town.",
+    "Give some advice to someone starting their first job as a programmer.",
+)
+WORKLOADS = {"grounded": GROUNDED, "free": FREE}
+
+
+def chat_prompts(llm: LLM, texts: tuple[str, ...], count: int) -> list[list[int]]:
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": texts[i % len(texts)]}],
+                                      add_generation_prompt=True) for i in range(count)]
+
+
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """One batch sent at once: tokens, wall time, tok/s, TPOT p50/p99, the token ids."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    spec = llm.engine.scheduler.speculator
+    before = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    completions = [o.outputs[0] for o in outputs]
+    tokens = sum(len(c.token_ids) for c in completions)
+    tpots = [c.metrics.tpot for c in completions if c.metrics and c.metrics.tpot is not None]
+    drafted = (spec.num_draft_tokens - before[0], spec.num_accepted_tokens - before[1]) \
+        if spec else (0, 0)
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "tpot_p50_ms": 1000 * percentile(tpots, 50) if tpots else None,
+            "tpot_p99_ms": 1000 * percentile(tpots, 99) if tpots else None,
+            "draft_tokens": drafted[0], "accepted_tokens": drafted[1],
+            "token_ids": [list(c.token_ids) for c in completions]}
+
+
+def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
+             rounds: int, log) -> dict:
+    """`rounds` runs of every setting on one workload and batch size, order rotating."""
+    names = list(engines)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for number in range(rounds):
+        order = names[number % len(names):] + names[:number % len(names)]
+        for name in order:
+            result = run_once(engines[name], prompts, max_tokens)
+            runs[name].append(result)
+            log(f"  round {number + 1} {name}: {result['output_tok_s']:.1f} tok/s, TPOT p99 "
+                f"{result['tpot_p99_ms'] or 0:.1f} ms, drafts {result['draft_tokens']} "
+                f"accepted {result['accepted_tokens']}")
+    reference = runs["off"][0]["token_ids"]
+    cell = {}
+    for name in names:
+        same = all(r["token_ids"] == reference for r in runs[name])
+        for r in runs[name]:
+            r.pop("token_ids")
+        cell[name] = {"runs": runs[name], "identical_to_off": same}
+        if name != "off":
+            ratios = [on["output_tok_s"] / off["output_tok_s"]
+                      for on, off in zip(runs[name], runs["off"])]
+            cell[name]["median_ratio"] = statistics.median(ratios)
+    return cell
+
+
+def format_summary(report: dict) -> str:
+    settings = [n for n in report["settings"] if n != "off"]
+    lines = ["| workload | batch | " + " | ".join(f"{n} / off" for n in settings)
+             + " | identical |", "| --- | --- | " + "--- | " * len(settings) + "--- |"]
+    for workload, cells in report["results"].items():
+        for batch, cell in cells.items():
+            ratios = " | ".join(f"{cell[n]['median_ratio']:.2f}x" for n in settings)
+            same = all(cell[n]["identical_to_off"] for n in settings)
+            lines.append(f"| {workload} | {batch} | {ratios} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--method", choices=("ngram", "suffix"), default="ngram")
+    p.add_argument("--fixed", type=int, default=None, metavar="K",
+                   help="also run K drafts per sequence and iteration (e.g. 4)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS),
+                   default=list(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", metavar="JSON", nargs="?", const=DEFAULT_OUT,
+                   help=f"write the JSON report (default path {DEFAULT_OUT})")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.max_tokens < 1 or min(args.batches) < 1:
+        p.error("--rounds, --max-tokens and --batches must be at least 1")
+    lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 5} if args.method == "ngram" else {}
+    settings: dict[str, str | None] = {
+        "off": None, "auto": json.dumps({"method": args.method, **lookup})}
+    if args.fixed is not None:
+        settings[f"fixed{args.fixed}"] = json.dumps(
+            {"method": args.method, "num_speculative_tokens": args.fixed, **lookup})
+    engine = {"max_num_seqs": max(args.batches), "max_model_len": args.max_tokens + 512}
+    engines = {name: LLM(args.model, speculative_config=spec, **engine)
+               for name, spec in settings.items()}
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    warm = chat_prompts(engines["off"], FREE, 2)
+    for llm in engines.values():
+        run_once(llm, warm, 8)
+    results: dict[str, dict] = {}
+    for workload in args.workloads:
+        results[workload] = {}
+        for batch in args.batches:
+            log(f"{workload}, batch {batch}:")
+            prompts = chat_prompts(engines["off"], WORKLOADS[workload], batch)
+            results[workload][str(batch)] = run_cell(engines, prompts, args.max_tokens,
+                                                     args.rounds, log)
+    report = {"settings": settings, "engine": engine, "max_tokens": args.max_tokens,
+              "rounds": args.rounds, "results": results}
+    print(format_summary(report))
+    if args.out:
+        write_report(args.out, model=args.model or "embedded", **report)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
