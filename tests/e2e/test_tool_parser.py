@@ -119,3 +119,15 @@ def test_tool_choice_none_and_forced_still_work(server):
     call = forced.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(
         json.loads(call.function.arguments), dict)
+
+
+def test_streamed_logprobs_cover_each_token_once(server):
+    """With logprobs, the streamed pieces carry each generated token's logprob once (a call
+    parsed at once and its finish come from one output), as the whole answer lists them."""
+    whole = ask(server, logprobs=True, top_logprobs=2)
+    chunks = list(ask(server, stream=True, logprobs=True, top_logprobs=2))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert whole.choices[0].message.tool_calls
+    assert streamed == [t.token for t in whole.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens

@@ -97,10 +97,18 @@ async def chat_chunks(stream: Generation, first: RequestOutput, body: p.ChatComp
     if plan is not None:
         completions = _tool_call_deltas(completions, plan)
     plain = PlainChunks(plan is None and not body.logprobs and not body.continuous_usage)
+    # NOTE: tool-call pieces: several may come from one output (a finish after the last
+    # piece, calls parsed at once) and text may be held back; each token's logprobs go out
+    # once, with the first piece after it.
+    logprobs_sent: dict[int, int] = {}
     async for c in completions:
         if isinstance(c, _ToolCallPiece):
-            ids, lps = _delta_logprobs(c.output)
-            yield chunk(c.choice(chat_choice_logprobs(tokenizer, ids, lps, body)))
+            out = c.output
+            start = logprobs_sent.get(out.index, 0)
+            logprobs_sent[out.index] = len(out.token_ids)
+            ids, lps = out.token_ids[start:], (out.logprobs or [])[start:]
+            logprobs = chat_choice_logprobs(tokenizer, ids, lps, body) if ids else None
+            yield chunk(c.choice(logprobs))
             continue
         if plain.enabled and c.delta_text:
             yield plain.chunk(c.index, c.delta_text, lambda index: chunk(
