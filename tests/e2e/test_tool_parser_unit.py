@@ -85,3 +85,20 @@ def test_content_streams_before_the_call_and_a_partial_tag_is_held():
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown tool-call format"):
         ToolCallStream("mistral")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """vLLM's rule: with parallel_tool_calls false the answer holds the first call only;
+    the request's plan carries the bound (the server's streams apply it too)."""
+    from slotserve.server.protocol import ChatCompletionRequest
+
+    two = CALL + "\n" + CALL.replace("Paris", "Rome")
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    for parallel, expected in ((None, 2), (True, 2), (False, 1)):
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+        request = ChatCompletionRequest.model_validate(body)
+        request.use_tool_call_format("hermes")
+        content, calls = request.tool_plan().parsed_calls(two)
+        assert content is None and len(calls) == expected and calls[0] == PARIS

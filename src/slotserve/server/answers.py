@@ -103,7 +103,7 @@ def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.Assista
     OpenAI answers with finish_reason "length"); with tool_choice "auto", the calls found
     in the text and the content around them; its text otherwise."""
     if plan is not None and plan.call_format is not None:
-        content, calls = p.parse_tool_calls(c.text, plan.call_format)
+        content, calls = plan.parsed_calls(c.text)
         return p.AssistantMessage(content=content, tool_calls=[p.ToolCall(
             function=p.FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls] or None)
@@ -122,7 +122,7 @@ def chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | No
     that ended by itself (OpenAI's reason)."""
     ended_by_itself = c.finish_reason == FinishReason.STOP
     if plan is not None and plan.call_format is not None:
-        called = ended_by_itself and p.parse_tool_calls(c.text, plan.call_format)[1]
+        called = ended_by_itself and plan.parsed_calls(c.text)[1]
         return "tool_calls" if called else c.finish_reason
     if plan is not None and ended_by_itself and plan.call_of(c.text) is not None:
         return "tool_calls"

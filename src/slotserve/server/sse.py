@@ -220,6 +220,8 @@ async def _parsed_pieces(completions: AsyncIterator[CompletionOutput], plan: p.T
                 yield _ToolCallPiece(c, None, None, content=piece)
                 continue
             index = calls_sent.get(c.index, 0)
+            if plan.max_calls is not None and index >= plan.max_calls:
+                continue  # NOTE: parallel_tool_calls false: as the whole answer, the first
             calls_sent[c.index] = index + 1
             yield _ToolCallPiece(c, p.ToolCallDelta(
                 index=index, id=p.new_id("call"), type="function",

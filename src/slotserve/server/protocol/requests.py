@@ -368,6 +368,9 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's)
+    # false: at most one tool call in the answer (tool_choice "auto": the first the model
+    # wrote, as vLLM's maybe_filter_parallel_tool_calls; a forced call is one anyway)
+    parallel_tool_calls: bool | None = None
     # The tool-call format of the template this request is rendered with (the server sets
     # it, `use_tool_call_format`): tool_choice "auto" parses calls in it from the output.
     _tool_call_format: str | None = PrivateAttr(default=None)
@@ -406,7 +409,10 @@ class ChatCompletionRequest(CommonRequest, StructuredFields):
 
     def tool_plan(self) -> ToolPlan | None:
         """How the output becomes tool calls, or None (see tools.tool_plan)."""
-        return tool_plan(self.tools, self.tool_choice, self._tool_call_format)
+        plan = tool_plan(self.tools, self.tool_choice, self._tool_call_format)
+        if plan is not None and self.parallel_tool_calls is False:
+            plan = dataclasses.replace(plan, max_calls=1)
+        return plan
 
     @property
     def chat_max_tokens(self) -> int:

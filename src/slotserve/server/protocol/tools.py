@@ -11,6 +11,7 @@ from pydantic import Field
 
 from slotserve.server.protocol.errors import APIError
 from slotserve.server.protocol.request_model import RequestModel
+from slotserve.server.protocol.tool_parsers import parse_tool_calls
 from slotserve.structured import StructuredOutputs
 
 
@@ -107,6 +108,13 @@ class ToolPlan:
     spec: StructuredOutputs | None
     name: str | None
     call_format: str | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (the first call found)
+
+    def parsed_calls(self, text: str) -> tuple[str | None, list]:
+        """tool_choice "auto": (content, calls) of a finished output (tool_parsers'
+        rules), at most `max_calls` of them."""
+        content, calls = parse_tool_calls(text, self.call_format)
+        return content, calls[:self.max_calls]
 
     def call_of(self, text: str) -> tuple[str, str] | None:
         """(function name, arguments as JSON text) of a finished output; None when the text
