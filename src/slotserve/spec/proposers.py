@@ -167,16 +167,24 @@ def walk_most_frequent(sources: list[tuple[np.ndarray, np.ndarray]], max_tokens:
         if not live:
             break
         nexts = np.concatenate([toks[pos] for toks, pos in live])
-        values, counts = np.unique(nexts, return_counts=True)
-        best = int(counts.argmax())
-        prob *= counts[best] / nexts.size
+        token, share = _most_frequent(nexts)
+        prob *= share
         if prob < min_prob:
             break
-        token = int(values[best])
         drafts.append(token)
         score += prob
         sources = [(toks, pos[toks[pos] == token] + 1) for toks, pos in live]
     return drafts, score
+
+
+def _most_frequent(values: np.ndarray) -> tuple[int, float]:
+    """(the most frequent value, the smallest on ties; its share of the values)."""
+    first = values[0]
+    if (values == first).all():  # NOTE: the common case of a repetitive text, 5x faster
+        return int(first), 1.0
+    uniques, counts = np.unique(values, return_counts=True)
+    best = int(counts.argmax())
+    return int(uniques[best]), counts[best] / values.size
 
 
 class RecentOutputs:
@@ -266,8 +274,17 @@ def _backward_match(stored: np.ndarray, end: int, tail: list[int]) -> int:
     return length
 
 
+# The most recent occurrences of the matched suffix a walk follows (a repetitive sequence
+# has thousands: following them all cost 0.3 ms a proposal, 64 of them 0.05 ms).
+MAX_OCCURRENCES = 64
+
+
 class SuffixProposer(_PerSequence):
-    """vLLM's `suffix` proposer (suffix decoding); see the module docstring."""
+    """vLLM's `suffix` proposer (suffix decoding); see the module docstring.
+
+    NOTE: the walk over the sequence itself follows its MAX_OCCURRENCES most recent
+    occurrences of the matched suffix, the store's its `candidates` most recent ones.
+    """
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
@@ -284,6 +301,7 @@ class SuffixProposer(_PerSequence):
         tokens = self.tokens(seq_id, prompt_ids, output_ids)
         best: tuple[list[int], float] = ([], 0.0)
         own_len, ends = longest_suffix_match(tokens, self.max_depth)
+        ends = ends[-MAX_OCCURRENCES:]
         for length, sources in ((own_len, [(tokens, ends + 1)] if own_len else []),
                                 self.store.match(tokens, self.max_depth)):
             if not length:
