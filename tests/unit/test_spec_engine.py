@@ -224,3 +224,45 @@ def test_logit_shaping_and_grammar_sequences_do_not_speculate(hf):
     slots = [s for it in engine.export_trace()["iterations"] for s in it["slots"] if s]
     assert not any(s.get("proposed") for s in slots if s["request"] == "r0")
     assert any(s.get("proposed") for s in slots if s["request"] == "r1")
+
+
+def test_length_cap_mid_proposal(hf):
+    prompts = [p[:40] for p in repetitive_prompts(2, seed=19)]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    off = reference_outputs(hf, prompts, params, max_model_len=56)
+    engine = tiny_engine(hf, max_model_len=56, speculative_config='{"method": "suffix", '
+                         '"num_speculative_tokens": 8}')
+    engine.scheduler.speculator.proposer = OracleProposer(oracle_for(prompts, off))
+    on = run(engine, prompts, params)
+    assert on == off
+    assert all(len(v[0]) == 16 and v[2] == "length" for v in on.values())
+    assert engine.scheduler.speculator.num_accepted_tokens > 0
+
+
+def test_a_failing_request_with_drafts_fails_alone(hf):
+    prompts = repetitive_prompts(4, seed=23)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    off = reference_outputs(hf, prompts, params)
+    engine = tiny_engine(hf, speculative_config=SUFFIX)
+    engine.scheduler.speculator.proposer = OracleProposer(oracle_for(prompts, off), 3)
+    execute = engine.runner.execute
+
+    def faulty(plan):  # r2 raises once it verifies drafts; bisection finds it
+        if any(s.request_id == "r2" and s.spec_token_ids for s in plan.seqs):
+            raise RuntimeError("boom")
+        return execute(plan)
+
+    engine.runner.execute = faulty
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].finish_reason is not None:
+                done[out.request_id] = out
+        engine.check_integrity()
+    assert done["r2"].error is not None and "boom" in done["r2"].error
+    for rid in ("r0", "r1", "r3"):
+        assert done[rid].error is None
+        assert done[rid].outputs[0].token_ids == off[(rid, 0)][0]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
