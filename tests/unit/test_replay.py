@@ -113,18 +113,23 @@ def _decisions(plan, token_values: bool = True):
             plan.kv_blocks_used)
 
 
+def _replay_names(settings: dict) -> dict:
+    """The engine's settings as ReplaySettings names them (its admission rule: `policy`)."""
+    return {("policy" if k == "batching" else k): v for k, v in settings.items()}
+
+
 CASES = {
-    "continuous": (dict(policy="continuous", max_num_seqs=4, max_num_batched_tokens=32),
+    "continuous": (dict(batching="continuous", max_num_seqs=4, max_num_batched_tokens=32),
                    dict(count=10)),
-    "static": (dict(policy="static", max_num_seqs=3, max_num_batched_tokens=48),
+    "static": (dict(batching="static", max_num_seqs=3, max_num_batched_tokens=48),
                dict(count=8)),
-    "shared-prefix": (dict(policy="continuous", max_num_seqs=4, max_num_batched_tokens=24),
+    "shared-prefix": (dict(batching="continuous", max_num_seqs=4, max_num_batched_tokens=24),
                       dict(count=8, shared_prefix=40)),
-    "preemption": (dict(policy="continuous", max_num_seqs=6, max_num_batched_tokens=64,
+    "preemption": (dict(batching="continuous", max_num_seqs=6, max_num_batched_tokens=64,
                         num_blocks=8), dict(count=10, long=True)),
-    "arrivals": (dict(policy="continuous", max_num_seqs=3, max_num_batched_tokens=16),
+    "arrivals": (dict(batching="continuous", max_num_seqs=3, max_num_batched_tokens=16),
                  dict(count=9, arrivals=[0, 0, 1.5, 2, 2, 7, 30, 30.5, 31])),
-    "stall-free": (dict(policy="continuous", max_num_seqs=4, max_num_batched_tokens=32,
+    "stall-free": (dict(batching="continuous", max_num_seqs=4, max_num_batched_tokens=32,
                         max_prefill_tokens_while_decoding=6), dict(count=10)),
 }
 
@@ -138,7 +143,7 @@ def test_engine_with_the_fake_runner_takes_the_same_decisions(tiny_llama, case):
     engine = tiny_engine(tiny_llama, **ENGINE, **settings)
     engine.runner = FakeRunner(cost)
     engine_plans = _drive_engine(engine, requests)
-    sim = replay(requests, ReplaySettings(max_model_len=512, **settings), cost,
+    sim = replay(requests, ReplaySettings(max_model_len=512, **_replay_names(settings)), cost,
                  keep_plans=True, check=True)
     assert [_decisions(p) for p in sim.plans] == [_decisions(p) for p in engine_plans]
     if case == "preemption":
@@ -163,19 +168,19 @@ def test_engine_with_the_fake_runner_takes_the_same_decisions(tiny_llama, case):
 
 def test_the_real_engine_and_its_trace_replay_to_the_same_schedule(tiny_llama):
     # The real runner (tokens differ from the fake's; lengths do not: EOS is ignored).
-    settings = dict(policy="continuous", max_num_seqs=4, max_num_batched_tokens=32)
+    settings = dict(batching="continuous", max_num_seqs=4, max_num_batched_tokens=32)
     requests = _requests(10, seed=3)
     engine = tiny_engine(tiny_llama, **ENGINE, **settings)
     engine_plans = _drive_engine(engine, requests)
-    sim = replay(requests, ReplaySettings(max_model_len=512, **settings), UnitCost(),
-                 keep_plans=True)
+    replay_settings = ReplaySettings(max_model_len=512, **_replay_names(settings))
+    sim = replay(requests, replay_settings, UnitCost(), keep_plans=True)
     assert [_decisions(p, token_values=False) for p in sim.plans] == \
         [_decisions(p, token_values=False) for p in engine_plans]
     # Its trace (prompt lengths and output lengths only) replays to the same slot strips.
     trace = json.loads(json.dumps(engine.trace.export()))
     from_trace, info = requests_from_trace(trace)
     assert info["trace_num_slots"] == 4 and len(from_trace) == 10
-    again = replay(from_trace, ReplaySettings(max_model_len=512, **settings), UnitCost())
+    again = replay(from_trace, replay_settings, UnitCost())
     assert [it["slots"] for it in again.trace["iterations"]] == \
         [it["slots"] for it in trace["iterations"]]
 
@@ -326,7 +331,7 @@ def test_cli_simulate_trace_writes_bench_results_and_a_drawable_trace(tiny_llama
     assert main(["timeline", str(saved), "--no-color"]) == 0
     assert "replay" in capsys.readouterr().out
     # Both policies: a compare report.
-    assert main(["replay", str(trace), "--clock", "iterations", "--policy", "both",
+    assert main(["replay", str(trace), "--clock", "iterations", "--batching", "both",
                  "--out", str(out)]) == 0
     assert json.loads(out.read_text())["mode"] == "compare"
 
@@ -366,7 +371,22 @@ def test_replay_runs_on_the_last_calibration(tiny_llama, tmp_path, monkeypatch, 
 def test_cli_simulate_rejects_replay_flags_without_a_trace(capsys):
     assert main(["simulate", "--max-num-seqs", "4"]) == 2
     assert "needs --trace" in capsys.readouterr().err
-    assert main(["simulate", "--policy", "fair"]) == 2
+    assert main(["simulate", "--batching", "fair"]) == 2
+    assert "--batching must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay", "plan"])
+def test_policy_is_a_deprecated_alias_of_batching(command, capsys):
+    """`--policy` (the admission rule's former name, as `serve`'s) sets --batching, with a
+    warning on stderr."""
+    from slotserve.cli import build_parser
+
+    argv = [command, *(["trace.json"] if command == "replay" else []),
+            *(["--slo-ttft-ms", "1", "--slo-tpot-ms", "1"] if command == "plan" else []),
+            "--policy", "static"]
+    args = build_parser().parse_args(argv)
+    assert args.batching == (("static",) if command == "plan" else "static")
+    assert "warning: --policy is deprecated; use --batching" in capsys.readouterr().err
 
 
 def test_calibrate_on_a_tiny_model_fits_and_plan_uses_it(tmp_path, capsys):

@@ -16,7 +16,7 @@ from slotserve.lab.timeline.grid import build_grid, check_trace
 from slotserve.sampling import SamplingParams
 from tests.conftest import random_prompts, tiny_engine
 
-SETTINGS = dict(policy="continuous", max_num_seqs=3, max_num_batched_tokens=32)
+SETTINGS = dict(batching="continuous", max_num_seqs=3, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")

@@ -289,7 +289,7 @@ def test_cli_simulate_default_is_the_seed_toy(tmp_path, capsys):
 
 def test_cli_simulate_lengths_arrivals_and_policy(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert run_cli("simulate", "--no-color", "--policy", "continuous", "--slots", "2",
+    assert run_cli("simulate", "--no-color", "--batching", "continuous", "--slots", "2",
                    "--lengths", "3,1,2", "--arrivals", "0,0,5", "--prefill-iterations", "1",
                    "--out", str(out)) == 0
     trace = json.loads(out.read_text())
@@ -302,7 +302,7 @@ def test_cli_simulate_requests_file(tmp_path, capsys):
     jsonl = tmp_path / "r.jsonl"
     jsonl.write_text('{"id": "a", "output_tokens": 2, "arrival_iteration": 0}\n\n'
                      '{"id": "b", "output_tokens": 1, "arrival_iteration": 1}\n')
-    assert run_cli("simulate", "--no-color", "--slots", "1", "--policy", "static",
+    assert run_cli("simulate", "--no-color", "--slots", "1", "--batching", "static",
                    "--requests", str(jsonl)) == 0
     assert "static: 3 iterations, utilisation 100% (3/3)" in capsys.readouterr().out
 

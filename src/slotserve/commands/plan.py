@@ -6,6 +6,7 @@ import argparse
 import time
 
 from slotserve.commands.common import cost_model, int_tuple, load_tokenizer
+from slotserve.commands.replay import add_batching_flag
 from slotserve.lab.replay.cost_model import UnitCost
 from slotserve.lab.replay.inputs import load_input, requests_from_workload
 from slotserve.lab.replay.simulator import ReplaySettings
@@ -25,7 +26,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="PROFILE.json",
                    help="cost model from `slotserve calibrate` (default: unit time; then "
                         "the SLOs are in iterations x 1000)")
-    p.add_argument("--policy", type=_str_tuple, default=("continuous",), metavar="P,P")
+    add_batching_flag(p, type=_str_tuple, default=("continuous",), metavar="B,B",
+                      help="batching (admission) rules to try: continuous, static "
+                           "(default: continuous)")
     p.add_argument("--max-num-seqs", type=int_tuple, default=(4, 8, 16, 32, 64),
                    metavar="N,N,...")
     p.add_argument("--max-num-batched-tokens", type=int_tuple, default=(256, 512, 1024),
@@ -61,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     base = ReplaySettings(num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching)
     started = time.perf_counter()
-    candidates = search(requests, slo, cost, base=base, policies=args.policy,
+    candidates = search(requests, slo, cost, base=base, policies=args.batching,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         rates=args.rates or DEFAULT_RATES, seed=args.seed)

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from slotserve.commands.common import add_chart_options, fail, load_tokenizer, write_charts
+from slotserve.engine_args import DeprecatedFlag
 from slotserve.lab.replay.cost_model import UnitCost, load_profile
 from slotserve.lab.replay.inputs import load_input, scale_rate, with_poisson
 from slotserve.lab.replay.simulator import ReplayResult, ReplaySettings, replay
@@ -44,14 +45,24 @@ def add_replay_parser(subparsers) -> argparse.ArgumentParser:
                     "workload through the real scheduler on the cost model `slotserve "
                     "calibrate` fit for this machine; print the predicted report.")
     p.add_argument("trace", metavar="TRACE.json|WORKLOAD.jsonl")
-    p.add_argument("--policy", default=None,
-                   help="admission rule, or both (default: the trace's)")
+    add_batching_flag(p, default=None,
+                      help="batching (admission) rule: continuous, static, or both "
+                           "(default: the trace's)")
     p.add_argument("--out", metavar="FILE.json",
                    help="write the predicted results as `slotserve bench --out` does")
     add_chart_options(p)
     add_replay_flags(p.add_argument_group("replay"))
     p.set_defaults(func=cmd_replay)
     return p
+
+
+def add_batching_flag(p, **spec) -> None:
+    """--batching (the admission rule, as `serve`'s) with `spec`, and --policy, its former
+    name, as a deprecated alias (a warning on stderr; NOTE: no default of its own)."""
+    p.add_argument("--batching", dest="batching", **spec)
+    kept = {k: v for k, v in spec.items() if k not in ("default", "help")}
+    p.add_argument("--policy", dest="batching", action=DeprecatedFlag, new_flag="--batching",
+                   default=argparse.SUPPRESS, help="deprecated: use --batching", **kept)
 
 
 def add_replay_flags(g) -> None:
@@ -145,7 +156,8 @@ def run_replay(args: argparse.Namespace, cost) -> int:
         requests = with_poisson(requests, args.request_rate)
         info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     base = settings_from_args(args, info)
-    policies = ("static", "continuous") if args.policy == "both" else (args.policy or base.policy,)
+    both = args.batching == "both"
+    policies = ("static", "continuous") if both else (args.batching or base.policy,)
     results, started = [], time.perf_counter()
     for policy in policies:
         results.append(replay(requests, replace(base, policy=policy), cost, workload=info))
@@ -175,8 +187,8 @@ def settings_from_args(args: argparse.Namespace, info: dict) -> ReplaySettings:
               "num_blocks": info.get("trace_kv_blocks"), "policy": info.get("trace_policy")}
     recorded |= {k: v for k, v in header.items() if v is not None}
     flags = {k: getattr(args, k) for k in SETTINGS_FLAGS if getattr(args, k, None) is not None}
-    if args.policy not in (None, "both"):
-        flags["policy"] = args.policy
+    if args.batching not in (None, "both"):
+        flags["policy"] = args.batching  # NOTE: ReplaySettings' name for the admission rule
     return ReplaySettings(**(recorded | flags))
 
 

@@ -9,7 +9,13 @@ import sys
 from pathlib import Path
 
 from slotserve.commands.common import add_chart_options, fail, use_color, write_charts
-from slotserve.commands.replay import REPLAY_ONLY, add_replay_flags, replay_clock, run_replay
+from slotserve.commands.replay import (
+    REPLAY_ONLY,
+    add_batching_flag,
+    add_replay_flags,
+    replay_clock,
+    run_replay,
+)
 from slotserve.lab.simulate import POLICIES, SEED_TOY, SimRequest, simulate, summarize
 from slotserve.lab.timeline import render_terminal
 
@@ -24,9 +30,10 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                     "--trace: replay a real run's trace or a workload through the real "
                     "scheduler on a modelled clock.")
     p.add_argument("--slots", type=int, default=3, help="number of slots (default 3)")
-    p.add_argument("--policy", default=None,
-                   help=f"toy: {', '.join(POLICIES)} or both (default); replay: any policy "
-                        "the scheduler accepts, or both (default: the trace's)")
+    add_batching_flag(p, default=None,
+                      help=f"batching (admission) rule: toy: {', '.join(POLICIES)} or both "
+                           "(default); replay: continuous, static or both (default: the "
+                           "trace's)")
     p.add_argument("--lengths", type=_int_list, metavar="N,N,...",
                    help="output lengths, one per request R1..Rn (default: the seed's toy)")
     p.add_argument("--arrivals", type=_int_list, metavar="T,T,...",
@@ -59,10 +66,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return run_replay(args, replay_clock(args.profile, args.clock))
         requests = _requests_from_args(args)
-        policy = args.policy or "both"
+        policy = args.batching or "both"
         if policy not in (*POLICIES, "both"):
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)} or both for the "
-                             f"toy, got {policy!r}")
+            raise ValueError(f"--batching must be one of {', '.join(POLICIES)} or both for "
+                             f"the toy, got {policy!r}")
         policies = POLICIES if policy == "both" else (policy,)
         traces = [simulate(requests, args.slots, p, args.prefill_iterations)
                   for p in policies]
