@@ -351,3 +351,47 @@ def test_phi3_file_with_its_vocabulary_loads(family_files, tmp_path):
     loaded = load_model(str(path), use_cache=False)
     assert loaded.config.architecture == "phi3" and loaded.tokenizer is not None
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("the weather")) == "the weather"
+
+
+# -- the GGUF keys' table: each key the loader reads changes the model or is refused ---------
+
+# Values for keys a base file does not have (each one that must matter).
+ABSENT_VALUES = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scale_linear": 4.0, "rope.scaling.attn_factor": 2.0,
+                 "attention.sliding_window": 8, "attention.sliding_window_pattern": 3,
+                 "rope.dimension_count": 16, "rope.freq_base": 1e5,
+                 "attn_logit_softcapping": 7.0,
+                 "final_logit_softcapping": 7.0}
+
+
+def mutated(value):
+    """A different value of the same type (doubled: sizes, eps, bases, windows, caps)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AssertionError(f"no mutation for {value!r}")
+    return value * 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_every_read_gguf_key_changes_the_model_or_is_refused(family_files, tmp_path, arch):
+    """config_gate's GGUF table, walked: a read key set to another value changes the
+    ModelConfig or is a ModelFileError naming it (none is read and ignored); a harmless key
+    changes nothing."""
+    from slotserve.config_gate import GGUF_FAMILY_KEYS, GGUF_HARMLESS_KEYS, GGUF_READ_KEYS
+    from slotserve.loader.gguf_config import model_config
+    from slotserve.loader.gguf_reader import read_gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, family_files[arch][0], arch)
+    meta, tensors = read_gguf(str(path))
+    base = model_config(meta, tensors)
+    for suffix in (*GGUF_READ_KEYS, *GGUF_FAMILY_KEYS.get(arch, ())):
+        key = f"{arch}.{suffix}"
+        value = mutated(meta[key]) if key in meta else ABSENT_VALUES[suffix]
+        try:
+            changed = model_config({**meta, key: value}, tensors)
+        except ModelFileError as exc:
+            assert key in str(exc) or suffix.split(".")[-1] in str(exc), (key, str(exc))
+            continue
+        assert changed != base, f"{key}={value!r} changed nothing"
+    for suffix in GGUF_HARMLESS_KEYS:
+        assert model_config({**meta, f"{arch}.{suffix}": 7}, tensors) == base, suffix

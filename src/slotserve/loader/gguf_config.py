@@ -194,15 +194,17 @@ GGUF_ROPE_SCALING = ("none", "linear")
 
 def _rope_scaling(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
                   ) -> RopeScaling | None:
-    """The RoPE scaling of a GGUF file, as llama.cpp applies it: `{arch}.rope.scaling.type`
-    linear (positions / `rope.scaling.factor`; the older `rope.scale_linear` too) and the
-    `rope_freqs` tensor (frequency i / factor i: convert_hf_to_gguf writes Llama 3's llama3
-    scaling so). Other types (yarn, longrope) are refused: a ModelFileError naming the key.
+    """The RoPE scaling of a GGUF file, as llama.cpp applies it: linear (positions /
+    `rope.scaling.factor`, overridden by the older `rope.scale_linear`) unless
+    `{arch}.rope.scaling.type` is "none" (llama.cpp's type when the key is absent is
+    linear), and the `rope_freqs` tensor (frequency i / factor i: convert_hf_to_gguf writes
+    Llama 3's llama3 scaling so); Phi-3's LongRoPE (`_phi3_longrope`). Other types (yarn,
+    ...) are refused: a ModelFileError naming the key.
     """
     longrope = [t for t in tensors if t.name in LONGROPE_TENSORS]
     if longrope or key.arch == "phi3":
         return _phi3_longrope(key, tensors, head_dim)
-    kind = key.meta.get(f"{key.arch}.rope.scaling.type", "none")
+    kind = key.meta.get(f"{key.arch}.rope.scaling.type", "linear")
     if kind not in GGUF_ROPE_SCALING:
         raise ModelFileError(key.path, f"{key.arch}.rope.scaling.type={kind!r}: unsupported "
                                        f"RoPE scaling (supported from GGUF: "
@@ -211,18 +213,28 @@ def _rope_scaling(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
     if attn_factor != 1.0:  # NOTE: llama.cpp scales cos/sin by it whatever the type
         raise ModelFileError(key.path, f"{key.arch}.rope.scaling.attn_factor={attn_factor!r}: "
                                        "a RoPE attention factor is not supported from GGUF")
+    factor = _linear_factor(key) if kind == "linear" else 1.0
     factors = [t for t in tensors if t.name == "rope_freqs.weight"]
-    if factors and kind != "none":
-        raise ModelFileError(key.path, f"rope_freqs.weight with {key.arch}.rope.scaling.type="
-                                       f"{kind!r}: both scalings at once are not supported")
+    if factors and factor != 1.0:
+        raise ModelFileError(key.path, f"rope_freqs.weight with a linear RoPE factor {factor}: "
+                                       "both scalings at once are not supported")
     if factors:
         return RopeScaling("freq_factors", freq_factors=_freq_factors(key.path, factors[0],
                                                                       head_dim))
-    if kind == "linear" or key.present("rope.scale_linear"):
-        suffix = "rope.scaling.factor" if kind == "linear" else "rope.scale_linear"
-        factor = float(key(suffix, kind=float))
-        return None if factor == 1.0 else RopeScaling("linear", factor=factor)
-    return None
+    return None if factor == 1.0 else RopeScaling("linear", factor=factor)
+
+
+def _linear_factor(key: _ArchKeys) -> float:
+    """llama.cpp's linear RoPE factor: `rope.scaling.factor`, then `rope.scale_linear` over
+    it, else 1 (positions are divided by it). A file that names the linear type must give
+    its factor (missing: a ModelFileError, as before)."""
+    if key.present("rope.scaling.type") and not key.present("rope.scale_linear"):
+        return float(key("rope.scaling.factor", kind=float))
+    factor = 1.0
+    for suffix in ("rope.scaling.factor", "rope.scale_linear"):
+        if key.present(suffix):
+            factor = float(key(suffix, kind=float))
+    return factor
 
 
 def _freq_factors(path: str, tensor: GGUFTensor, head_dim: int) -> tuple[float, ...]:
@@ -257,6 +269,10 @@ def _phi3_longrope(key: _ArchKeys, tensors: list[GGUFTensor], head_dim: int
         raise ModelFileError(key.path, "rope_freqs.weight in a phi3 file: unsupported")
     factors = {t.name: t for t in tensors if t.name in LONGROPE_TENSORS}
     attn_factor = key.meta.get(f"{key.arch}.rope.scaling.attn_factor", 1.0)
+    for suffix in ("rope.scaling.factor", "rope.scale_linear"):
+        if key.present(suffix):  # NOTE: convert_hf_to_gguf writes neither for Phi-3
+            raise ModelFileError(key.path, f"phi3.{suffix}={key.meta['phi3.' + suffix]!r}: "
+                                           "a linear RoPE factor is not supported for phi3")
     if not factors:
         if attn_factor != 1.0 or kind != "none":
             raise ModelFileError(key.path, f"{key.arch}.rope.scaling.attn_factor="
