@@ -1,10 +1,11 @@
 """Speculative decoding in the engine (issue 35): greedy output is token-identical to
 speculation off, with every proposer, with chunked prefill, prefix-cache hits, preemption,
 stop strings and stop tokens inside accepted drafts, max_tokens reached mid-proposal,
-min_tokens, logprobs and n > 1; sequences with logit shaping do not speculate; the trace
-and the totals count drafts. Tiny random fp32 models (tests/conftest.py); an "oracle"
-proposer that knows the reference output (with chosen mistakes) makes acceptance and
-rejection happen where a test needs them. check_integrity after every step."""
+min_tokens, logprobs, penalties and logit shaping, and n > 1; sequences with a grammar do
+not speculate; the trace and the totals count drafts. Tiny random fp32 models
+(tests/conftest.py); an "oracle" proposer that knows the reference output (with chosen
+mistakes) makes acceptance and rejection happen where a test needs them. check_integrity
+after every step."""
 
 from __future__ import annotations
 
@@ -211,19 +212,33 @@ def test_sampled_n_completions_run_with_drafts(hf):
     assert again == on  # seeded: reproducible with drafts too
 
 
-def test_logit_shaping_and_grammar_sequences_do_not_speculate(hf):
-    prompts = repetitive_prompts(2, seed=17)
-    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                             presence_penalty=0.5),
-              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+def test_penalties_and_logit_shaping_with_drafts(hf):
+    """Row i of a verification counts the first i drafts as output: penalties, logit_bias
+    and bad words give what one token per step gives."""
+    prompts = repetitive_prompts(4, seed=17)
+    common = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(**common, presence_penalty=0.8),
+              SamplingParams(**common, frequency_penalty=1.5, repetition_penalty=1.3),
+              SamplingParams(**common, logit_bias={7: 3.0, 9: -50.0}),
+              SamplingParams(**common)]
     off = reference_outputs(hf, prompts, params)
     engine = tiny_engine(hf, speculative_config=SUFFIX)
-    engine.scheduler.speculator.proposer = OracleProposer(oracle_for(prompts, off))
+    engine.scheduler.speculator.proposer = OracleProposer(oracle_for(prompts, off), 5)
     on = run(engine, prompts, params)
     assert on == off
     slots = [s for it in engine.export_trace()["iterations"] for s in it["slots"] if s]
-    assert not any(s.get("proposed") for s in slots if s["request"] == "r0")
-    assert any(s.get("proposed") for s in slots if s["request"] == "r1")
+    for rid in ("r0", "r1", "r2"):
+        assert any(s.get("accepted") for s in slots if s["request"] == rid), rid
+
+
+def test_grammar_sequences_do_not_speculate(hf):
+    engine = tiny_engine(hf, speculative_config=SUFFIX)
+    engine.add_request("g", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+    seq = engine._sequences["g"]
+    assert engine._may_speculate(seq.request)
+    seq.grammar = object()  # a constrained completion (its matcher)
+    assert not engine._may_speculate(seq.request)
+    seq.grammar = None
 
 
 def test_length_cap_mid_proposal(hf):

@@ -75,15 +75,17 @@ def test_target_probs_are_the_samplers():
     assert chisquare(observed, expected).pvalue > ALPHA
 
 
-def test_engine_distribution_with_and_without_drafts():
+@pytest.mark.parametrize("shaping", [{}, {"presence_penalty": 1.0, "repetition_penalty": 1.5,
+                                          "logit_bias": {3: 2.0}}], ids=["plain", "penalties"])
+def test_engine_distribution_with_and_without_drafts(shaping):
     hf = tiny_hf_model("llama", seed=2)
     prompt = random_prompts(1, min_len=12, max_len=12, seed=4)[0]
     greedy = run(tiny_engine(hf), [prompt],
                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     draft = greedy[("r0", 0)][0]  # the most likely path: drafts accepted often, not always
     count = 300
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=s)
-              for s in range(count)]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=s,
+                             **shaping) for s in range(count)]
     settings = dict(max_num_seqs=64, num_blocks=400, block_size=8)
     off = run(tiny_engine(hf, **settings), [prompt] * count, params)
     engine = tiny_engine(hf, speculative_config='{"method": "suffix", '

@@ -285,10 +285,10 @@ class LLMEngine:
 
     def _may_speculate(self, request: Request) -> bool:
         """Whether a running completion may take draft tokens: not with a grammar (each
-        draft would need the matcher's approval first) nor with logit shaping (penalties
-        change with every draft). NOTE: the scheduler's, under the state lock."""
+        draft would need the matcher's approval first, and a mask per row). NOTE: the
+        scheduler's, under the state lock."""
         seq = self._sequences.get(request.request_id)
-        return seq is not None and seq.grammar is None and seq.shaping is None
+        return seq is not None and seq.grammar is None
 
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""

@@ -23,6 +23,7 @@ from slotserve.spec.verify import (
     accept_greedy,
     accept_sampled,
     acceptance_generator,
+    shaping_for_rows,
     target_probs,
 )
 from slotserve.structured.grammar import (
@@ -163,8 +164,9 @@ class ModelRunner:
         i of a drafted sequence as output position num_output_tokens + i), then each drafted
         sequence accepts a prefix of its drafts and takes the token after it.
 
-        NOTE: drafted sequences have no grammar and no logit shaping (the engine does not
-        speculate for them), so the masks and shaping apply to the undrafted rows only.
+        NOTE: drafted sequences have no grammar (the engine does not speculate for them),
+        so the grammar's masks apply to the undrafted rows only; logit shaping applies to
+        every row, row i of a drafted sequence counting its first i drafts as output.
         """
         ends = np.cumsum([s.num_tokens for s in seqs]) - 1
         rows: list[int] = []
@@ -185,9 +187,11 @@ class ModelRunner:
         extra: dict = {}
         if allowed is not None:
             extra["allowed"] = ([last_row[i] for i in allowed[0]], allowed[1])
-        shaping = [None] * len(rows)
-        for s, row in zip(sampling, last_row):
-            shaping[row] = None if s.spec_token_ids else self.shaping_of(s.request_id)
+        shaping: list = [None] * len(rows)
+        for s in sampling:
+            first = first_row[s.request_id]
+            shaping[first:first + len(s.spec_token_ids) + 1] = shaping_for_rows(
+                self.shaping_of(s.request_id), s.spec_token_ids)
         if any(x is not None for x in shaping):
             extra["shaping"] = shaping
         tokens, logprobs = self.sampler(logits, row_seqs, **extra)
@@ -198,12 +202,13 @@ class ModelRunner:
                 if logprobs[row] is not None:
                     out.logprobs[s.request_id] = logprobs[row]
                 continue
-            self._verify_drafts(s, first_row[s.request_id], logits, row_seqs, tokens, out)
+            self._verify_drafts(s, first_row[s.request_id], logits, row_seqs, tokens, out,
+                                shaping)
         return out
 
     def _verify_drafts(self, seq: ScheduledSeq, first: int, logits: torch.Tensor,
                        row_seqs: list[ScheduledSeq], tokens: list[int],
-                       out: RunnerOutput) -> None:
+                       out: RunnerOutput, shaping: list) -> None:
         """Accept a prefix of one sequence's drafts (rows first .. first + k) into `out`."""
         drafts = seq.spec_token_ids
         k = len(drafts)
@@ -211,7 +216,8 @@ class ModelRunner:
         if seq.sampling_params.greedy:
             num_accepted, token = accept_greedy(drafts, tokens[span])
         else:
-            probs = target_probs(logits[span], row_seqs[span], self.sampler.eos_token_ids)
+            probs = target_probs(logits[span], row_seqs[span], self.sampler.eos_token_ids,
+                                 shaping[span] if shaping[first] is not None else None)
             gens = [acceptance_generator(seq, i, self.sampler.generator, self.device)
                     for i in range(k)]
             num_accepted, token = accept_sampled(drafts, probs, tokens[first + k], gens)

@@ -13,17 +13,28 @@ same sampler as every row (so min_tokens and the sampling filters hold per posit
   row k's ordinary sample. Each output position's token is then distributed as p_i, so the
   output keeps the distribution sampling without drafts gives (Leviathan et al. 2023).
 
-p_i is the sampler's own distribution (`target_probs`: min_tokens' masks, temperature,
-top-k / top-p / min-p, as `Sampler._sample`). A seeded request draws its acceptance and
+p_i is the sampler's own distribution (`target_probs`: logit shaping's masks, min_tokens'
+masks, logit_bias and the penalties, temperature, top-k / top-p / min-p, in the sampler's
+order). Penalties and bad words depend on the output so far: row i's shaping counts the
+output plus the drafts before it (`shaping_for_rows`). A seeded request draws its acceptance and
 residual numbers from a generator seeded by (seed, output position), salted apart from the
 sampler's, so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from slotserve.core.outputs import ScheduledSeq
+from slotserve.runner.logit_shaping import (
+    SequenceShaping,
+    Shaping,
+    TokenCounts,
+    apply_bias_and_penalties,
+    apply_masks,
+)
 from slotserve.runner.sampler import (
     _FLOAT32_MAX,
     _SEED_MIX,
@@ -66,11 +77,36 @@ def accept_sampled(drafts: list[int], probs: torch.Tensor, bonus: int,
     return len(drafts), bonus
 
 
+def shaping_for_rows(base: SequenceShaping | None, drafts: list[int]) -> Shaping:
+    """The shaping of a drafted sequence's k + 1 rows: row i sees the output followed by
+    the first i drafts (penalties' counts, bad words' prefixes); row 0 is `base` itself.
+
+    NOTE: each row's view counts its tokens afresh (O(output) per row, k rows), and never
+    changes `base` nor its output list.
+    """
+    if base is None:
+        return [None] * (len(drafts) + 1)
+    rows: Shaping = [base]
+    for i in range(1, len(drafts) + 1):
+        view = copy.copy(base)
+        view.outputs = [*base.outputs, *drafts[:i]]
+        if base.counts is not None:
+            view.counts = TokenCounts(base.counts.known)
+        rows.append(view)
+    return rows
+
+
 def target_probs(logits: torch.Tensor, rows: list[ScheduledSeq],
-                 eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """(R, V): the distribution the sampler samples each row from (a row without grammar
-    or logit shaping: speculation skips those sequences), as `Sampler._sample` builds it."""
-    masked = mask_min_tokens(logits, rows, eos_token_ids)
+                 eos_token_ids: tuple[int, ...], shaping: Shaping | None = None
+                 ) -> torch.Tensor:
+    """(R, V): the distribution the sampler samples each row from, built in the sampler's
+    order (a row without a grammar: speculation skips those sequences)."""
+    masked = logits
+    if shaping is not None:
+        masked = apply_masks(masked, shaping)
+    masked = mask_min_tokens(masked, rows, eos_token_ids)
+    if shaping is not None:
+        masked = apply_bias_and_penalties(masked, shaping, in_place=masked is not logits)
     params = [r.sampling_params for r in rows]
     temps = torch.tensor([min(max(p.temperature, 1e-30), _FLOAT32_MAX) for p in params],
                          dtype=torch.float32, device=logits.device)
