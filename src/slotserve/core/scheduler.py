@@ -76,8 +76,7 @@ class Scheduler:
         # on the CPU the general path instead of the decode stack) and would make drafts
         # look dear.
         self.decode_cost = CostModel()
-        # Which running requests may take draft tokens (the engine's: none with a grammar
-        # or logit shaping).
+        # Which running requests may take draft tokens (the engine's: none with a grammar).
         self.may_speculate: Callable[[Request], bool] = lambda request: True
         self._drafts: dict[str, list[int]] = {}  # the plan being built: drafts by request
         self.last_extra_tokens = 0  # accepted drafts appended by the last update
