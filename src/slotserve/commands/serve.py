@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import sys
@@ -195,8 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve_replicas(args)
     setup_logging(args.log_level)
     policy = access_policy(args)  # NOTE: a bad keys file fails before the model loads
-    # NOTE: one engine queues every prompt of a list (replicas may spread them)
-    limits = dataclasses.replace(server_limits(args), max_waiting=args.max_waiting)
+    limits = server_limits(args)
     weights = tenant_weights(policy)
     scope = resolve_prefix_cache_scope(args.prefix_cache_scope, policy.keys_required)
     async_engine = AsyncEngine.launch(lambda: build_engine(

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from slotserve.config import check_policy_fields, tenant_waiting_bound
+from slotserve.config import SchedulerConfig, check_policy_fields, tenant_waiting_bound
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt
@@ -49,6 +49,17 @@ logger = logging.getLogger("slotserve.engine")
 # many distinct schemas takes from the engine's forward passes to one core.
 GRAMMAR_THREADS = 1
 MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
+
+
+def queue_bound_of(max_waiting: int | None, config: SchedulerConfig,
+                   tenant: str) -> int | None:
+    """The most sequences one request of `tenant` could ever have waiting in one engine: the
+    smaller of the server's bound (`max_waiting`) and the tenant's (`tenant_waiting_bound`);
+    None: unbounded. NOTE: a server bound of 0 refuses every request for now (429), not for
+    ever, so it bounds nothing here."""
+    bounds = [b for b in (max_waiting or None, tenant_waiting_bound(config, tenant))
+              if b is not None]
+    return min(bounds, default=None)
 
 
 class QueueFullError(RuntimeError):
@@ -353,6 +364,12 @@ class AsyncEngine:
                                       matchers))
         self._wakeup.set()
         return stream
+
+    def queue_bound(self, tenant: str) -> int | None:
+        """The most sequences one request of `tenant` could ever have waiting (--max-waiting,
+        --max-waiting-per-tenant x its weight); None: unbounded. A request with more can
+        never be queued whole: a 400, not a 429 (the server checks a prompt list with it)."""
+        return queue_bound_of(self.max_waiting, self.engine.scheduler_config, tenant)
 
     def _check_bounds(self, tenant: str, n: int) -> None:
         """QueueFullError if n more waiting sequences would pass the server's bound or the

@@ -48,6 +48,10 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Abort a request (by the next iteration boundary)."""
 
+    def queue_bound(self, tenant: str) -> int | None:
+        """The most sequences one request of `tenant` could ever have waiting (None:
+        unbounded); one that asks for more can never be queued whole (HTTP 400, not 429)."""
+
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); ValueError on an unusable prompt."""
 

@@ -2,8 +2,9 @@
 
 `ReplicaFront` has what slotserve.server.api, the live view and the metrics ask of an
 AsyncEngine: `generate`, `abort`, `healthy`, `num_active`, `stop_accepting`, `tokenize`,
-`tokenizer`, `model_name`, `max_total_tokens`, `reset_prefix_cache`, `check_structured` (the
-grammar compiled here, with the replicas' tokenizer, on a thread of its own), and the read side
+`tokenizer`, `model_name`, `max_total_tokens`, `queue_bound` (one replica's waiting bounds
+times the replicas), `reset_prefix_cache`, `check_structured` (the grammar compiled here, with
+the replicas' tokenizer, on a thread of its own), and the read side
 (`snapshot`, `subscribe` / `unsubscribe`, `export_trace`), so the single-process server's
 routes, streaming, errors, auth and limits serve the replicas unchanged. Each request goes
 to the replica that the Router picks among those up.
@@ -48,7 +49,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from slotserve.engine.async_engine import EngineClosedError, EngineDeadError
+from slotserve.engine.async_engine import EngineClosedError, EngineDeadError, queue_bound_of
 from slotserve.engine.events import EngineSnapshot, TenantView
 from slotserve.engine.llm_engine import LLMEngine, Prompt
 from slotserve.engine.outputs import RequestOutput
@@ -93,7 +94,8 @@ class ReplicaFront:
     """An AsyncEngine look-alike over replicas (see the module doc).
 
     replicas: name -> DeploymentHandle of an EngineReplica; describe: one replica's
-    `describe()` (model config, tokenizer and a first snapshot; the same for all).
+    `describe()` (model config, tokenizer, a first snapshot, and its waiting bounds:
+    max_waiting and scheduler_config; the same for all).
     """
 
     def __init__(self, replicas: dict[str, object], describe: dict, router: Router, *,
@@ -108,6 +110,11 @@ class ReplicaFront:
         self.model_config = describe["model_config"]
         self.tokenizer = describe["tokenizer"]
         self._first_snapshot: EngineSnapshot = describe["snapshot"]
+        # One replica's waiting bounds (queue_bound). NOTE: a describe without them (a
+        # test's stand-in replica) leaves the queue unbounded here; the replicas still
+        # bound their own.
+        self._max_waiting: int | None = describe.get("max_waiting")
+        self._scheduler_config = describe.get("scheduler_config")
         self.poll_interval_s = poll_interval_s
         self._accepting = True
         self._active: dict[str, ReplicaState] = {}  # request id -> where it runs
@@ -153,6 +160,16 @@ class ReplicaFront:
     def max_total_tokens(self) -> int:
         """Longest sequence (prompt + output) a request may reach (the replicas' own)."""
         return self._first_snapshot.max_total_tokens
+
+    def queue_bound(self, tenant: str) -> int | None:
+        """The most sequences one request of `tenant` could ever have waiting: one
+        replica's bound (AsyncEngine.queue_bound) times the replicas. NOTE: each prompt of
+        a list is routed on its own, so a list may spread over every replica; only more
+        than all of them can hold is a list that can never be queued. None: unbounded."""
+        if self._scheduler_config is None:
+            return None
+        bound = queue_bound_of(self._max_waiting, self._scheduler_config, tenant)
+        return None if bound is None else bound * len(self.replicas)
 
     async def check_structured(self, spec: StructuredOutputs) -> None:
         """AsyncEngine.check_structured's: `spec` compiled with the replicas' tokenizer on a

@@ -80,10 +80,12 @@ class EngineReplica:
 
     def describe(self) -> dict:
         """What the ingress needs to front this engine: the model config (tokenize's vocab),
-        the tokenizer and a first snapshot (the limits, block size, slots)."""
+        the tokenizer, a first snapshot (the limits, block size, slots) and the waiting
+        bounds (max_waiting, the scheduler config's per-tenant ones: queue_bound)."""
         return {"model_config": self.model_config, "tokenizer": self.async_engine.tokenizer,
                 "snapshot": self.async_engine.snapshot(), "threads": self._threads(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "max_waiting": self.async_engine.max_waiting,
+                "scheduler_config": self.async_engine.engine.scheduler_config}
 
     def snapshot(self, cursor: int = 0, instance: str | None = None) -> dict:
         """healthy, engine (the engine's EngineSnapshot now: frozen, picklable, no block

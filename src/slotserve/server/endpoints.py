@@ -135,13 +135,17 @@ class Server:
         """One engine request. NOTE: it takes the engine and the Retry-After value, not the
         Server (no import cycle between the server's modules)."""
         generation = Generation(self.engine, self.retry_after_s, request_id, prompt_ids, params,
-                                prompt_param,
-                                tenant=self.user_tenants.tenant(tenant_of(request), body.user),
+                                prompt_param, tenant=self._tenant(request, body),
                                 client_id=client_request_id(request.scope),
                                 cache_salt=body.cache_salt, scheduling=scheduling_keywords(body),
                                 prompt_text=prompt_text)
         self._generations.add(generation)
         return generation
+
+    def _tenant(self, request: Request,
+                body: p.CompletionRequest | p.ChatCompletionRequest) -> str:
+        """The request's tenant: its API key's, else its `user` field's (UserTenants)."""
+        return self.user_tenants.tenant(tenant_of(request), body.user)
 
     def _sampling_params(self, body: p.CompletionRequest | p.ChatCompletionRequest
                          ) -> SamplingParams:
@@ -154,7 +158,8 @@ class Server:
         or none (Generations)."""
         params = self._sampling_params(body)
         prompts = body.engine_prompts(self.limits.max_prompts)
-        self.limits.check_queueable(len(prompts), params.n)
+        bound = self.engine.queue_bound(self._tenant(request, body))
+        self.limits.check_queueable(len(prompts), params.n, bound)
         await self._check_structured(params, body.structured_spec()[1])
         ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
         self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))

@@ -78,10 +78,6 @@ class ServerLimits:
     time); one asking for prompt logprobs (prompt_logprobs, echo with logprobs) when its
     prompt tokens x max(top N, 1) is.
     max_prompts: prompts in one /v1/completions request (a list); more get 400.
-    max_waiting: the server's --max-waiting (the engine enforces it, sequence by sequence):
-    a /v1/completions request whose prompts x n pass it could never be queued whole, so it
-    gets 400 before its prompts are tokenized or admitted (admitted one by one, they would
-    fill the queue every tenant shares until the last one was refused). None: no bound.
     default_max_tokens: the max_tokens of a request that names none (None: chat 1024,
     completions 16, OpenAI's legacy default); max_tokens caps it too.
     allowed_hosts: the Host names (a name, `*.domain`, or an IP; any port) requests must
@@ -105,7 +101,6 @@ class ServerLimits:
     default_max_tokens: int | None = None
     allowed_hosts: tuple[str, ...] | None = None
     max_prompts: int = DEFAULT_MAX_PROMPTS
-    max_waiting: int | None = None
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
@@ -116,7 +111,7 @@ class ServerLimits:
                              f"{self.max_user_tenants!r}")
         for name in ("max_tokens", "max_body_bytes", "max_connections", "max_stop_strings",
                      "max_stop_chars", "max_n", "max_stop_token_ids", "max_logprobs_volume",
-                     "default_max_tokens", "max_prompts", "max_waiting"):
+                     "default_max_tokens", "max_prompts"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: no limit), got {value}")
@@ -162,17 +157,21 @@ class ServerLimits:
                        code="logprobs_limit_exceeded")
 
 
-    def check_queueable(self, prompts: int, n: int) -> None:
-        """APIError (400, param "prompt") when a list of prompts x n sequences passes
-        max_waiting: it could never be queued whole. NOTE: one prompt with too large an n is
-        the engine's 400 (AsyncEngine.validate)."""
+    @staticmethod
+    def check_queueable(prompts: int, n: int, bound: int | None) -> None:
+        """APIError (400, param "prompt") when a list of prompts x n sequences passes `bound`,
+        the most one request of its tenant could ever have waiting (EngineClient.queue_bound:
+        --max-waiting, --max-waiting-per-tenant): it could never be queued whole, so it is
+        refused before its prompts are tokenized or admitted (admitted one by one, they would
+        fill the queue until the last one got a 429, again on every retry). NOTE: one prompt
+        with too large an n is the engine's 400 (AsyncEngine.validate, _check_bounds)."""
         sequences = prompts * n
-        if self.max_waiting is None or prompts == 1 or sequences <= self.max_waiting:
+        if bound is None or prompts == 1 or sequences <= bound:
             return
         raise APIError(f"prompt: {prompts} prompts x n ({n}) = {sequences} sequences can never "
-                       f"be queued: this server queues at most {self.max_waiting} "
-                       "(--max-waiting); send fewer at once", param="prompt",
-                       code="prompt_limit_exceeded")
+                       f"be queued: this server lets one request of yours have at most {bound} "
+                       "waiting (--max-waiting, --max-waiting-per-tenant); send fewer at once",
+                       param="prompt", code="prompt_limit_exceeded")
 
     def check_prompt_logprobs_volume(self, params: SamplingParams, prompt_tokens: int) -> None:
         """APIError (400, param "prompt_logprobs") when the prompt logprobs asked (all
