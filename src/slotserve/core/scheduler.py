@@ -76,8 +76,10 @@ class Scheduler:
         # on the CPU the general path instead of the decode stack) and would make drafts
         # look dear.
         self.decode_cost = CostModel()
-        # Which running requests may take draft tokens (the engine's: none with a grammar).
-        self.may_speculate: Callable[[Request], bool] = lambda request: True
+        # The drafts a running request may verify, a prefix of those proposed (the engine's:
+        # what a structured output's grammar accepts).
+        self.filter_drafts: Callable[[Request, list[int]], list[int]] = (
+            lambda request, drafts: drafts)
         self._drafts: dict[str, list[int]] = {}  # the plan being built: drafts by request
         self.last_extra_tokens = 0  # accepted drafts appended by the last update
 
@@ -233,8 +235,7 @@ class Scheduler:
         if budget <= 0:
             return budget
         candidates = [self._candidate(r) for r in self.running
-                      if plan.get(r.request_id) == 1 and self._is_decode(r)
-                      and self.may_speculate(r)]
+                      if plan.get(r.request_id) == 1 and self._is_decode(r)]
         candidates = [c for c in candidates if c.max_tokens > 0]
         if not candidates:
             return budget
@@ -246,6 +247,7 @@ class Scheduler:
                                         cost)
         for request_id, drafts in proposed.items():
             request = self.requests[request_id]
+            drafts = self.filter_drafts(request, list(drafts))
             num = self._fit_drafts(request, min(len(drafts), budget))
             if num > 0:
                 self._drafts[request_id] = list(drafts[:num])

@@ -112,7 +112,7 @@ class LLMEngine:
         speculative = config.speculative
         self.scheduler = Scheduler(sched, self.kv, speculator=None if speculative is None
                                    else Speculator(speculative))
-        self.scheduler.may_speculate = self._may_speculate
+        self.scheduler.filter_drafts = self._filter_drafts
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
                                    settings=trace_settings(sched, config.cache))
@@ -283,12 +283,17 @@ class LLMEngine:
         seq = self._sequences.get(request_id)
         return None if seq is None else seq.prompt_logprobs
 
-    def _may_speculate(self, request: Request) -> bool:
-        """Whether a running completion may take draft tokens: not with a grammar (each
-        draft would need the matcher's approval first, and a mask per row). NOTE: the
-        scheduler's, under the state lock."""
+    def _filter_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts a running completion may verify: for a constrained one, the longest
+        prefix its grammar accepts (structured outputs: the runner then masks each of its
+        rows). NOTE: the scheduler's, under the state lock; the matcher has consumed the
+        whole output (the engine advances it after every step)."""
         seq = self._sequences.get(request.request_id)
-        return seq is not None and seq.grammar is None
+        if seq is None:
+            return []
+        if seq.grammar is None or not drafts:
+            return drafts
+        return drafts[:seq.grammar.ll_matcher.validate_tokens(drafts)]
 
     def _grammar_of(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a running completion (None: unconstrained); the runner's."""

@@ -150,7 +150,15 @@ def advance_grammar(seq: SequenceState, scheduler: Scheduler) -> None:
 
     NOTE: the matcher counts what it consumed, so the tokens a preempted completion
     recomputes (not re-samples) are not fed twice.
+    NOTE: several new tokens (accepted drafts) are fed one at a time; the tokens after the
+    one that completes the grammar are dropped, as one token per step would have stopped.
     """
+    output = seq.request.output_token_ids
+    for end in range(seq.grammar.num_consumed + 1, len(output)):
+        seq.grammar.advance(output[:end])
+        if seq.grammar.is_finished:
+            drop_output_after(seq.request, end)
+            break
     seq.grammar.advance(seq.request.output_token_ids)
     if seq.grammar.is_finished:
         finish_stopped(scheduler, seq.request)

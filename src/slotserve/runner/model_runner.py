@@ -133,7 +133,9 @@ class ModelRunner:
         """Run one iteration: all scheduled tokens in one forward, then sample."""
         seqs = plan.seqs
         sampling = [s for s in seqs if s.sample]
-        masks = self._start_masks(sampling)  # NOTE: computed on a worker during the forward
+        # NOTE: computed on a worker during the forward; with drafts, one row per draft too
+        drafted = any(s.spec_token_ids for s in sampling)
+        masks = self._start_masks_verified(sampling) if drafted else self._start_masks(sampling)
         try:
             hidden, sample_rows = self._forward(plan)  # (T, H), (S,)
         finally:
@@ -141,7 +143,7 @@ class ModelRunner:
         self._fill_prompt_logprobs(seqs, hidden)  # NOTE: before hidden keeps only sample rows
         if not sampling:
             return RunnerOutput(sampled={})
-        if any(s.spec_token_ids for s in sampling):  # speculative decoding: verify drafts
+        if drafted:  # speculative decoding: verify the drafts
             return self._sample_verified(seqs, hidden, allowed)
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
             hidden = hidden[sample_rows]
@@ -164,9 +166,9 @@ class ModelRunner:
         i of a drafted sequence as output position num_output_tokens + i), then each drafted
         sequence accepts a prefix of its drafts and takes the token after it.
 
-        NOTE: drafted sequences have no grammar (the engine does not speculate for them),
-        so the grammar's masks apply to the undrafted rows only; logit shaping applies to
-        every row, row i of a drafted sequence counting its first i drafts as output.
+        allowed: the grammar masks of `_start_masks_verified`, by row. Logit shaping and
+        grammars apply to every row, row i of a drafted sequence seeing its first i drafts
+        as output.
         """
         ends = np.cumsum([s.num_tokens for s in seqs]) - 1
         rows: list[int] = []
@@ -184,9 +186,7 @@ class ModelRunner:
             hidden[torch.tensor(rows, device=hidden.device)])  # (R, V)
         sampling = [s for s in seqs if s.sample]
         last_row = [first_row[s.request_id] + len(s.spec_token_ids) for s in sampling]
-        extra: dict = {}
-        if allowed is not None:
-            extra["allowed"] = ([last_row[i] for i in allowed[0]], allowed[1])
+        extra: dict = {} if allowed is None else {"allowed": allowed}
         shaping: list = [None] * len(rows)
         for s in sampling:
             first = first_row[s.request_id]
@@ -229,6 +229,43 @@ class ModelRunner:
             entries = Sampler._logprobs(logits[first:first + len(chosen)], params, chosen)
             out.logprobs[seq.request_id] = entries[-1]
             out.accepted_logprobs[seq.request_id] = entries[:-1]
+
+    def _start_masks_verified(self, sampling: list[ScheduledSeq]
+                              ) -> Future[AllowedTokens] | None:
+        """`_start_masks` for an iteration with drafts: the allowed tokens of every row of a
+        constrained sequence (row i: after its first i drafts), by row of `_sample_verified`'s
+        layout (each sampling sequence's 1 + k rows in order). None if nothing is masked."""
+        entries = []
+        row = 0
+        for seq in sampling:
+            matcher = self.grammar_of(seq.request_id)
+            if matcher is not None:
+                entries.append((matcher, row, list(seq.spec_token_ids)))
+            row += len(seq.spec_token_ids) + 1
+        if not entries:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="slotserve-masks")
+        return self._mask_worker.submit(self._compute_masks_verified, entries)
+
+    def _compute_masks_verified(self, entries: list[tuple[GrammarMatcher, int, list[int]]]
+                                ) -> AllowedTokens:
+        """Each constrained sequence's rows: its matcher, then copies of it that consumed its
+        first 1, 2, ... drafts (the engine proposed only drafts its grammar accepts).
+
+        NOTE: the sequence's own matcher is only read (deep-copied), as `_start_masks` reads
+        it: the engine advances it after the step.
+        """
+        rows: list[tuple[GrammarMatcher, int]] = []
+        for matcher, first, drafts in entries:
+            rows.append((matcher, first))
+            current = matcher.ll_matcher
+            for i, token in enumerate(drafts):
+                current = current.deep_copy()
+                if not current.consume_token(token):
+                    raise ValueError(f"the grammar rejects draft token {token} (row {first + i})")
+                rows.append((GrammarMatcher(current, matcher.spec), first + i + 1))
+        return self._compute_masks(rows)
 
     def _fill_prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """The prompt rows' logprobs of the completions that ask for them (runner/
