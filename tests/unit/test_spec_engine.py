@@ -278,6 +278,37 @@ def test_structured_outputs_with_drafts(grammar_engines):
     assert any(reason == "stop" for _, _, reason, _ in on.values())  # a grammar's end
 
 
+def test_sampled_structured_outputs_keep_their_distribution(grammar_engines):
+    """Sampled choices under a grammar, with drafts of one choice: the same distribution of
+    answers as without speculation (chi-square), so the grammar masks every verified row."""
+    from scipy.stats import chi2_contingency
+
+    from slotserve.structured import StructuredOutputs
+
+    off_engine, on_engine = grammar_engines
+    choices = ("red apple", "green pear", "blue plum")
+    count = 80
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputs(choice=choices))
+              for s in range(count)]
+    prompt = [[5, 6, 7]] * count
+    off = run(off_engine, prompt, params)
+    draft = on_engine.tokenizer.encode("red apple")
+
+    class Fixed(OracleProposer):
+        def propose(self, seq_id, prompt_ids, output_ids, max_tokens):
+            return list(draft[len(output_ids):len(output_ids) + max_tokens])
+
+    on_engine.scheduler.speculator.proposer = Fixed({})
+    before = on_engine.scheduler.speculator.num_draft_tokens
+    on = run(on_engine, prompt, params)
+    assert on_engine.scheduler.speculator.num_draft_tokens > before
+    answers = [[v[1] for v in side.values()] for side in (off, on)]
+    assert all(set(a) <= set(choices) for a in answers)
+    table = [[a.count(c) for c in choices] for a in answers]
+    assert chi2_contingency(table).pvalue > 1e-3, table
+
+
 def test_drafts_the_grammar_rejects_are_cut(grammar_engines):
     from slotserve.structured import StructuredOutputs
 

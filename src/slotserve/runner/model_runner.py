@@ -23,6 +23,7 @@ from slotserve.spec.verify import (
     accept_greedy,
     accept_sampled,
     acceptance_generator,
+    rows_within,
     shaping_for_rows,
     target_probs,
 )
@@ -203,12 +204,13 @@ class ModelRunner:
                     out.logprobs[s.request_id] = logprobs[row]
                 continue
             self._verify_drafts(s, first_row[s.request_id], logits, row_seqs, tokens, out,
-                                shaping)
+                                shaping, allowed)
         return out
 
     def _verify_drafts(self, seq: ScheduledSeq, first: int, logits: torch.Tensor,
                        row_seqs: list[ScheduledSeq], tokens: list[int],
-                       out: RunnerOutput, shaping: list) -> None:
+                       out: RunnerOutput, shaping: list,
+                       allowed: AllowedTokens | None) -> None:
         """Accept a prefix of one sequence's drafts (rows first .. first + k) into `out`."""
         drafts = seq.spec_token_ids
         k = len(drafts)
@@ -217,7 +219,8 @@ class ModelRunner:
             num_accepted, token = accept_greedy(drafts, tokens[span])
         else:
             probs = target_probs(logits[span], row_seqs[span], self.sampler.eos_token_ids,
-                                 shaping[span] if shaping[first] is not None else None)
+                                 shaping[span] if shaping[first] is not None else None,
+                                 rows_within(allowed, first, k + 1))
             gens = [acceptance_generator(seq, i, self.sampler.generator, self.device)
                     for i in range(k)]
             num_accepted, token = accept_sampled(drafts, probs, tokens[first + k], gens)
@@ -351,3 +354,4 @@ class ModelRunner:
             sample_rows = ends[[i for i, s in enumerate(seqs) if s.sample]]
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
         return to(input_ids), to(positions), to(sample_rows)
+

@@ -38,8 +38,10 @@ from slotserve.runner.logit_shaping import (
 from slotserve.runner.sampler import (
     _FLOAT32_MAX,
     _SEED_MIX,
+    AllowedTokens,
     _shift_to_max,
     apply_filters,
+    mask_disallowed,
     mask_min_tokens,
 )
 
@@ -97,13 +99,14 @@ def shaping_for_rows(base: SequenceShaping | None, drafts: list[int]) -> Shaping
 
 
 def target_probs(logits: torch.Tensor, rows: list[ScheduledSeq],
-                 eos_token_ids: tuple[int, ...], shaping: Shaping | None = None
-                 ) -> torch.Tensor:
+                 eos_token_ids: tuple[int, ...], shaping: Shaping | None = None,
+                 allowed: AllowedTokens | None = None) -> torch.Tensor:
     """(R, V): the distribution the sampler samples each row from, built in the sampler's
-    order (a row without a grammar: speculation skips those sequences)."""
-    masked = logits
+    order: the grammar's allowed tokens (`allowed`: rows among these R and their masks),
+    logit shaping's masks, min_tokens', bias and penalties, temperature, the filters."""
+    masked = logits if allowed is None else mask_disallowed(logits, *allowed)
     if shaping is not None:
-        masked = apply_masks(masked, shaping)
+        masked = apply_masks(masked, shaping, in_place=masked is not logits)
     masked = mask_min_tokens(masked, rows, eos_token_ids)
     if shaping is not None:
         masked = apply_bias_and_penalties(masked, shaping, in_place=masked is not logits)
@@ -123,3 +126,14 @@ def acceptance_generator(seq: ScheduledSeq, row: int, shared: torch.Generator,
         return shared
     mixed = ((seed * _SEED_MIX + seq.num_output_tokens + row) ^ _ACCEPT_SALT) % (2**63)
     return torch.Generator(device=device).manual_seed(mixed)
+
+
+def rows_within(allowed: AllowedTokens | None, first: int, count: int
+                ) -> AllowedTokens | None:
+    """The masks of rows first .. first + count - 1, renumbered from 0 (None: none masked)."""
+    if allowed is None:
+        return None
+    picked = [(row - first, i) for i, row in enumerate(allowed[0]) if first <= row < first + count]
+    if not picked:
+        return None
+    return [r for r, _ in picked], allowed[1][[i for _, i in picked]]
