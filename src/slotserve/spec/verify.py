@@ -13,10 +13,11 @@ same sampler as every row (so min_tokens and the sampling filters hold per posit
   row k's ordinary sample. Each output position's token is then distributed as p_i, so the
   output keeps the distribution sampling without drafts gives (Leviathan et al. 2023).
 
-p_i is the sampler's own distribution (`target_probs`: logit shaping's masks, min_tokens'
-masks, logit_bias and the penalties, temperature, top-k / top-p / min-p, in the sampler's
-order). Penalties and bad words depend on the output so far: row i's shaping counts the
-output plus the drafts before it (`shaping_for_rows`). A seeded request draws its acceptance and
+p_i is the sampler's own distribution (`target_probs`: the grammar's mask, logit shaping's
+masks, min_tokens' masks, logit_bias and the penalties, temperature, top-k / top-p / min-p,
+in the sampler's order). What depends on the output so far sees the output plus the drafts
+before row i: the penalties and bad words (`shaping_for_rows`), a structured output's
+grammar (the runner's masks per row). A seeded request draws its acceptance and
 residual numbers from a generator seeded by (seed, output position), salted apart from the
 sampler's, so its tokens do not depend on the batch.
 """
