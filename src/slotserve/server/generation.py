@@ -62,6 +62,7 @@ class Generation:
         self.cached_tokens = 0
         self.tokens_so_far: dict[int, int] = {}  # choice index -> tokens generated
         self.started = False  # the first output came
+        self.ended = False  # the engine stream ended (see `is_open`)
         self.finals: list[CompletionOutput] = []
 
     async def start(self, request: Request) -> RequestOutput:
@@ -139,7 +140,13 @@ class Generation:
             self.prompt_logprob_ranks = out.prompt_logprob_ranks
 
     async def _next(self) -> RequestOutput:
-        return await anext(self.outputs)
+        """The engine stream's next output. NOTE: an async generator that raises (its end's
+        StopAsyncIteration, its error, a cancellation thrown into it) has finished."""
+        try:
+            return await anext(self.outputs)
+        except BaseException:
+            self.ended = True
+            raise
 
     @property
     def log_name(self) -> str:
@@ -154,8 +161,10 @@ class Generation:
 
     @property
     def is_open(self) -> bool:
-        """The engine stream has not ended (not refused, finished, failed nor closed)."""
-        return self.outputs.ag_frame is not None
+        """The engine stream has not ended (not refused, finished, failed nor closed).
+        NOTE: kept here, as every read of the stream goes through `_next` and `aclose`
+        (Python 3.12's inspect.getasyncgenstate would say it too; we support 3.10)."""
+        return not self.ended
 
     def _check_rejected(self, out: RequestOutput) -> None:
         """APIError 503 if the scheduler rejected the request (deadline policy, slo_reject:
@@ -197,7 +206,10 @@ class Generation:
 
     async def aclose(self) -> None:
         """End the engine stream: aborts the request unless every completion finished."""
-        await self.outputs.aclose()
+        try:
+            await self.outputs.aclose()
+        finally:
+            self.ended = True
         if self.started and len(self.finals) < self.params.n:
             logger.info("aborted %s: %d of %d completions finished (client left or failure)",
                         self.log_name, len(self.finals), self.params.n)
