@@ -111,6 +111,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without building all of it (a decode's one token each
+        step: O(1), not O(prompt + output))."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:stop - num_prompt]
+        if stop <= num_prompt:
+            return prompt[start:stop]
+        return prompt[start:] + self.output_token_ids[:stop - num_prompt]
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens whose K/V are not computed yet (prompt chunk or the last sampled token)."""

@@ -443,7 +443,7 @@ class Scheduler:
         num_known = num_new - len(drafts)  # NOTE: drafts follow the request's last token
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_known] + drafts,
+            token_ids=request.token_ids_between(start, start + num_known) + drafts,
             start_pos=start,
             block_table=list(self.kv.block_tables[request.request_id]),
             sample=start + num_known == request.num_tokens,

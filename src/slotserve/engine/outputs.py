@@ -46,7 +46,12 @@ def error_kind_of(finish_reason: str | None, fault: ErrorKind | None = None
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.monotonic seconds) and derived latencies of one sequence."""
+    """Timestamps (time.monotonic seconds) and derived latencies of one sequence.
+
+    NOTE: itls (the gaps between its tokens) only on the output that finishes it, [] before:
+    every step's output would copy the whole list (O(n) per token, 5-7 ms a step at 256
+    sequences of ~360 tokens).
+    """
 
     arrival: float
     scheduled: float | None
@@ -64,7 +69,8 @@ class RequestMetrics:
         t = request.times
         return cls(arrival=t.arrival, scheduled=t.scheduled, first_token=t.first_token,
                    finished=t.finished, ttft=t.ttft, tpot=t.tpot, queue_time=t.queue_time,
-                   e2e=t.e2e, itls=t.itls(), num_preemptions=request.num_preemptions)
+                   e2e=t.e2e, itls=t.itls() if request.is_finished else [],
+                   num_preemptions=request.num_preemptions)
 
 
 @dataclass
