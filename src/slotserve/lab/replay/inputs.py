@@ -2,9 +2,11 @@
 
 - A trace (`TraceRecorder.export`, `slotserve bench --trace`, `slotserve serve --trace`):
   each request's arrival (s), prompt length and recorded output length, and its tenant,
-  priority and SLOs where the trace has them. Prompt token ids are
-  not in a trace, so replayed prompts share no prefix (see `ReplayRequest`). Requests with
-  no output recorded (still running when the trace was taken) are skipped.
+  priority and SLOs where the trace has them. Prompt token ids are not in a trace, but each
+  request's prefix-cache hit (`cached_tokens`) is: when some request hit, the replayed
+  prompts are rebuilt so that the same prefixes are shared (`shared_prefix_prompts`), else
+  they share nothing (filler, see `ReplayRequest`). Requests with no output recorded (still
+  running when the trace was taken) are skipped.
 - A workload (JSONL, `slotserve.lab.workload`): token-id prompts are used as they are; text
   and chat prompts are tokenized (with the chat template for messages), which needs the
   model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default); each
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from slotserve.engine.trace import POLICY_FIELDS
+from slotserve.lab.replay.runner import FILLER_TOKEN
 from slotserve.lab.replay.simulator import ReplayRequest
 from slotserve.lab.workload import Workload, load_workload, poisson_arrivals
 
@@ -29,7 +32,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     """(requests, a description) from an engine trace dict; ValueError if it is not one."""
     if not isinstance(trace, dict) or not isinstance(trace.get("requests"), list):
         raise ValueError("trace: expected a JSON object with a \"requests\" list")
-    requests, skipped = [], 0
+    requests, cached, skipped = [], [], 0
     for i, record in enumerate(trace["requests"]):
         try:
             output = record["output_tokens"]
@@ -39,19 +42,72 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
             fields = {k: record[k] for k in POLICY_FIELDS if record.get(k) is not None}
             requests.append(ReplayRequest(str(record["id"]), int(record["prompt_tokens"]),
                                           int(output), float(record["arrival"]), **fields))
+            cached.append(_cached_tokens(record))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace: request {i}: {exc}") from None
     if not requests:
         raise ValueError("trace: no finished request to replay")
     start = min(r.arrival for r in requests)
     requests = [replace(r, arrival=round(r.arrival - start, 6)) for r in requests]
+    if any(cached):
+        requests = shared_prefix_prompts(requests, cached)
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
+            "cached_prompt_tokens": sum(cached),
             "trace_policy": trace.get("policy"), "trace_num_slots": trace.get("num_slots"),
             "trace_kv_blocks": trace.get("kv_blocks_total")}
     # NOTE: a replay's own trace also records every setting it ran with.
     if isinstance(trace.get("settings"), dict):
         info["trace_settings"] = dict(trace["settings"])
     return requests, info
+
+
+def _cached_tokens(record: dict) -> int:
+    value = record.get("cached_tokens") or 0
+    if not isinstance(value, int) or isinstance(value, bool) or not \
+            0 <= value < record["prompt_tokens"]:
+        raise ValueError(f"cached_tokens must be an integer in [0, prompt_tokens), "
+                         f"got {value!r}")
+    return value
+
+
+# Token ids of rebuilt prompts (the fake runner never reads them; only block hashes do).
+PREFIX_TOKEN_BASE = 1_000  # + the tenant's index: its shared prefix's tokens
+UNIQUE_TOKEN_BASE = 1_000_000  # + the request's index: ends every shared prefix
+
+
+def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
+                          ) -> list[ReplayRequest]:
+    """Prompts whose prefix-cache hits reproduce the trace's: what the run computed.
+
+    A trace records how many prompt tokens each request found cached (`cached[i]`), not
+    what they were. The rebuilt prompt of a request that hit c tokens starts with the first
+    c tokens of its tenant's shared prefix (one constant token per tenant), then a token of
+    its own (so nothing after c is shared), then filler. The earliest-arriving request of a
+    tenant with hits that found nothing cached itself computed the prefix the others hit:
+    it gets the tenant's longest hit (at most its prompt less one token). The replay's own
+    prefix cache then decides the hits, so they follow the replayed schedule: at more slots
+    more requests share one iteration, as in a real run.
+    NOTE: prefixes shared across tenants (global scope) are modelled per tenant.
+    """
+    tenants = list(dict.fromkeys(r.tenant for r in requests))
+    longest = {t: max((c for r, c in zip(requests, cached) if r.tenant == t), default=0)
+               for t in tenants}
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    sources = {}
+    for i in order:
+        tenant = requests[i].tenant
+        if longest[tenant] and cached[i] == 0 and tenant not in sources:
+            sources[tenant] = i
+    rebuilt = []
+    for i, request in enumerate(requests):
+        shared = cached[i] or (longest[request.tenant] if sources.get(request.tenant) == i
+                               else 0)
+        shared = min(shared, request.prompt_tokens - 1)
+        prefix = [PREFIX_TOKEN_BASE + tenants.index(request.tenant)] * shared
+        tail = [FILLER_TOKEN] * (request.prompt_tokens - shared - 1)
+        ids = (*prefix, UNIQUE_TOKEN_BASE + i, *tail)
+        rebuilt.append(replace(request, prompt_token_ids=ids))
+    return rebuilt
 
 
 def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayRequest]:
