@@ -5,17 +5,21 @@ measured (`slotserve bench`'s in-process engine) on workloads not used for calib
 
 Cases: W (64 chat requests, lognormal output lengths, seed 0, all at t=0) at 16 and 64
 slots (`w16`, `w64`); its online form, Poisson 4 req/s at 16 slots (`w-online`); the knee
-(64 requests of 24 output tokens at t=0, max_num_seqs 1, 4, 16, 64: `knee`). Each case runs
-for real once, then is replayed on the profile; each figure is reported as predicted /
-measured. Without --profile the script calibrates first (`slotserve calibrate`'s default
+(64 requests of 24 output tokens at t=0, max_num_seqs 1, 4, 16, 64: `knee`); W at 64 slots
+predicted from the trace of its run at 16 slots (`w-trace`: prompt lengths, outputs and
+prefix-cache hits only, as `slotserve replay TRACE --max-num-seqs 64` reads them; the
+16-slot run's trace is written beside the report). Each case runs for real once, then is
+replayed on the profile; each figure is reported as predicted / measured. Without
+--profile the script calibrates first (`slotserve calibrate`'s default
 grid: random-token prompts, fixed batch and context grid) and saves the profile beside the
 report. NOTE: the measurement needs quiet cores; on a shared machine the measured side is
 noisy, and so is the profile.
 
     python -m benchmarks.replay_accuracy --quick     # a smoke test of the whole path
 
---quick: a tiny calibration grid and one tiny case (8 chat requests of 8 tokens, 4 slots),
-written to the temp folder unless --out is given; its figures mean nothing.
+--quick: a tiny calibration grid and the tiny cases (16 chat requests of 8 tokens at 4 slots,
+and at 16 slots from the trace of the 4-slot run), written to the temp folder unless --out
+is given; their figures mean nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +45,7 @@ from slotserve.lab.replay import (
     StepFeatures,
     load_profile,
     replay,
+    requests_from_trace,
     requests_from_workload,
 )
 from slotserve.lab.replay.calibrate import (
@@ -53,38 +59,59 @@ FIELDS = (("wall s", "duration_s", None), ("out tok/s", "output_throughput", Non
           ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
           ("TPOT p50", "tpot_ms", "p50"), ("TPOT p99", "tpot_ms", "p99"))
 ENGINE = dict(max_num_batched_tokens=512, max_model_len=1024)
-DEFAULT_CASES = "w16,w64,w-online,knee"
+DEFAULT_CASES = "w16,w64,w-online,knee,w-trace"
 SMALL_GRID = CalibrationGrid(batch_sizes=(1, 8, 32), context_lens=(32, 128), chunk_sizes=(512,))
 QUICK_GRID = CalibrationGrid(batch_sizes=(1, 4), context_lens=(16, 48), chunk_sizes=(64,),
                              decode_steps=2)
 
 
-def cases(names: list[str]) -> list[tuple[str, object, int]]:
-    """(label, workload, max_num_seqs) for each named case."""
+@dataclass(frozen=True)
+class Case:
+    """One case: the workload run at `slots`; trace_slots: predicted from the trace of its
+    run at that many slots instead of from the workload itself."""
+
+    label: str
+    workload: object
+    slots: int
+    trace_slots: int | None = None
+
+
+def cases(names: list[str]) -> list[Case]:
+    """The cases of each name."""
     out = []
     for name in names:
         if name == "w16":
-            out.append(("W, 16 slots", workload_w(), 16))
+            out.append(Case("W, 16 slots", workload_w(), 16))
         elif name == "w64":
-            out.append(("W, 64 slots", workload_w(), 64))
+            out.append(Case("W, 64 slots", workload_w(), 64))
         elif name == "w-online":
-            out.append(("W online 4 req/s, 16 slots", workload_w(4.0), 16))
+            out.append(Case("W online 4 req/s, 16 slots", workload_w(4.0), 16))
         elif name == "knee":
             knee = generate_workload(64, prompts="chat", output_len=24, seed=0)
-            out += [(f"knee, {n} slots", knee, n) for n in (1, 4, 16, 64)]
+            out += [Case(f"knee, {n} slots", knee, n) for n in (1, 4, 16, 64)]
+        elif name == "w-trace":
+            out.append(Case("W, 64 slots from a 16-slot trace", workload_w(), 64, 16))
         elif name == "quick":
-            out.append(("quick, 4 slots", generate_workload(8, prompts="chat", output_len=8,
-                                                            seed=0), 4))
+            out.append(Case("quick, 4 slots", quick_workload(), 4))
+        elif name == "quick-trace":
+            out.append(Case("quick, 16 slots from a 4-slot trace", quick_workload(), 16, 4))
         else:
-            raise SystemExit(f"unknown case {name!r} (w16, w64, w-online, knee, quick)")
+            raise SystemExit(f"unknown case {name!r} (w16, w64, w-online, knee, w-trace, "
+                             "quick, quick-trace)")
     return out
+
+
+def quick_workload():
+    """16 chat requests of 8 tokens (the --quick cases)."""
+    return generate_workload(16, prompts="chat", output_len=8, seed=0)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", help="a `slotserve calibrate` profile (default: calibrate now)")
-    p.add_argument("--cases", default=None, help=f"default {DEFAULT_CASES} (--quick: quick)")
+    p.add_argument("--cases", default=None,
+                   help=f"default {DEFAULT_CASES} (--quick: quick,quick-trace)")
     p.add_argument("--out", default=None,
                    help="default benchmarks/results/replay-accuracy.json (--quick: in the "
                         "temp folder)")
@@ -102,7 +129,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick and args.small_grid:
         p.error("--quick and --small-grid are two calibration grids: give one")
-    args.cases = args.cases or ("quick" if args.quick else DEFAULT_CASES)
+    args.cases = args.cases or ("quick,quick-trace" if args.quick else DEFAULT_CASES)
     args.out = args.out or (str(Path(tempfile.gettempdir()) / "replay-accuracy-quick.json")
                             if args.quick else "benchmarks/results/replay-accuracy.json")
     target = EngineTarget.load(**ENGINE)
@@ -124,19 +151,19 @@ def main() -> None:
         report = json.loads(Path(args.reuse_measured).read_text())
         reused = {row["case"]: row["measured"] for row in report["cases"]}
     rows = []
-    for label, workload, slots in cases([c.strip() for c in args.cases.split(",") if c]):
+    for case in cases([c.strip() for c in args.cases.split(",") if c]):
+        label = case.label
+        requests, source = replay_input(case, target, trace_path(args.out, case), reused)
         if label in reused:
             measured = reused[label]
         else:
             print(f"running {label} ...", file=sys.stderr, flush=True)
-            measured = run_bench(workload, target.configured(max_num_seqs=slots),
+            measured = run_bench(case.workload, target.configured(max_num_seqs=case.slots),
                                  sampling=BenchSampling(), label=label).to_dict()
-        requests = requests_from_workload(workload, target.tokenizer)
-        settings = ReplaySettings(max_num_seqs=slots, num_blocks=measured["config"]["num_blocks"],
-                                  **ENGINE)
+        settings = ReplaySettings(max_num_seqs=case.slots,
+                                  num_blocks=measured["config"]["num_blocks"], **ENGINE)
         started = time.perf_counter()
-        predicted = replay(requests, settings, profile, workload=workload.params).bench_result(
-            label)
+        predicted = replay(requests, settings, profile, workload=source).bench_result(label)
         replay_s = time.perf_counter() - started
         predicted = predicted.to_dict()
         rows.append({"case": label, "replay_s": replay_s, "measured": measured,
@@ -147,6 +174,29 @@ def main() -> None:
     print(format_rows(rows))
     write_report(args.out, profile=profile.to_profile(), cases=rows)
     print(f"wrote {args.out}")
+
+
+def trace_path(out: str, case: Case) -> Path | None:
+    """Where a trace case's recorded run is written (beside the report)."""
+    if case.trace_slots is None:
+        return None
+    return Path(out.replace(".json", f"-trace-{case.trace_slots}-slots.json"))
+
+
+def replay_input(case: Case, target, path: Path | None, reused: dict) -> tuple[list, dict]:
+    """(requests, what they came from) to replay: the workload's own prompts, or the trace
+    of its run at `case.trace_slots` (recorded now, or the one an earlier report left when
+    its measured side is reused)."""
+    if path is None:
+        return requests_from_workload(case.workload, target.tokenizer), case.workload.params
+    if case.label not in reused or not path.exists():
+        print(f"recording the trace of {case.label} at {case.trace_slots} slots ...",
+              file=sys.stderr, flush=True)
+        run_bench(case.workload, target.configured(max_num_seqs=case.trace_slots),
+                  sampling=BenchSampling(), label=f"trace at {case.trace_slots} slots",
+                  trace_path=str(path))
+    requests, info = requests_from_trace(json.loads(path.read_text()))
+    return requests, {**info, "trace": str(path)}
 
 
 def refit(profile: LinearCost) -> LinearCost:
