@@ -23,7 +23,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error", "rejected")
+        # NOTE: `_value_`, not `value` (an enum descriptor): read for every sequence of
+        # every step
+        return self._value_ in _FINISHED_VALUES
+
+
+_FINISHED_VALUES = frozenset(("stop", "length", "abort", "error", "rejected"))
 
 
 @dataclass
@@ -132,7 +137,8 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        value = self.status._value_
+        return value if value in _FINISHED_VALUES else None
 
     def append_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

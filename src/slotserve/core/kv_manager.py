@@ -135,6 +135,10 @@ class KVCacheManager:
         Returns the new blocks, or None (and takes nothing) when too few are free.
         """
         request_id = request.request_id
+        if computed_blocks is None:  # NOTE: most decodes: the blocks held cover them
+            table = self.block_tables.get(request_id)
+            if table is not None and self.blocks_for(num_total_tokens) <= len(table):
+                return []
         computed = computed_blocks or []
         held = len(self.block_tables.get(request_id, ()))
         if computed and held:

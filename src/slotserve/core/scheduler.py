@@ -422,15 +422,17 @@ class Scheduler:
             request.slot = None
 
     def _build_output(self, plan: dict[str, int], preempted: list[str]) -> SchedulerOutput:
-        seqs = [self._scheduled_seq(r, plan[r.request_id])
-                for r in self.running if r.request_id in plan]
+        seqs: list[ScheduledSeq] = []  # NOTE: in running order
         slots: list[SlotState | None] = [None] * self.config.max_num_seqs
-        kinds = {seq.request_id: seq.kind for seq in seqs}
-        for request in self.running:
-            num = plan.get(request.request_id, 0)
-            slots[request.slot] = SlotState(
-                request.request_id, kinds.get(request.request_id, "stalled"), num,
-                proposed=len(self._drafts.get(request.request_id, ())))
+        for request in self.running:  # one pass: every step, for every running sequence
+            request_id = request.request_id
+            num = plan.get(request_id, 0)
+            kind = "stalled"
+            if request_id in plan:
+                seqs.append(self._scheduled_seq(request, num))
+                kind = seqs[-1].kind
+            slots[request.slot] = SlotState(request_id, kind, num,
+                                            proposed=len(self._drafts.get(request_id, ())))
         output = SchedulerOutput(
             iteration=self.iteration, seqs=seqs, slots=slots, preempted=preempted,
             num_waiting=len(self.waiting), kv_blocks_used=self.kv.pool.num_used)

@@ -34,6 +34,8 @@ def error_kind_of(finish_reason: str | None, fault: ErrorKind | None = None
     """The error kind of a completion that finished with `finish_reason` (None: it runs on,
     or it ended with its answer: stop, length). fault: the kind the engine gave the failure
     when it failed the completion (finish_reason "error"); INTERNAL if it gave none."""
+    if finish_reason is None:  # NOTE: every running completion's output, every step
+        return None
     match finish_reason:
         case FinishReason.ERROR:
             return fault or ErrorKind.INTERNAL
