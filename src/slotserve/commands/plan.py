@@ -38,6 +38,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding in every replay, as serve's (vLLM's JSON), "
+                        "with drafts offered and accepted where the trace's were (null: off; "
+                        "default: auto when the trace verified drafts, else off)")
     p.add_argument("--seed", type=int, default=0, help="arrival times (as bench's --seed)")
     p.add_argument("--model", default=None, help="tokenizer for text/chat workloads")
     p.add_argument("--top", type=int, default=8, help="settings shown")
@@ -52,17 +56,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from slotserve.lab.replay.plan import DEFAULT_RATES, SLO, format_plan, search
 
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    workload = None
+    workload, info = None, {}
     if args.workload:
-        requests, _ = load_input(args.workload, lambda: load_tokenizer(args.model))
+        requests, info = load_input(args.workload, lambda: load_tokenizer(args.model))
         if args.verify:
             workload = _workload_file(args.workload)
     else:
         workload = default_workload()
         requests = requests_from_workload(workload, load_tokenizer(args.model))
     cost = cost_model(args.profile)
+    speculation = args.speculative_config if args.speculative_config is not None else \
+        info.get("trace_settings", {}).get("speculative_config")
     base = ReplaySettings(num_blocks=args.num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          speculative_config=speculation)
     started = time.perf_counter()
     candidates = search(requests, slo, cost, base=base, policies=args.batching,
                         max_num_seqs=args.max_num_seqs,
@@ -91,7 +98,8 @@ def verify(winner, workload, slo, args: argparse.Namespace) -> None:
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=s.max_prefill_tokens_while_decoding,
         max_model_len=s.max_model_len, block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
-        enable_prefix_caching=s.enable_prefix_caching, seed=args.seed)
+        enable_prefix_caching=s.enable_prefix_caching,
+        speculative_config=s.speculative_config, seed=args.seed)
     timed = with_poisson_arrivals(workload, winner.rate, args.seed)
     print(f"verifying: {len(timed)} requests at {timed.params['request_rate']} req/s on the "
           "engine ...", flush=True)

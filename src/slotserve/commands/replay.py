@@ -28,12 +28,12 @@ REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens",
                "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
                "max_model_len", "enable_prefix_caching", "scheduling_policy", "slo_ttft_ms",
                "slo_tpot_ms", "slo_reject", "rate_scale", "request_rate", "profile",
-               "save_trace", "clock")
+               "save_trace", "clock", "speculative_config")
 # ReplaySettings fields a flag of the same name overrides (else the trace's, else default).
 SETTINGS_FLAGS = ("max_num_seqs", "max_num_batched_tokens",
                   "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
                   "max_model_len", "enable_prefix_caching", "scheduling_policy",
-                  "slo_ttft_ms", "slo_tpot_ms", "slo_reject")
+                  "slo_ttft_ms", "slo_tpot_ms", "slo_reject", "speculative_config")
 SECONDS, ITERATIONS = "seconds", "iterations"
 
 
@@ -115,6 +115,10 @@ def _add_settings_args(g) -> None:
     g.add_argument("--slo-reject", action=argparse.BooleanOptionalAction, default=None,
                    help="deadline: reject a waiting request that can no longer meet its TTFT "
                         "SLO (default: the trace's, else off)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, as serve's (vLLM's JSON), with drafts offered "
+                        "and accepted where the trace's were (null: off; default: auto when "
+                        "the trace verified drafts, else off)")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -8,6 +8,10 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   position s attends to s+1 .. s+n positions, n*s + n(n+1)/2 pairs (a decode: its context);
 - sampled_rows: rows that go through the LM head and the sampler.
 
+A decode verified with k draft tokens (speculative decoding) is a chunk of 1 + k tokens with
+logits at each: one decode sequence, k more rows through the linear layers (counted as
+prefill tokens), 1 + k sampled rows, and its attention pairs.
+
 `LinearCost` charges seconds = base + sum(coefficient x feature), fit per machine, model
 and kernel set by least squares (`LinearCost.fit`, numpy); `slotserve calibrate` measures
 the samples and writes the profile file (`save` / `load_profile`). `UnitCost` is the seed's
@@ -43,12 +47,14 @@ class StepFeatures:
         prefill = decode = pairs = sampled = 0
         for seq in plan.seqs:
             n, start = seq.num_tokens, seq.start_pos
+            drafts = len(seq.spec_token_ids)
             if seq.kind == SlotKind.DECODE:
                 decode += 1
+                prefill += drafts  # NOTE: a verification's rows after its first
             else:
                 prefill += n
             pairs += n * start + n * (n + 1) // 2
-            sampled += seq.sample
+            sampled += seq.sample + drafts
         return cls(prefill, decode, pairs, sampled)
 
     def vector(self) -> list[float]:

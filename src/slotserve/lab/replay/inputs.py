@@ -6,7 +6,9 @@
   request's prefix-cache hit (`cached_tokens`) is: when some request hit, the replayed
   prompts are rebuilt so that the same prefixes are shared (`shared_prefix_prompts`), else
   they share nothing (filler, see `ReplayRequest`). Requests with no output recorded (still
-  running when the trace was taken) are skipped.
+  running when the trace was taken) are skipped. A trace recorded with speculative decoding
+  gives each request that verified drafts its acceptance rate, and the replay speculates
+  (see `speculation`).
 - A workload (JSONL, `slotserve.lab.workload`): token-id prompts are used as they are; text
   and chat prompts are tokenized (with the chat template for messages), which needs the
   model's tokenizer; the output length is `max_tokens` (bench ignores EOS by default); each
@@ -25,6 +27,7 @@ import numpy as np
 from slotserve.engine.trace import POLICY_FIELDS
 from slotserve.lab.replay.runner import FILLER_TOKEN
 from slotserve.lab.replay.simulator import ReplayRequest
+from slotserve.lab.replay.speculation import TRACE_DEFAULT_CONFIG, recorded_verifications
 from slotserve.lab.workload import Workload, load_workload, poisson_arrivals
 
 
@@ -32,6 +35,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     """(requests, a description) from an engine trace dict; ValueError if it is not one."""
     if not isinstance(trace, dict) or not isinstance(trace.get("requests"), list):
         raise ValueError("trace: expected a JSON object with a \"requests\" list")
+    verifications = recorded_verifications(trace.get("iterations") or [])
     requests, cached, skipped = [], [], 0
     for i, record in enumerate(trace["requests"]):
         try:
@@ -40,6 +44,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
                 skipped += 1
                 continue
             fields = {k: record[k] for k in POLICY_FIELDS if record.get(k) is not None}
+            fields["verifications"] = tuple(verifications.get(str(record["id"]), ()))
             requests.append(ReplayRequest(str(record["id"]), int(record["prompt_tokens"]),
                                           int(output), float(record["arrival"]), **fields))
             cached.append(_cached_tokens(record))
@@ -58,7 +63,20 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     # NOTE: a replay's own trace also records every setting it ran with.
     if isinstance(trace.get("settings"), dict):
         info["trace_settings"] = dict(trace["settings"])
+    if verifications:
+        info["trace_speculation"] = speculation_totals(trace["iterations"])
+        settings = info.setdefault("trace_settings", {})
+        # NOTE: an engine trace does not say how it speculated: "auto", the default.
+        if not settings.get("speculative_config"):
+            settings["speculative_config"] = TRACE_DEFAULT_CONFIG
     return requests, info
+
+
+def speculation_totals(iterations: list[dict]) -> dict:
+    """Verifications, draft tokens proposed and accepted in a trace's iterations."""
+    slots = [s for it in iterations for s in it.get("slots") or () if s and s.get("proposed")]
+    return {"verifications": len(slots), "proposed": sum(s["proposed"] for s in slots),
+            "accepted": sum(s.get("accepted", 0) for s in slots)}
 
 
 def _cached_tokens(record: dict) -> int:

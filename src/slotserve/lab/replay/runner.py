@@ -39,9 +39,13 @@ class FakeRunner:
     """`execute(plan)`: one FILLER_TOKEN per sampling sequence, the clock moved by the cost
     model's time for the plan. `last_start` / `last_end` bound the last iteration."""
 
-    def __init__(self, cost_model, clock: VirtualClock | None = None) -> None:
+    def __init__(self, cost_model, clock: VirtualClock | None = None,
+                 acceptance=None) -> None:
+        """acceptance: how many drafts a verification accepts (`accepted(seq_id,
+        output position, k)`, speculation.DraftOracle); None: none are."""
         self.cost_model = cost_model
         self.clock = clock or VirtualClock()
+        self.acceptance = acceptance
         self.last_start = self.last_end = self.clock.now
         self.busy_seconds = 0.0
 
@@ -50,8 +54,15 @@ class FakeRunner:
         self.last_start = self.clock.now
         self.last_end = self.clock.advance(seconds)
         self.busy_seconds += seconds
-        return RunnerOutput(sampled={seq.request_id: FILLER_TOKEN
-                                     for seq in plan.seqs if seq.sample})
+        output = RunnerOutput(sampled={seq.request_id: FILLER_TOKEN
+                                       for seq in plan.seqs if seq.sample})
+        for seq in plan.seqs:
+            if seq.spec_token_ids:
+                drafts = seq.spec_token_ids
+                num = 0 if self.acceptance is None else self.acceptance.accepted(
+                    seq.request_id, seq.num_output_tokens, len(drafts))
+                output.accepted[seq.request_id] = list(drafts[:num])
+        return output
 
 
 def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
@@ -66,10 +77,12 @@ class VirtualEngineCore:
     share.
 
     cache.num_blocks None: `default_num_blocks`.
+    speculator: the scheduler's (spec/planner.Speculator; None: no speculation);
+    acceptance: the fake runner's (see `FakeRunner`).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache: CacheConfig,
-                 cost_model) -> None:
+                 cost_model, speculator=None, acceptance=None) -> None:
         blocks = cache.num_blocks or default_num_blocks(
             scheduler_config.max_num_seqs, scheduler_config.max_model_len, cache.block_size)
         self.clock = VirtualClock()
@@ -79,8 +92,9 @@ class VirtualEngineCore:
         # NOTE: the scheduler reads the virtual clock, never the wall clock: request times,
         # SLO deadlines and slack, fair-share and the deadline policy's learnt iteration time
         # are all in simulated seconds, the clock of the requests' (virtual) arrival times.
-        self.scheduler = Scheduler(scheduler_config, self.kv, clock=self.now)
-        self.runner = FakeRunner(cost_model, self.clock)
+        self.scheduler = Scheduler(scheduler_config, self.kv, clock=self.now,
+                                   speculator=speculator)
+        self.runner = FakeRunner(cost_model, self.clock, acceptance)
 
     def now(self) -> float:
         return self.clock.now

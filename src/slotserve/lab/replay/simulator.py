@@ -30,8 +30,11 @@ from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.trace import TraceRecorder, policy_fields_of
 from slotserve.lab.replay.runner import FILLER_TOKEN, VirtualEngineCore, default_num_blocks
+from slotserve.lab.replay.speculation import DraftOracle, make_speculator
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
+from slotserve.spec.config import SpeculativeConfig
+from slotserve.spec.config import parse as parse_speculative_config
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class ReplayRequest:
     None: `prompt_tokens` filler tokens under a per-request cache salt (nothing shared).
     tenant, priority, slo_ttft_ms, slo_tpot_ms: its scheduling-policy fields, as the
     request's (`slotserve.request.Request`); the SLOs None: the replay's defaults.
+    verifications: its trace's speculative decoding, (output position, drafts proposed,
+    drafts accepted) per verification (`speculation.recorded_verifications`); empty: it
+    verified none, so a replay with speculation gives it no drafts.
     """
 
     id: str
@@ -53,6 +59,7 @@ class ReplayRequest:
     priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    verifications: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -69,6 +76,11 @@ class ReplayRequest:
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_tokens:
             raise ValueError(f"prompt_token_ids has {len(self.prompt_token_ids)} tokens, "
                              f"prompt_tokens says {self.prompt_tokens} (request {self.id!r})")
+        for record in self.verifications:
+            if len(record) != 3 or not all(isinstance(v, int) for v in record) \
+                    or not (record[0] >= 0 and 0 <= record[2] <= record[1]):
+                raise ValueError(f"verifications: {record!r} is not (position >= 0, proposed, "
+                                 f"accepted <= proposed) (request {self.id!r})")
         try:
             check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
         except ValueError as exc:
@@ -83,6 +95,8 @@ class ReplaySettings:
     max_num_seqs sequences of max_model_len tokens.
     scheduling_policy, slo_ttft_ms, slo_tpot_ms, slo_reject: as `SchedulerConfig`'s (the
     queue order, the requests' default SLOs, and the deadline policy's rejection).
+    speculative_config: speculative decoding as `--speculative-config`'s JSON (None: off);
+    drafts go to the requests with recorded `verifications` (see `speculation`).
     """
 
     policy: str = Policy.CONTINUOUS
@@ -98,6 +112,16 @@ class ReplaySettings:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "auto"  # as CacheConfig's ("auto": global, as offline)
+    speculative_config: str | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: kept as its canonical JSON text (hashable, and asdict writes it as given).
+        config = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config",
+                           None if config is None else config.to_json())
+
+    def speculation(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -196,7 +220,10 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     if len(set(ids)) != len(ids):
         raise ValueError("request ids must be unique")
     cache = settings.cache_config()
-    core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model)
+    oracle = DraftOracle({r.id: r.verifications for r in requests if r.verifications})
+    core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model,
+                             speculator=make_speculator(settings.speculation(), oracle),
+                             acceptance=oracle)
     trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
@@ -294,7 +321,8 @@ def _on_token(request: Request, now: float, scheduler: Scheduler, trace: TraceRe
     """A request update() returned: it got a token, or it finished (maybe without one: the
     deadline policy's slo_reject finishes a waiting request with an error)."""
     outcome = outcomes[request.request_id]
-    if len(request.output_token_ids) > len(outcome.token_times):
+    # NOTE: a verification may add several tokens at once (accepted drafts): same time.
+    while len(outcome.token_times) < len(request.output_token_ids):
         outcome.token_times.append(now)
     if request.is_finished:
         outcome.finished = now
