@@ -26,6 +26,8 @@ const UTIL = "#475467";
 const GHOST = "#f3f4f6";
 const CACHED_FREE = "#b7dfc5"; // a free block that still holds a cached prefix (hittable)
 const SHARED_MARK = "#101828"; // the dot on a block held by more than one request
+const DRAFT_ACCEPTED = "#ffffff"; // speculative decoding: a draft token the model accepted
+const DRAFT_REJECTED = "#101828"; // ... and one it rejected (band at the foot of the cell)
 
 const $ = (selector, root = document) => root.querySelector(selector);
 
@@ -200,8 +202,22 @@ function drawCell(ctx, cell, view, x, y, w, h) {
   } else {
     ctx.fillStyle = color;
     ctx.fillRect(x, y, w, h);
+    if (cell.proposed > 0) drawDrafts(ctx, cell, x, y, w, h);
   }
   if (view.labels && w >= 24 && h >= 14) drawLabel(ctx, cell, x, y, w, h);
+}
+
+/** A decode verified with draft tokens: a band at the foot of its cell, one segment per
+ * draft, accepted ones (the first `accepted`) light, rejected ones dark. */
+function drawDrafts(ctx, cell, x, y, w, h) {
+  if (h < 3) return;
+  const band = Math.max(2, Math.round(h * 0.4));
+  const accepted = Math.min(cell.accepted || 0, cell.proposed);
+  const split = Math.round((w * accepted) / cell.proposed);
+  ctx.fillStyle = DRAFT_ACCEPTED;
+  ctx.fillRect(x, y + h - band, split, band);
+  ctx.fillStyle = DRAFT_REJECTED;
+  ctx.fillRect(x + split, y + h - band, w - split, band);
 }
 
 function drawCross(ctx, color, x, y, w, h) {
@@ -326,7 +342,9 @@ function cellAt(canvas, event) {
   const where = `iteration ${column.index} · slot ${s}`;
   if (!cell) return `${where}: idle`;
   const tokens = `${cell.tokens} token${cell.tokens === 1 ? "" : "s"}`;
-  return `${where}: ${cell.request} ${cell.kind} (${tokens})`;
+  const drafts = cell.proposed > 0
+    ? `: ${cell.proposed} draft${cell.proposed === 1 ? "" : "s"}, ${cell.accepted || 0} accepted` : "";
+  return `${where}: ${cell.request} ${cell.kind} (${tokens}${drafts})`;
 }
 
 // ------------------------------------------------------------------------ live view
@@ -459,7 +477,33 @@ function drawLive() {
                       labels: false });
   drawUtil($("#live-util"), canvas.geometry);
   showUtilisation(columns, numSlots);
+  showSpeculation(columns, numSlots);
   showLegend(columns);
+}
+
+/** Speculative decoding per slot over the iterations in view: draft tokens proposed and
+ * accepted (hidden while no slot in view verified any). */
+function showSpeculation(columns, numSlots) {
+  const proposed = new Array(numSlots).fill(0);
+  const accepted = new Array(numSlots).fill(0);
+  for (const column of columns) {
+    column.slots.forEach((cell, s) => {
+      if (cell && cell.proposed > 0) {
+        proposed[s] += cell.proposed;
+        accepted[s] += Math.min(cell.accepted || 0, cell.proposed);
+      }
+    });
+  }
+  const total = proposed.reduce((a, b) => a + b, 0);
+  const node = $("#live-spec");
+  node.dataset.proposed = String(total);
+  node.dataset.accepted = String(accepted.reduce((a, b) => a + b, 0));
+  node.hidden = total === 0;
+  $("#live-spec-key").hidden = total === 0;
+  if (!total) { node.replaceChildren(); return; }
+  node.replaceChildren(...proposed.flatMap((p, s) => p === 0 ? [] : [el("li", {
+    "data-slot": String(s), "data-proposed": String(p), "data-accepted": String(accepted[s]),
+  }, `slot ${s}: ${accepted[s]} of ${p} drafts accepted (${pct(accepted[s] / p)})`)]));
 }
 
 function showUtilisation(columns, numSlots) {
