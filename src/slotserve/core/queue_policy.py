@@ -201,6 +201,8 @@ class QueuePolicy:
     def _uncharged_prompt(self, request: Request, start: int, num_tokens: int) -> int:
         """Prompt positions in start..start+num_tokens-1 past the highest one processed
         before (prefix-cache hits are skipped, so never charged; recomputation neither)."""
+        if start >= request.num_prompt_tokens:  # a decode: no prompt position (every step)
+            return 0
         charged = self._charged_prompt.get(request.request_id, 0)
         end = min(start + num_tokens, request.num_prompt_tokens)
         return max(0, end - max(start, charged))
