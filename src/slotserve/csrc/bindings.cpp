@@ -53,7 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local());
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
-        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
+        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0, py::arg("block_len") = 0,
+        py::arg("bits") = 0);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),

@@ -73,6 +73,13 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
                                  bool force_plain);
+// Throws unless codes and scales_mins are pack_quant_blocks' for (out, in) weights in blocks
+// of block_len with `bits`-bit codes.
+void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_mins,
+                        int64_t in, int64_t out_features, int64_t block_len, int64_t bits);
+void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                             const float* scales_mins, int64_t out_features, int64_t block_len,
+                             int64_t bits, float* y, bool force_plain = false);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

@@ -261,6 +261,33 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   return {packed, sm};
 }
 
+void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
+                        int64_t out_features, int64_t block_len, int64_t bits) {
+  shape_of(codes, sm, in, out_features, block_len, bits);
+}
+
+// y (rows, out) = x (rows, in) @ W^T on raw pointers (check_quant_blocks checked the shapes).
+void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                             const float* sm, int64_t out_features, int64_t block_len,
+                             int64_t bits, float* y, bool force_plain) {
+  const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
+  const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
+  const QuantizedRows q = quantize_activations(x, rows, s.in, block_len);
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    float lanes[QB_TILE * QB_ROWS];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
+      for (int64_t t0 = 0; t0 < rows; t0 += QB_TILE) {
+        const int64_t n = std::min<int64_t>(QB_TILE, rows - t0);
+        panel_rows(codes + p * s.blocks * s.block_bytes(), sm + p * s.blocks * 2 * QB_ROWS, q,
+                   s, t0, n, force_plain, lanes);
+        for (int64_t t = 0; t < n; ++t)
+          std::copy_n(lanes + t * QB_ROWS, width, y + (t0 + t) * out_features + first);
+      }
+    }
+  });
+}
+
 // y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
@@ -268,26 +295,11 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be (T, in)");
   x = x.contiguous();
-  const QuantBlockShape s = shape_of(codes, sm, x.size(1), out_features, block_len, bits);
-  const int64_t tokens = x.size(0);
-  const QuantizedRows q = quantize_activations(x.data_ptr<float>(), tokens, s.in, block_len);
-  auto y = torch::empty({tokens, out_features}, x.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* smp = sm.data_ptr<float>();
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    float lanes[QB_TILE * QB_ROWS];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
-      for (int64_t t0 = 0; t0 < tokens; t0 += QB_TILE) {
-        const int64_t n = std::min<int64_t>(QB_TILE, tokens - t0);
-        panel_rows(cp + p * s.blocks * s.block_bytes(), smp + p * s.blocks * 2 * QB_ROWS, q, s,
-                   t0, n, force_plain, lanes);
-        for (int64_t t = 0; t < n; ++t)
-          std::copy_n(lanes + t * QB_ROWS, width, yp + (t0 + t) * out_features + first);
-      }
-    }
-  });
+  check_quant_blocks(codes, sm, x.size(1), out_features, block_len, bits);
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  quant_block_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), codes.data_ptr<uint8_t>(),
+                          sm.data_ptr<float>(), out_features, block_len, bits,
+                          y.data_ptr<float>(), force_plain);
   return y;
 }
 

@@ -202,8 +202,8 @@ class KernelSet:
             raise ValueError(f"linear={self.linear!r} / fused_layers need the fused kernels")
         if self.decode_stack and not self.fused_layers:
             raise ValueError("decode_stack needs fused_layers (it runs the same kernels)")
-        if self.gguf_types and (self.ops is None or self.decode_stack):
-            raise ValueError("GGUF block weights need the fused kernels and no decode stack")
+        if self.gguf_types and self.ops is None:
+            raise ValueError("GGUF block weights need the fused kernels")
 
     def for_model(self, stack_gaps: list[str], torch_ops: list[str]) -> KernelSet:
         """This set as a model with these needs runs it: no decode stack where it lacks
@@ -285,9 +285,10 @@ REFERENCE = KernelSet()
 def kernels_for(config, weights: dict[str, torch.Tensor] | None = None) -> KernelSet:
     """The KernelSet of an EngineConfig (see resolve_kernels); with quantization="gguf" and
     `weights` holding GGUF block weights (`load_model(keep_quantized=True)`), one that runs
-    them (see gguf_kernels), the rest as "auto" chooses. NOTE: opt-in, not auto's, until the
-    decode stack runs blocks and a quiet measurement shows them ahead: on the embedded
-    SmolLM2 they agree 97.1% with fp32 against bf16's 99.5%."""
+    them (see gguf_kernels), the rest as "auto" chooses. NOTE: opt-in, not auto's: on the
+    embedded SmolLM2 they agree 97.1% with fp32 against bf16's 99.5% (the quality bar is
+    97%, and bf16 is the better answer there; benchmarks/results/gguf-stack-zen4.json for
+    the speed)."""
     gguf = config.quantization == "gguf"
     kernels = resolve_kernels(config.kernels, "auto" if gguf else config.quantization,
                               config.device, config.dtype)
@@ -301,12 +302,12 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...]) -> KernelSet:
     (linear_kernels.GGUFBlockLinear), where the fused kernels have it vectorised; else
     `kernels` unchanged (the blocks are then dequantized: KernelSet.prepare_weights).
 
-    NOTE: the decode stack (csrc/decode_stack.cpp) has no block kind yet: decodes run layer
-    by layer in Python, the same kernels.
+    The decode stack (csrc/decode_stack.cpp, its `gguf_blocks` kind) runs the block kernel
+    too: decodes stay one C++ call for all layers, as `kernels` has it.
     """
     if not types or not linear_kernels.gguf_block_kernel_available(kernels.ops):
         return kernels
-    return dataclasses.replace(kernels, decode_stack=False, weights="gguf", gguf_types=types,
+    return dataclasses.replace(kernels, weights="gguf", gguf_types=types,
                                reason="quantization=gguf: the file's own types")
 
 

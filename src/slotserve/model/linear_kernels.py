@@ -245,7 +245,7 @@ class GGUFBlockLinear:
     are packed into panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
     x per row and block to int8 and sums the products in integers (AVX512-VNNI,
     csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
-    on its batch. The decode stack has no such kind yet: its model runs decodes per layer.
+    on its batch. The decode stack runs the same kernel (its `gguf_blocks` kind).
     """
 
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
@@ -262,7 +262,9 @@ class GGUFBlockLinear:
         return y if self.bias is None else y.add_(self.bias)
 
     def cpp_weights(self, ops):
-        raise ValueError("the C++ decode stack has no GGUF block kind: decodes run per layer")
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.linear_weights("gguf_blocks", self.codes, self.scales_mins, self.bias,
+                                  self.out_features, block_len=self.block_len, bits=self.bits)
 
 
 def gguf_block_kernel_available(ops) -> bool:
