@@ -136,6 +136,7 @@ def test_stack_equals_python_layers_on_gguf_blocks(ops, layout, kind):
     engine = gguf_engine(layout, kind)
     model, kernels = engine.runner.model, engine.runner.kernels
     assert model.decode_stack is not None and kernels.decode_stack
+    assert kernels.describe_linears().startswith("GGUF blocks x int8 activations (")
     assert kernels.describe_linears().endswith("(decodes: one C++ call for all layers)")
     block_linears = [m for m in model.modules()
                      if isinstance(m, Linear) and isinstance(m.kernel, GGUFBlockLinear)]

@@ -25,7 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
         py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
   m.def("quant_blocks_vectorised", &quant_blocks_vectorised,
-        "whether quant_block_linear runs vectorised (AVX512-VNNI)");
+        "whether quant_block_linear runs vectorised (AVX512-VNNI or AVX2)");
+  m.def("quant_blocks_isa", &quant_blocks_isa,
+        "quant_block_linear's path in this build: avx512vnni, avx2 or plain");
   m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
   m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,

@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 namespace slotserve::kernels {
@@ -67,6 +68,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // quant_blocks.cpp
 bool quant_blocks_vectorised();
+std::string quant_blocks_isa();  // "avx512vnni", "avx2" or "plain" (this build's path)
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits);

@@ -19,14 +19,16 @@
 // the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 floats each per
 // block. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
-// the tile or batch it is in; the plain-loop fallback does the same float operations (fma,
-// mul) in the same order, so both give the same bits.
+// the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
+// the plain-loop fallback get the same exact integer sums and do the same float operations
+// (fma, mul) in the same order, so all three give the same bits.
 
 #include "common.h"
 #include "ops.h"
 
 #include <cfloat>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -144,6 +146,83 @@ void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows&
   }
   for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc_out + t * QB_ROWS, acc[t]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI): the
+// codes of a step widened to int16 and multiplied by the activations (int16) with
+// vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 127; no vpmaddubsw: its
+// int16 sums saturate for 8-bit codes). A step's 64 bytes are 4 groups of 4 rows; each
+// group's int32 lanes hold 2 partial sums per row, added pairwise at the block's end
+// (vphaddd, then lanes put back in row order). NOTE: the integer sums are exact, so they
+// equal VNNI's; the block's float operations are the same as panel_rows_vnni's, per lane,
+// in the same order: the same bits.
+constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
+
+template <int BITS>
+inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
+  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
+  if constexpr (BITS == 4) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    if (k & 1) {
+      lo = _mm256_srli_epi16(lo, 4);
+      hi = _mm256_srli_epi16(hi, 4);
+    }
+    lo = _mm256_and_si256(lo, mask);
+    hi = _mm256_and_si256(hi, mask);
+  }
+  w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // rows 0-3, 4 codes each
+  w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));  // rows 4-7
+  w[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));  // rows 8-11
+  w[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));  // rows 12-15
+}
+
+// Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2), AVX2.
+template <int N, int BITS>
+void panel_rows_avx2(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+                     const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
+  __m256 acc[N][2];
+  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  const int64_t steps = s.block_len / 4;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const uint8_t* block = codes + b * s.block_bytes();
+    __builtin_prefetch(block + 4 * s.block_bytes());
+    __m256i dots[N][4];
+    for (int t = 0; t < N; ++t)
+      for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < steps; ++k) {
+      __m256i w[4];
+      load_step_avx2<BITS>(block, k, w);
+      for (int t = 0; t < N; ++t) {
+        int32_t four;
+        std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
+        // the 4 activations as int16, once per row of codes: (a0 a1 a2 a3) x 4
+        const __m256i a = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+        for (int g = 0; g < 4; ++g)
+          dots[t][g] = _mm256_add_epi32(dots[t][g], _mm256_madd_epi16(w[g], a));
+      }
+    }
+    const float* smb = sm + b * 2 * QB_ROWS;
+    for (int t = 0; t < N; ++t) {
+      const int64_t at = (t0 + t) * s.blocks + b;
+      const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
+        // vphaddd within 128-bit lanes gives rows (0 1 4 5 2 3 6 7) of the 8
+        const __m256i rows = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(dots[t][2 * h], dots[t][2 * h + 1]), row_order);
+        const __m256 d = _mm256_loadu_ps(smb + 8 * h);
+        const __m256 m = _mm256_loadu_ps(smb + QB_ROWS + 8 * h);
+        const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, _mm256_mul_ps(m, sum));
+        acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < N; ++t) {
+    _mm256_storeu_ps(acc_out + t * QB_ROWS, acc[t][0]);
+    _mm256_storeu_ps(acc_out + t * QB_ROWS + 8, acc[t][1]);
+  }
+}
 #endif
 
 // The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
@@ -200,19 +279,42 @@ void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
     else run(std::integral_constant<int, 4>());
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (!plain) {
+    auto run = [&](auto bits, int64_t first, int64_t rows, float* out) {
+      constexpr int B = decltype(bits)::value;
+      switch (rows) {
+        case 4: return panel_rows_avx2<4, B>(codes, sm, q, s, first, out);
+        case 3: return panel_rows_avx2<3, B>(codes, sm, q, s, first, out);
+        case 2: return panel_rows_avx2<2, B>(codes, sm, q, s, first, out);
+        default: return panel_rows_avx2<1, B>(codes, sm, q, s, first, out);
+      }
+    };
+    for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
+      const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
+      if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows,
+                           acc_out + done * QB_ROWS);
+      else run(std::integral_constant<int, 4>(), t0 + done, rows, acc_out + done * QB_ROWS);
+    }
+    return;
+  }
 #endif
   panel_rows_plain(codes, sm, q, s, t0, n, acc_out);
 }
 
 }  // namespace
 
-bool quant_blocks_vectorised() {
+std::string quant_blocks_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
+  return "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
 #else
-  return false;
+  return "plain";
 #endif
 }
+
+bool quant_blocks_vectorised() { return quant_blocks_isa() != "plain"; }
 
 // codes (out, blocks, block_len) uint8 (< 16 when bits == 4), scales and mins (out, blocks)
 // fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16)).

@@ -249,9 +249,6 @@ class KernelSet:
     def describe_linears(self) -> str:
         """The linear kernel, the fused ops and the decode stack, in words."""
         text = LINEAR_KERNELS[self.linear]
-        if self.gguf_types:
-            text = (f"GGUF blocks x int8 activations (VNNI, fused CPU kernel), other linears "
-                    f"{text}")
         if self.linear == "bf16_panel" and self.amx_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.amx_min_rows} rows, "
                     "AMX from there (fused CPU kernels)")
@@ -260,6 +257,11 @@ class KernelSet:
         elif self.linear == "bf16_panel" and self.dot_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.dot_min_rows} rows, "
                     "x rounded to bf16 and vdpbf16ps from there (fused CPU kernel)")
+        if self.gguf_types:  # NOTE: after the bf16 modes' texts, which replace `text`
+            path = {"avx512vnni": "VNNI", "avx2": "AVX2"}.get(self.ops.quant_blocks_isa(),
+                                                               "plain loops")
+            text = (f"GGUF blocks x int8 activations ({path}, fused CPU kernel), other linears "
+                    f"{text}")
         if self.fused_layers:
             text += f" + {getattr(self.ops, 'DESCRIPTION', 'fused CPU ops')}"
         if self.decode_stack:

@@ -243,9 +243,11 @@ class GGUFBlockLinear:
 
     The blocks (4- or 8-bit unsigned codes, an fp32 scale and min per block of 16 or 32)
     are packed into panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
-    x per row and block to int8 and sums the products in integers (AVX512-VNNI,
+    x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
+    or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
     csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
-    on its batch. The decode stack runs the same kernel (its `gguf_blocks` kind).
+    on its batch, nor on the path. The decode stack runs the same kernel (its `gguf_blocks`
+    kind).
     """
 
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
@@ -268,7 +270,8 @@ class GGUFBlockLinear:
 
 
 def gguf_block_kernel_available(ops) -> bool:
-    """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI)."""
+    """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI, or AVX2: the build's
+    path is `ops.quant_blocks_isa()`)."""
     return ops is not None and hasattr(ops, "quant_block_linear") and ops.quant_blocks_vectorised()
 
 
