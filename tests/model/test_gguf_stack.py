@@ -29,17 +29,18 @@ Q = GGMLQuantizationType
 # gguf-py quantizes these from values; the K-quants are random valid blocks.
 GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 # K-quants: byte offsets of the fp16 super-block scales, and their range (weights ~0.1).
-_K_SCALES = {Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 2e-5)}
+_K_SCALES = {Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 2e-5),
+             Q.Q2_K: ((80, 82), 1e-3), Q.Q3_K: ((108,), 5e-4)}
 
 # HF name (per layer) -> GGUF type, per model: every block format, fused q/k/v and gate/up of
 # mixed types (8-bit codes, blocks of 16 once Q6_K joins), all-4-bit fusions (4-bit codes),
 # and None: left as an fp32 tensor (a float linear beside block ones: the bf16 panels).
 LAYOUTS = {
     "k_quants": {"q_proj": Q.Q4_K, "k_proj": Q.Q6_K, "v_proj": Q.Q8_0, "o_proj": Q.Q5_K,
-                 "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K,
+                 "gate_proj": Q.Q4_K, "up_proj": Q.Q3_K, "down_proj": Q.Q6_K,
                  "lm_head": Q.Q6_K},
     "legacy_4bit": {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q4_0, "o_proj": Q.Q4_1,
-                    "gate_proj": Q.Q4_0, "up_proj": Q.Q4_1, "down_proj": Q.Q5_0,
+                    "gate_proj": Q.Q4_0, "up_proj": Q.Q4_1, "down_proj": Q.Q2_K,
                     "lm_head": Q.Q8_0},
     "mixed_float": {"q_proj": Q.Q5_1, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": None,
                     "gate_proj": Q.Q5_K, "up_proj": Q.Q8_0, "down_proj": Q.Q4_K,
@@ -217,3 +218,32 @@ def test_stack_rejects_bad_gguf_block_weights(ops):
         stack.add_layer(*norms, bad_bits, o_or_down, gate_up.cpp_weights(ops), o_or_down)
     stack.add_layer(*norms, qkv.cpp_weights(ops), o_or_down, gate_up.cpp_weights(ops),
                     o_or_down)  # the same layer, right: accepted
+
+
+@pytest.mark.parametrize("qtype,half", [(Q.Q4_0, True), (Q.Q4_1, True), (Q.Q5_0, True),
+                                        (Q.Q5_1, True), (Q.Q8_0, True), (Q.Q4_K, False),
+                                        (Q.Q5_K, False), (Q.Q6_K, False), (Q.Q2_K, False),
+                                        (Q.Q3_K, False)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_fp16_scales_where_they_are_fp16_values(ops, qtype, half):
+    """The legacy types' scales and mins (GGUF's fp16 d, m, -8d, -16d, -128d) are packed
+    in fp16, the K-quants' (d * sc) in fp32; fp16 ones widen exactly: the same bits as the
+    same values given in fp32, through the kernel and through the stack's kind."""
+    values = 0.05 * torch.randn(40, 512, generator=torch.Generator().manual_seed(8))
+    blocks = to_blocks(raw_blocks(qtype, values, 9), qtype, "w", "t.gguf")
+    kernel = GGUFBlockLinear(blocks, None, ops)
+    assert kernel.scales_mins.dtype == (torch.float16 if half else torch.float32)
+    scale_bytes = kernel.scales_mins.element_size()
+    packed_bytes = kernel.codes.numel() + kernel.scales_mins.numel() * scale_bytes
+    assert packed_bytes / (40 + 8) / 512 == blocks.bytes_per_weight  # 48 rows: 3 panels
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(10))
+    y = kernel(x)
+    as_fp32 = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.float(), 40,
+                                     blocks.block_len, blocks.bits)
+    assert torch.equal(y, as_fp32)
+    assert torch.equal(y, ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 40,
+                                                 blocks.block_len, blocks.bits,
+                                                 force_plain=True))
+    with pytest.raises(RuntimeError, match="scales_mins must be float32 or float16"):
+        ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
+                               blocks.block_len, blocks.bits)

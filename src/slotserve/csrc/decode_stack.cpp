@@ -107,8 +107,8 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
                            reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                            a.size(0), outs, y, dot_rows(rows));
   } else if (kind == Kind::kQuantBlocks) {
-    quant_block_linear_into(x, rows, in, a.data_ptr<uint8_t>(), b.data_ptr<float>(), outs,
-                            block_len, bits, y);
+    quant_block_linear_into(x, rows, in, a.data_ptr<uint8_t>(), b.data_ptr(),
+                            b.scalar_type() == torch::kFloat16, outs, block_len, bits, y);
   } else {  // operator() adds the bias
     const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
     std::copy_n(out.data_ptr<float>(), rows * outs, y);

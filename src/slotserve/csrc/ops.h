@@ -79,9 +79,11 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
 // of block_len with `bits`-bit codes.
 void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_mins,
                         int64_t in, int64_t out_features, int64_t block_len, int64_t bits);
+// scales_mins: fp16 (half_scales) or fp32, as pack_quant_blocks chose.
 void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
-                             const float* scales_mins, int64_t out_features, int64_t block_len,
-                             int64_t bits, float* y, bool force_plain = false);
+                             const void* scales_mins, bool half_scales, int64_t out_features,
+                             int64_t block_len, int64_t bits, float* y,
+                             bool force_plain = false);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

@@ -1,7 +1,7 @@
 // ---- GGUF weights kept as blocks of small unsigned integers x int8 activations --------
 // Every GGUF block format the loader keeps (loader/gguf_blocks.py) is re-packed to one form:
 // for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
-// an fp32 scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
+// a scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
 // m = -8 d; Q4_K: d = d * sc, m = -dmin * mn; ...). Codes of 4 bits (Q4_0, Q4_1, Q4_K) stay
 // 4 bits, two per byte; the others take a byte.
 //
@@ -16,8 +16,10 @@
 // panel, block b is B / 4 steps of 64 bytes, step k holding row j's codes 4k..4k+3 at bytes
 // 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles). One vpdpbusd per
 // step adds 4 products to each of the 16 rows' lanes, with one broadcast of 4 activations:
-// the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 floats each per
-// block. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
+// the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 each per block,
+// fp16 where every value of the tensor is one (the legacy types' d, m, -8d, -16d, -128d:
+// GGUF's own fp16 scales, widened exactly), else fp32 (the K-quants' d * sc). Rows of a
+// tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
 // the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
 // the plain-loop fallback get the same exact integer sums and do the same float operations
@@ -51,7 +53,9 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
-  check_cpu_float(sm, "scales_mins");
+  TORCH_CHECK(sm.device().is_cpu() && (sm.scalar_type() == torch::kFloat32 ||
+                                        sm.scalar_type() == torch::kFloat16),
+              "scales_mins must be float32 or float16 on the CPU");
   QuantBlockShape s{in, codes.size(1), block_len, bits, codes.size(0), out_features};
   TORCH_CHECK(s.blocks * block_len == in, "the blocks cover ", s.blocks * block_len,
               " inputs, not ", in);
@@ -101,6 +105,20 @@ QuantizedRows quantize_activations(const float* x, int64_t rows, int64_t in, int
   return q;
 }
 
+// 16 (8) block scales or mins as fp32: stored fp32, or fp16 (widened exactly).
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 // The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int BITS>
@@ -116,8 +134,8 @@ inline __m512i load_step(const uint8_t* block, int64_t k) {
 }
 
 // Rows t0..t0+N of y over one panel, vectorised.
-template <int N, int BITS>
-void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <int N, int BITS, typename SM>
+void panel_rows_vnni(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m512 acc[N];
   for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
@@ -135,8 +153,8 @@ void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows&
         dots[t] = _mm512_dpbusd_epi32(dots[t], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 d = _mm512_loadu_ps(sm + b * 2 * QB_ROWS);
-    const __m512 m = _mm512_loadu_ps(sm + b * 2 * QB_ROWS + QB_ROWS);
+    const __m512 d = load16(sm + b * 2 * QB_ROWS);
+    const __m512 m = load16(sm + b * 2 * QB_ROWS + QB_ROWS);
     for (int t = 0; t < N; ++t) {
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]), d,
@@ -146,7 +164,7 @@ void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows&
   }
   for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc_out + t * QB_ROWS, acc[t]);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI): the
 // codes of a step widened to int16 and multiplied by the activations (int16) with
 // vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 127; no vpmaddubsw: its
@@ -178,8 +196,8 @@ inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
 }
 
 // Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2), AVX2.
-template <int N, int BITS>
-void panel_rows_avx2(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <int N, int BITS, typename SM>
+void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m256 acc[N][2];
   for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -203,7 +221,7 @@ void panel_rows_avx2(const uint8_t* codes, const float* sm, const QuantizedRows&
           dots[t][g] = _mm256_add_epi32(dots[t][g], _mm256_madd_epi16(w[g], a));
       }
     }
-    const float* smb = sm + b * 2 * QB_ROWS;
+    const SM* smb = sm + b * 2 * QB_ROWS;
     for (int t = 0; t < N; ++t) {
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
@@ -211,8 +229,8 @@ void panel_rows_avx2(const uint8_t* codes, const float* sm, const QuantizedRows&
         // vphaddd within 128-bit lanes gives rows (0 1 4 5 2 3 6 7) of the 8
         const __m256i rows = _mm256_permutevar8x32_epi32(
             _mm256_hadd_epi32(dots[t][2 * h], dots[t][2 * h + 1]), row_order);
-        const __m256 d = _mm256_loadu_ps(smb + 8 * h);
-        const __m256 m = _mm256_loadu_ps(smb + QB_ROWS + 8 * h);
+        const __m256 d = load8(smb + 8 * h);
+        const __m256 m = load8(smb + QB_ROWS + 8 * h);
         const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, _mm256_mul_ps(m, sum));
         acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
       }
@@ -226,7 +244,8 @@ void panel_rows_avx2(const uint8_t* codes, const float* sm, const QuantizedRows&
 #endif
 
 // The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
-void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <typename SM>
+void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                       const QuantBlockShape& s, int64_t t0, int64_t n, float* acc_out) {
   for (int64_t t = 0; t < n; ++t) {
     float acc[QB_ROWS] = {};
@@ -249,7 +268,8 @@ void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows
       }
       const int64_t at = (t0 + t) * s.blocks + b;
       for (int64_t j = 0; j < QB_ROWS; ++j) {
-        const float d = sm[b * 2 * QB_ROWS + j], m = sm[b * 2 * QB_ROWS + QB_ROWS + j];
+        const float d = float(sm[b * 2 * QB_ROWS + j]);
+        const float m = float(sm[b * 2 * QB_ROWS + QB_ROWS + j]);
         const float part = std::fma(float(dots[j]), d, m * q.sum[at]);
         acc[j] = std::fma(part, q.scale[at], acc[j]);
       }
@@ -258,36 +278,37 @@ void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows
   }
 }
 
-void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <typename SM>
+void panel_rows(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                 const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (!plain) {
     auto run = [&](auto bits) {
       constexpr int B = decltype(bits)::value;
       switch (n) {
-        case 8: return panel_rows_vnni<8, B>(codes, sm, q, s, t0, acc_out);
-        case 7: return panel_rows_vnni<7, B>(codes, sm, q, s, t0, acc_out);
-        case 6: return panel_rows_vnni<6, B>(codes, sm, q, s, t0, acc_out);
-        case 5: return panel_rows_vnni<5, B>(codes, sm, q, s, t0, acc_out);
-        case 4: return panel_rows_vnni<4, B>(codes, sm, q, s, t0, acc_out);
-        case 3: return panel_rows_vnni<3, B>(codes, sm, q, s, t0, acc_out);
-        case 2: return panel_rows_vnni<2, B>(codes, sm, q, s, t0, acc_out);
-        default: return panel_rows_vnni<1, B>(codes, sm, q, s, t0, acc_out);
+        case 8: return panel_rows_vnni<8, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 7: return panel_rows_vnni<7, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 6: return panel_rows_vnni<6, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 5: return panel_rows_vnni<5, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 4: return panel_rows_vnni<4, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 3: return panel_rows_vnni<3, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 2: return panel_rows_vnni<2, B, SM>(codes, sm, q, s, t0, acc_out);
+        default: return panel_rows_vnni<1, B, SM>(codes, sm, q, s, t0, acc_out);
       }
     };
     if (s.bits == 8) run(std::integral_constant<int, 8>());
     else run(std::integral_constant<int, 4>());
     return;
   }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (!plain) {
     auto run = [&](auto bits, int64_t first, int64_t rows, float* out) {
       constexpr int B = decltype(bits)::value;
       switch (rows) {
-        case 4: return panel_rows_avx2<4, B>(codes, sm, q, s, first, out);
-        case 3: return panel_rows_avx2<3, B>(codes, sm, q, s, first, out);
-        case 2: return panel_rows_avx2<2, B>(codes, sm, q, s, first, out);
-        default: return panel_rows_avx2<1, B>(codes, sm, q, s, first, out);
+        case 4: return panel_rows_avx2<4, B, SM>(codes, sm, q, s, first, out);
+        case 3: return panel_rows_avx2<3, B, SM>(codes, sm, q, s, first, out);
+        case 2: return panel_rows_avx2<2, B, SM>(codes, sm, q, s, first, out);
+        default: return panel_rows_avx2<1, B, SM>(codes, sm, q, s, first, out);
       }
     };
     for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
@@ -307,7 +328,7 @@ void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
 std::string quant_blocks_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return "avx512vnni";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return "avx2";
 #else
   return "plain";
@@ -317,7 +338,8 @@ std::string quant_blocks_isa() {
 bool quant_blocks_vectorised() { return quant_blocks_isa() != "plain"; }
 
 // codes (out, blocks, block_len) uint8 (< 16 when bits == 4), scales and mins (out, blocks)
-// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16)).
+// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16),
+// fp16 where that holds every value exactly, else fp32).
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits) {
@@ -360,6 +382,10 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
       smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
     }
   }
+  // NOTE: fp16 where every scale and min is an fp16 value (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: d, m,
+  // -8d, -16d, -128d), widened exactly in the kernel: the same fp32 values, half the bytes.
+  const torch::Tensor half = sm.to(torch::kFloat16);
+  if (half.to(torch::kFloat32).equal(sm)) return {packed, half};
   return {packed, sm};
 }
 
@@ -369,9 +395,12 @@ void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& sm, int
 }
 
 // y (rows, out) = x (rows, in) @ W^T on raw pointers (check_quant_blocks checked the shapes).
-void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
-                             const float* sm, int64_t out_features, int64_t block_len,
-                             int64_t bits, float* y, bool force_plain) {
+namespace {
+
+template <typename SM>
+void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                              const SM* sm, int64_t out_features, int64_t block_len,
+                              int64_t bits, float* y, bool force_plain) {
   const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
   const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
   const QuantizedRows q = quantize_activations(x, rows, s.in, block_len);
@@ -390,6 +419,19 @@ void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uin
   });
 }
 
+}  // namespace
+
+void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                             const void* sm, bool half_scales, int64_t out_features,
+                             int64_t block_len, int64_t bits, float* y, bool force_plain) {
+  if (half_scales)
+    quant_block_linear_typed(x, rows, in, codes, static_cast<const c10::Half*>(sm),
+                             out_features, block_len, bits, y, force_plain);
+  else
+    quant_block_linear_typed(x, rows, in, codes, static_cast<const float*>(sm), out_features,
+                             block_len, bits, y, force_plain);
+}
+
 // y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
@@ -400,8 +442,8 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   check_quant_blocks(codes, sm, x.size(1), out_features, block_len, bits);
   auto y = torch::empty({x.size(0), out_features}, x.options());
   quant_block_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), codes.data_ptr<uint8_t>(),
-                          sm.data_ptr<float>(), out_features, block_len, bits,
-                          y.data_ptr<float>(), force_plain);
+                          sm.data_ptr(), sm.scalar_type() == torch::kFloat16, out_features,
+                          block_len, bits, y.data_ptr<float>(), force_plain);
   return y;
 }
 

@@ -241,8 +241,9 @@ class Int8WeightOnlyLinear:
 class GGUFBlockLinear:
     """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
 
-    The blocks (4- or 8-bit unsigned codes, an fp32 scale and min per block of 16 or 32)
-    are packed into panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
+    The blocks (4- or 8-bit unsigned codes, a scale and min per block of 16 or 32: fp16 where
+    they are fp16 values, as GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ones, else fp32) are packed into
+    panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
     x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
     or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
     csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
