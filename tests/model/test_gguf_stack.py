@@ -247,3 +247,22 @@ def test_fp16_scales_where_they_are_fp16_values(ops, qtype, half):
     with pytest.raises(RuntimeError, match="scales_mins must be float32 or float16"):
         ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
                                blocks.block_len, blocks.bits)
+
+
+def test_the_embedded_model_in_blocks_decodes_the_same_through_the_stack(ops):
+    """The real SmolLM2 GGUF (Q4_1 layers, Q8_0 embedding and tied LM head; 9 query heads of
+    64, 3 KV heads, hidden 576) under quantization=gguf: greedy chat answers with the stack
+    equal those of the Python layers, batched."""
+    from slotserve.lab.workload import generate_workload
+    from slotserve.loader import load_model
+
+    loaded = load_model(keep_quantized=True)
+    settings = engine_config(quantization="gguf", max_num_seqs=4, num_blocks=128)
+    with_stack = LLMEngine(settings, loaded.config, loaded.weights, loaded.tokenizer)
+    without = LLMEngine(settings, loaded.config, loaded.weights, loaded.tokenizer,
+                        kernel_set=replace(with_stack.runner.kernels, decode_stack=False))
+    assert with_stack.runner.kernels.gguf_types == ("Q4_1", "Q8_0")
+    assert with_stack.runner.model.decode_stack is not None
+    prompts = generate_workload(4, prompts="chat", seed=1).chat_prompt_ids(loaded.tokenizer)
+
+    assert greedy_tokens(with_stack, prompts, 16) == greedy_tokens(without, prompts, 16)
