@@ -10,6 +10,16 @@ the output tok/s of 64 sequences decoding together. Then, in this process, the t
 greedy agreement of each mode with the fp32-dequantized reference (quantization=none), and
 batch-1 ms per token again with the three engines side by side, one step of each in turn
 (on a busy machine the per-process batch-1 numbers are mostly its stalls).
+
+    .venv/bin/python -m benchmarks.gguf_quant --speed --batches 1 8 --speed-steps 150 \
+        --out benchmarks/results/gguf-stack-zen4.json
+
+`--speed` measures only decode speed, in this one process: GGUF blocks through the decode
+stack, GGUF blocks layer by layer in Python (the stack off: what quantization=gguf ran
+before the stack had a block kind) and bf16 (through the stack), each with `batch`
+sequences decoding; one decode step of each engine in turn, the order rotated every step,
+after warm-up steps (a shared machine's stalls then hit all alike). Output tok/s =
+batch / the median step.
 """
 
 from __future__ import annotations
@@ -27,6 +37,11 @@ import sys
 import time
 
 MODES = {"gguf blocks": "gguf", "bf16": "bf16", "int8": "int8"}
+# --speed: name -> (quantization, decode stack on)
+SPEED_MODES = {"gguf blocks, decode stack": ("gguf", True),
+               "gguf blocks, python layers": ("gguf", False),
+               "bf16, decode stack": ("bf16", True)}
+WARMUP_STEPS = 5
 
 
 def _rss_mib() -> float:
@@ -128,6 +143,89 @@ def interleaved_batch1(steps: int) -> dict:
                    "quartiles": statistics.quantiles(t, n=4)[::2]} for name, t in times.items()}
 
 
+def _speed_engines(seqs: int) -> dict:
+    """One engine per SPEED_MODES entry, the embedded model."""
+    from dataclasses import replace
+
+    from slotserve.config import engine_config
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.loader import load_model
+
+    engines = {}
+    for name, (quantization, stack) in SPEED_MODES.items():
+        loaded = load_model(keep_quantized=quantization == "gguf")
+        config = engine_config(max_num_seqs=seqs, num_blocks=512, quantization=quantization)
+        engine = LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer)
+        if not stack:
+            engine = LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer,
+                               kernel_set=replace(engine.runner.kernels, decode_stack=False))
+        assert (engine.runner.model.decode_stack is not None) == stack, name
+        engines[name] = engine
+    return engines
+
+
+def interleaved_decode(batch: int, steps: int) -> dict:
+    """Decode speed of SPEED_MODES with `batch` sequences decoding: one step of each engine
+    in turn (order rotated each step) after the prefills and WARMUP_STEPS; per mode the
+    median step and its quartiles (ms) and batch / median as output tok/s."""
+    from benchmarks.int8_quality import chat_prompts
+    from slotserve.engine.sizing import set_torch_threads
+    from slotserve.sampling import SamplingParams
+
+    set_torch_threads()
+    engines = _speed_engines(batch)
+    prompts = chat_prompts(next(iter(engines.values())).tokenizer, batch)
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + 4, temperature=0.0,
+                            ignore_eos=True)
+    for engine in engines.values():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", prompt, params)
+        started: set[str] = set()
+        while len(started) < batch:  # the prefills: every sequence has its first token
+            started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+    names = list(engines)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(steps):
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            start = time.perf_counter()
+            outputs = engines[name].step()
+            times[name].append((time.perf_counter() - start) * 1e3)
+            assert len(outputs) == batch, (name, len(outputs))  # all decoding
+    result = {}
+    for name, t in times.items():
+        median = statistics.median(t)
+        result[name] = {"kernels": engines[name].runner.kernels.describe(),
+                        "step_ms_median": median,
+                        "step_ms_quartiles": statistics.quantiles(t, n=4)[::2],
+                        "tok_s": batch * 1e3 / median}
+    return result
+
+
+def speed_report(batches: list[int], steps: int, repeats: int) -> dict:
+    """interleaved_decode at each batch size, `repeats` times (fresh engines each time,
+    batch sizes alternating): every run, and per batch and mode the median tok/s of runs."""
+    report = {"command": " ".join(["python -m benchmarks.gguf_quant", *sys.argv[1:]]),
+              "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+              "model": "the embedded SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding)",
+              "model_file_mib": _model_file_mib(), "steps_each": steps,
+              "warmup_steps": WARMUP_STEPS, "load_average_before": os.getloadavg(),
+              "runs": {str(b): [] for b in batches}}
+    for repeat in range(repeats):
+        for batch in batches:
+            run = interleaved_decode(batch, steps)
+            report["runs"][str(batch)].append(run)
+            print(repeat, batch, json.dumps({n: round(r["tok_s"], 1) for n, r in run.items()}),
+                  flush=True)
+    report["load_average_after"] = os.getloadavg()  # (1, 5, 15 min): the machine is shared
+    report["median_tok_s"] = {
+        batch: {name: statistics.median(run[name]["tok_s"] for run in runs)
+                for name in SPEED_MODES}
+        for batch, runs in report["runs"].items()}
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,11 +236,24 @@ def main() -> None:
     p.add_argument("--agreement-tokens", type=int, default=32)
     p.add_argument("--batch1-steps", type=int, default=96,
                    help="decode steps per mode of the interleaved batch-1 measure")
+    p.add_argument("--speed", action="store_true",
+                   help="only decode speed: gguf (stack, python layers) and bf16, interleaved")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8],
+                   help="--speed: sequences decoding together")
+    p.add_argument("--speed-steps", type=int, default=100, help="--speed: steps per mode")
+    p.add_argument("--speed-repeats", type=int, default=3,
+                   help="--speed: runs per batch size (fresh engines each)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.tokens, args.seqs)))
+        return
+    if args.speed:
+        report = speed_report(args.batches, args.speed_steps, args.speed_repeats)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
         return
     runs: dict[str, list[dict]] = {name: [] for name in MODES}
     names = list(MODES)

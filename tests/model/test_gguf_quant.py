@@ -43,7 +43,7 @@ Q = GGMLQuantizationType
 # gguf-py quantizes these; the K-quants are built from random valid blocks.
 GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 # Byte offsets of the fp16 scales (and mins) inside each type's block.
-_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
 
 
 def raw_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -142,8 +142,8 @@ def test_block_tensor_allows_only_the_loading_operations():
 
 def test_an_unsupported_type_or_a_bad_scale_is_a_clear_error():
     raw = raw_tensor(Q.Q4_0, 4, 64)
-    with pytest.raises(ModelFileError, match=r"'blk.1.attn_q.weight' has type Q2_K"):
-        to_blocks(raw, Q.Q2_K, "blk.1.attn_q.weight", "m.gguf")
+    with pytest.raises(ModelFileError, match=r"'blk.1.attn_q.weight' has type IQ2_XXS"):
+        to_blocks(raw, Q.IQ2_XXS, "blk.1.attn_q.weight", "m.gguf")
     raw[1, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # row 1: block 2 of 8
     with pytest.raises(ModelFileError, match=r"'blk.1.attn_q.weight': block 2 .*non-finite"):
         to_blocks(raw, Q.Q4_0, "blk.1.attn_q.weight", "m.gguf")

@@ -25,7 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
         py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
   m.def("quant_blocks_vectorised", &quant_blocks_vectorised,
-        "whether quant_block_linear runs vectorised (AVX512-VNNI)");
+        "whether quant_block_linear runs vectorised (AVX512-VNNI or AVX2)");
+  m.def("quant_blocks_isa", &quant_blocks_isa,
+        "quant_block_linear's path in this build: avx512vnni, avx2 or plain");
   m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
   m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,
@@ -53,7 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local());
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
-        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0);
+        py::arg("out_features") = -1, py::arg("amx_min_rows") = 0, py::arg("block_len") = 0,
+        py::arg("bits") = 0);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),

@@ -23,6 +23,8 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
   if (kind == Kind::kPlain) return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
   torch::Tensor y = kind == Kind::kPanel      ? panel_linear(x, a, out_features)
                     : kind == Kind::kInt8     ? int8_linear(x, a, b)
+                    : kind == Kind::kQuantBlocks
+                        ? quant_block_linear(x, a, b, out_features, block_len, bits, false)
                     : kind == Kind::kPanelBf16 && amx_min_rows > 0 &&
                             x.size(0) >= amx_min_rows && amx_bf16_usable()
                         ? panel_linear_bf16_amx(x, a, out_features)
@@ -32,21 +34,29 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
-                          int64_t out_features, int64_t amx_min_rows) {
+                          int64_t out_features, int64_t amx_min_rows, int64_t block_len,
+                          int64_t bits) {
   using Kind = LinearWeights::Kind;
   const bool panel = kind == "panel" || kind == "panel_bf16" || kind == "panel_bf16_dot";
-  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8" || panel,
-              "linear kind must be plain, mkl, int8 or panel (or panel_bf16, panel_bf16_dot), got ",
-              kind);
+  const bool blocks = kind == "gguf_blocks";
+  TORCH_CHECK(kind == "plain" || kind == "mkl" || kind == "int8" || panel || blocks,
+              "linear kind must be plain, mkl, int8 or panel (or panel_bf16, panel_bf16_dot, "
+              "gguf_blocks), got ", kind);
   TORCH_CHECK(kind == "plain" || panel || b, kind, " linear needs its second tensor");
-  TORCH_CHECK(!panel || out_features > 0, "panel linear needs out_features");
+  TORCH_CHECK(!(panel || blocks) || out_features > 0, kind, " linear needs out_features");
+  TORCH_CHECK(!blocks || ((block_len == 16 || block_len == 32) && (bits == 4 || bits == 8)),
+              "gguf_blocks linear needs block_len 16 or 32 and bits 4 or 8");
   const Kind parsed = kind == "plain"        ? Kind::kPlain
                       : kind == "mkl"        ? Kind::kMkl
                       : kind == "int8"       ? Kind::kInt8
                       : kind == "panel"      ? Kind::kPanel
                       : kind == "panel_bf16" ? Kind::kPanelBf16
+                      : blocks               ? Kind::kQuantBlocks
                                              : Kind::kPanelBf16Dot;
-  return {parsed, a, b ? *b : torch::Tensor(), bias, out_features, amx_min_rows};
+  LinearWeights weights{parsed, a, b ? *b : torch::Tensor(), bias, out_features, amx_min_rows};
+  weights.block_len = blocks ? block_len : 0;
+  weights.bits = blocks ? bits : 0;
+  return weights;
 }
 
 int64_t LinearWeights::outputs() const {
@@ -65,7 +75,7 @@ void LinearWeights::check_shape(int64_t in, int64_t out) const {
                         : kind == Kind::kMkl   ? b.size(1)
                         : kind == Kind::kInt8  ? a.size(1)
                         : kind == Kind::kPanel ? a.size(1)
-                                               : -1;  // bf16 panels: checked below
+                                               : -1;  // bf16 panels, blocks: checked below
   TORCH_CHECK(takes == -1 || takes == in, "a linear layer takes ", takes, " inputs, not ", in);
   if (kind == Kind::kPanel) {
     check_cpu_float(a, "panels");
@@ -74,7 +84,9 @@ void LinearWeights::check_shape(int64_t in, int64_t out) const {
   }
   if (kind == Kind::kPanelBf16 || kind == Kind::kPanelBf16Dot)
     check_bf16_panels(torch::empty({0, in}), a, out_features);
+  if (kind == Kind::kQuantBlocks) check_quant_blocks(a, b, in, out_features, block_len, bits);
   TORCH_CHECK(kind == Kind::kMkl || kind == Kind::kPlain || kind == Kind::kInt8 ||
+                  kind == Kind::kQuantBlocks ||  // check_quant_blocks: the 16-row panels
                   (out_features > (a.size(0) - 1) * PANEL_WIDTH &&
                    out_features <= a.size(0) * PANEL_WIDTH),
               "out_features does not fit the panels");
@@ -94,6 +106,9 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
     panel_linear_bf16_into(x, rows, in,
                            reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                            a.size(0), outs, y, dot_rows(rows));
+  } else if (kind == Kind::kQuantBlocks) {
+    quant_block_linear_into(x, rows, in, a.data_ptr<uint8_t>(), b.data_ptr(),
+                            b.scalar_type() == torch::kFloat16, outs, block_len, bits, y);
   } else {  // operator() adds the bias
     const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
     std::copy_n(out.data_ptr<float>(), rows * outs, y);

@@ -12,6 +12,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 namespace slotserve::kernels {
@@ -67,12 +68,22 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // quant_blocks.cpp
 bool quant_blocks_vectorised();
+std::string quant_blocks_isa();  // "avx512vnni", "avx2" or "plain" (this build's path)
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits);
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
                                  bool force_plain);
+// Throws unless codes and scales_mins are pack_quant_blocks' for (out, in) weights in blocks
+// of block_len with `bits`-bit codes.
+void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_mins,
+                        int64_t in, int64_t out_features, int64_t block_len, int64_t bits);
+// scales_mins: fp16 (half_scales) or fp32, as pack_quant_blocks chose.
+void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                             const void* scales_mins, bool half_scales, int64_t out_features,
+                             int64_t block_len, int64_t bits, float* y,
+                             bool force_plain = false);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

@@ -1,7 +1,7 @@
 // ---- GGUF weights kept as blocks of small unsigned integers x int8 activations --------
 // Every GGUF block format the loader keeps (loader/gguf_blocks.py) is re-packed to one form:
 // for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
-// an fp32 scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
+// a scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
 // m = -8 d; Q4_K: d = d * sc, m = -dmin * mn; ...). Codes of 4 bits (Q4_0, Q4_1, Q4_K) stay
 // 4 bits, two per byte; the others take a byte.
 //
@@ -16,17 +16,21 @@
 // panel, block b is B / 4 steps of 64 bytes, step k holding row j's codes 4k..4k+3 at bytes
 // 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles). One vpdpbusd per
 // step adds 4 products to each of the 16 rows' lanes, with one broadcast of 4 activations:
-// the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 floats each per
-// block. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
+// the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 each per block,
+// fp16 where every value of the tensor is one (the legacy types' d, m, -8d, -16d, -128d:
+// GGUF's own fp16 scales, widened exactly), else fp32 (the K-quants' d * sc). Rows of a
+// tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
-// the tile or batch it is in; the plain-loop fallback does the same float operations (fma,
-// mul) in the same order, so both give the same bits.
+// the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
+// the plain-loop fallback get the same exact integer sums and do the same float operations
+// (fma, mul) in the same order, so all three give the same bits.
 
 #include "common.h"
 #include "ops.h"
 
 #include <cfloat>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -49,7 +53,9 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
-  check_cpu_float(sm, "scales_mins");
+  TORCH_CHECK(sm.device().is_cpu() && (sm.scalar_type() == torch::kFloat32 ||
+                                        sm.scalar_type() == torch::kFloat16),
+              "scales_mins must be float32 or float16 on the CPU");
   QuantBlockShape s{in, codes.size(1), block_len, bits, codes.size(0), out_features};
   TORCH_CHECK(s.blocks * block_len == in, "the blocks cover ", s.blocks * block_len,
               " inputs, not ", in);
@@ -99,6 +105,20 @@ QuantizedRows quantize_activations(const float* x, int64_t rows, int64_t in, int
   return q;
 }
 
+// 16 (8) block scales or mins as fp32: stored fp32, or fp16 (widened exactly).
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 // The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int BITS>
@@ -114,8 +134,8 @@ inline __m512i load_step(const uint8_t* block, int64_t k) {
 }
 
 // Rows t0..t0+N of y over one panel, vectorised.
-template <int N, int BITS>
-void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <int N, int BITS, typename SM>
+void panel_rows_vnni(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m512 acc[N];
   for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
@@ -133,8 +153,8 @@ void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows&
         dots[t] = _mm512_dpbusd_epi32(dots[t], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 d = _mm512_loadu_ps(sm + b * 2 * QB_ROWS);
-    const __m512 m = _mm512_loadu_ps(sm + b * 2 * QB_ROWS + QB_ROWS);
+    const __m512 d = load16(sm + b * 2 * QB_ROWS);
+    const __m512 m = load16(sm + b * 2 * QB_ROWS + QB_ROWS);
     for (int t = 0; t < N; ++t) {
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]), d,
@@ -144,10 +164,88 @@ void panel_rows_vnni(const uint8_t* codes, const float* sm, const QuantizedRows&
   }
   for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc_out + t * QB_ROWS, acc[t]);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI): the
+// codes of a step widened to int16 and multiplied by the activations (int16) with
+// vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 127; no vpmaddubsw: its
+// int16 sums saturate for 8-bit codes). A step's 64 bytes are 4 groups of 4 rows; each
+// group's int32 lanes hold 2 partial sums per row, added pairwise at the block's end
+// (vphaddd, then lanes put back in row order). NOTE: the integer sums are exact, so they
+// equal VNNI's; the block's float operations are the same as panel_rows_vnni's, per lane,
+// in the same order: the same bits.
+constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
+
+template <int BITS>
+inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
+  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
+  if constexpr (BITS == 4) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    if (k & 1) {
+      lo = _mm256_srli_epi16(lo, 4);
+      hi = _mm256_srli_epi16(hi, 4);
+    }
+    lo = _mm256_and_si256(lo, mask);
+    hi = _mm256_and_si256(hi, mask);
+  }
+  w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // rows 0-3, 4 codes each
+  w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));  // rows 4-7
+  w[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));  // rows 8-11
+  w[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));  // rows 12-15
+}
+
+// Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2), AVX2.
+template <int N, int BITS, typename SM>
+void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
+                     const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
+  __m256 acc[N][2];
+  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  const int64_t steps = s.block_len / 4;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const uint8_t* block = codes + b * s.block_bytes();
+    __builtin_prefetch(block + 4 * s.block_bytes());
+    __m256i dots[N][4];
+    for (int t = 0; t < N; ++t)
+      for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < steps; ++k) {
+      __m256i w[4];
+      load_step_avx2<BITS>(block, k, w);
+      for (int t = 0; t < N; ++t) {
+        int32_t four;
+        std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
+        // the 4 activations as int16, once per row of codes: (a0 a1 a2 a3) x 4
+        const __m256i a = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+        for (int g = 0; g < 4; ++g)
+          dots[t][g] = _mm256_add_epi32(dots[t][g], _mm256_madd_epi16(w[g], a));
+      }
+    }
+    const SM* smb = sm + b * 2 * QB_ROWS;
+    for (int t = 0; t < N; ++t) {
+      const int64_t at = (t0 + t) * s.blocks + b;
+      const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
+        // vphaddd within 128-bit lanes gives rows (0 1 4 5 2 3 6 7) of the 8
+        const __m256i rows = _mm256_permutevar8x32_epi32(
+            _mm256_hadd_epi32(dots[t][2 * h], dots[t][2 * h + 1]), row_order);
+        const __m256 d = load8(smb + 8 * h);
+        const __m256 m = load8(smb + QB_ROWS + 8 * h);
+        const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, _mm256_mul_ps(m, sum));
+        acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < N; ++t) {
+    _mm256_storeu_ps(acc_out + t * QB_ROWS, acc[t][0]);
+    _mm256_storeu_ps(acc_out + t * QB_ROWS + 8, acc[t][1]);
+  }
+}
 #endif
 
 // The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
-void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <typename SM>
+void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                       const QuantBlockShape& s, int64_t t0, int64_t n, float* acc_out) {
   for (int64_t t = 0; t < n; ++t) {
     float acc[QB_ROWS] = {};
@@ -170,7 +268,8 @@ void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows
       }
       const int64_t at = (t0 + t) * s.blocks + b;
       for (int64_t j = 0; j < QB_ROWS; ++j) {
-        const float d = sm[b * 2 * QB_ROWS + j], m = sm[b * 2 * QB_ROWS + QB_ROWS + j];
+        const float d = float(sm[b * 2 * QB_ROWS + j]);
+        const float m = float(sm[b * 2 * QB_ROWS + QB_ROWS + j]);
         const float part = std::fma(float(dots[j]), d, m * q.sum[at]);
         acc[j] = std::fma(part, q.scale[at], acc[j]);
       }
@@ -179,25 +278,45 @@ void panel_rows_plain(const uint8_t* codes, const float* sm, const QuantizedRows
   }
 }
 
-void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
+template <typename SM>
+void panel_rows(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
                 const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (!plain) {
     auto run = [&](auto bits) {
       constexpr int B = decltype(bits)::value;
       switch (n) {
-        case 8: return panel_rows_vnni<8, B>(codes, sm, q, s, t0, acc_out);
-        case 7: return panel_rows_vnni<7, B>(codes, sm, q, s, t0, acc_out);
-        case 6: return panel_rows_vnni<6, B>(codes, sm, q, s, t0, acc_out);
-        case 5: return panel_rows_vnni<5, B>(codes, sm, q, s, t0, acc_out);
-        case 4: return panel_rows_vnni<4, B>(codes, sm, q, s, t0, acc_out);
-        case 3: return panel_rows_vnni<3, B>(codes, sm, q, s, t0, acc_out);
-        case 2: return panel_rows_vnni<2, B>(codes, sm, q, s, t0, acc_out);
-        default: return panel_rows_vnni<1, B>(codes, sm, q, s, t0, acc_out);
+        case 8: return panel_rows_vnni<8, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 7: return panel_rows_vnni<7, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 6: return panel_rows_vnni<6, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 5: return panel_rows_vnni<5, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 4: return panel_rows_vnni<4, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 3: return panel_rows_vnni<3, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 2: return panel_rows_vnni<2, B, SM>(codes, sm, q, s, t0, acc_out);
+        default: return panel_rows_vnni<1, B, SM>(codes, sm, q, s, t0, acc_out);
       }
     };
     if (s.bits == 8) run(std::integral_constant<int, 8>());
     else run(std::integral_constant<int, 4>());
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (!plain) {
+    auto run = [&](auto bits, int64_t first, int64_t rows, float* out) {
+      constexpr int B = decltype(bits)::value;
+      switch (rows) {
+        case 4: return panel_rows_avx2<4, B, SM>(codes, sm, q, s, first, out);
+        case 3: return panel_rows_avx2<3, B, SM>(codes, sm, q, s, first, out);
+        case 2: return panel_rows_avx2<2, B, SM>(codes, sm, q, s, first, out);
+        default: return panel_rows_avx2<1, B, SM>(codes, sm, q, s, first, out);
+      }
+    };
+    for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
+      const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
+      if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows,
+                           acc_out + done * QB_ROWS);
+      else run(std::integral_constant<int, 4>(), t0 + done, rows, acc_out + done * QB_ROWS);
+    }
     return;
   }
 #endif
@@ -206,16 +325,21 @@ void panel_rows(const uint8_t* codes, const float* sm, const QuantizedRows& q,
 
 }  // namespace
 
-bool quant_blocks_vectorised() {
+std::string quant_blocks_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return true;
+  return "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
 #else
-  return false;
+  return "plain";
 #endif
 }
 
+bool quant_blocks_vectorised() { return quant_blocks_isa() != "plain"; }
+
 // codes (out, blocks, block_len) uint8 (< 16 when bits == 4), scales and mins (out, blocks)
-// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16)).
+// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16),
+// fp16 where that holds every value exactly, else fp32).
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits) {
@@ -258,7 +382,54 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
       smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
     }
   }
+  // NOTE: fp16 where every scale and min is an fp16 value (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: d, m,
+  // -8d, -16d, -128d), widened exactly in the kernel: the same fp32 values, half the bytes.
+  const torch::Tensor half = sm.to(torch::kFloat16);
+  if (half.to(torch::kFloat32).equal(sm)) return {packed, half};
   return {packed, sm};
+}
+
+void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
+                        int64_t out_features, int64_t block_len, int64_t bits) {
+  shape_of(codes, sm, in, out_features, block_len, bits);
+}
+
+// y (rows, out) = x (rows, in) @ W^T on raw pointers (check_quant_blocks checked the shapes).
+namespace {
+
+template <typename SM>
+void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                              const SM* sm, int64_t out_features, int64_t block_len,
+                              int64_t bits, float* y, bool force_plain) {
+  const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
+  const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
+  const QuantizedRows q = quantize_activations(x, rows, s.in, block_len);
+  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+    float lanes[QB_TILE * QB_ROWS];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
+      for (int64_t t0 = 0; t0 < rows; t0 += QB_TILE) {
+        const int64_t n = std::min<int64_t>(QB_TILE, rows - t0);
+        panel_rows(codes + p * s.blocks * s.block_bytes(), sm + p * s.blocks * 2 * QB_ROWS, q,
+                   s, t0, n, force_plain, lanes);
+        for (int64_t t = 0; t < n; ++t)
+          std::copy_n(lanes + t * QB_ROWS, width, y + (t0 + t) * out_features + first);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
+                             const void* sm, bool half_scales, int64_t out_features,
+                             int64_t block_len, int64_t bits, float* y, bool force_plain) {
+  if (half_scales)
+    quant_block_linear_typed(x, rows, in, codes, static_cast<const c10::Half*>(sm),
+                             out_features, block_len, bits, y, force_plain);
+  else
+    quant_block_linear_typed(x, rows, in, codes, static_cast<const float*>(sm), out_features,
+                             block_len, bits, y, force_plain);
 }
 
 // y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
@@ -268,26 +439,11 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be (T, in)");
   x = x.contiguous();
-  const QuantBlockShape s = shape_of(codes, sm, x.size(1), out_features, block_len, bits);
-  const int64_t tokens = x.size(0);
-  const QuantizedRows q = quantize_activations(x.data_ptr<float>(), tokens, s.in, block_len);
-  auto y = torch::empty({tokens, out_features}, x.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* smp = sm.data_ptr<float>();
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
-    float lanes[QB_TILE * QB_ROWS];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
-      for (int64_t t0 = 0; t0 < tokens; t0 += QB_TILE) {
-        const int64_t n = std::min<int64_t>(QB_TILE, tokens - t0);
-        panel_rows(cp + p * s.blocks * s.block_bytes(), smp + p * s.blocks * 2 * QB_ROWS, q, s,
-                   t0, n, force_plain, lanes);
-        for (int64_t t = 0; t < n; ++t)
-          std::copy_n(lanes + t * QB_ROWS, width, yp + (t0 + t) * out_features + first);
-      }
-    }
-  });
+  check_quant_blocks(codes, sm, x.size(1), out_features, block_len, bits);
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  quant_block_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), codes.data_ptr<uint8_t>(),
+                          sm.data_ptr(), sm.scalar_type() == torch::kFloat16, out_features,
+                          block_len, bits, y.data_ptr<float>(), force_plain);
   return y;
 }
 

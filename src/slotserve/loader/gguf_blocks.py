@@ -1,8 +1,8 @@
 """GGUF linear weights kept quantized: each block format as unsigned codes, scales and mins.
 
-`to_blocks(tensor)` turns a GGUF tensor's raw blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K) into one form, `BlockWeights`: per output row, blocks of `block_len` unsigned
-codes u (uint8) with an fp32 scale d and min m per block, such that
+`to_blocks(tensor)` turns a GGUF tensor's raw blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K) into one form, `BlockWeights`: per output row, blocks of `block_len`
+unsigned codes u (uint8) with an fp32 scale d and min m per block, such that
 
     w = d * u + m
 
@@ -15,13 +15,19 @@ reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
 | Q5_0 | 32 | 5-bit q | d | -16 d | 8 |
 | Q5_1 | 32 | 5-bit q | d | m | 8 |
 | Q8_0 | 32 | q + 128 | d | -128 d | 8 |
+| Q2_K | 16 (sub-block) | 2-bit q | d * sc | -dmin * mn | 4 |
+| Q3_K | 16 (sub-block) | 3-bit q + 4 | d * (sc - 32) | -4 d * (sc - 32) | 4 |
 | Q4_K | 32 (sub-block) | 4-bit q | d * sc | -dmin * mn | 4 |
 | Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 8 |
 | Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 8 |
 
 The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
-takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: 4-bit codes 0.5 + 8 / 32
-(scale and min) = 0.75; 8-bit codes, blocks of 32: 1.25; blocks of 16 (Q6_K): 1.5.
+takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: the codes (4-bit: 0.5,
+else 1) and a scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the K-quants'
+d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the file),
+Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes in
+4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2).
 
 `GGUFBlockTensor` carries BlockWeights through the model's weight loading
 (`LlamaForCausalLM.load_hf_weights`) without ever making fp32 values of a linear layer.
@@ -40,18 +46,21 @@ from slotserve.loader.validation import ModelFileError
 Q = GGMLQuantizationType
 QK_K = 256
 
-# type -> (block_len, bits the codes are kept in)
-BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int]] = {
-    Q.Q4_0: (32, 4), Q.Q4_1: (32, 4), Q.Q5_0: (32, 8), Q.Q5_1: (32, 8), Q.Q8_0: (32, 8),
-    Q.Q4_K: (32, 4), Q.Q5_K: (32, 8), Q.Q6_K: (16, 8),
+# type -> (block_len, bits the codes are kept in, bytes of a block's scale (and of its min):
+# 2 where they are fp16 values, csrc/quant_blocks.cpp's pack_quant_blocks keeps them so)
+BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int, int]] = {
+    Q.Q4_0: (32, 4, 2), Q.Q4_1: (32, 4, 2), Q.Q5_0: (32, 8, 2), Q.Q5_1: (32, 8, 2),
+    Q.Q8_0: (32, 8, 2), Q.Q2_K: (16, 4, 4), Q.Q3_K: (16, 4, 4), Q.Q4_K: (32, 4, 4),
+    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4),
 }
 # Tensor types kept as they are today (float): never converted to blocks.
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
-def bytes_per_weight(block_len: int, bits: int) -> float:
-    """Memory per weight of the packed blocks: the codes and an fp32 scale and min per block."""
-    return bits / 8 + 8 / block_len
+def bytes_per_weight(block_len: int, bits: int, scale_bytes: int = 4) -> float:
+    """Memory per weight of the packed blocks: the codes and a scale and min per block, of
+    `scale_bytes` each (4: fp32, 2: fp16)."""
+    return bits / 8 + 2 * scale_bytes / block_len
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,9 @@ class BlockWeights:
 
     @property
     def bytes_per_weight(self) -> float:
-        return bytes_per_weight(self.block_len, self.bits)
+        """Packed (GGUFBlockLinear): fp16 scales where every type's are fp16 values."""
+        scale_bytes = max(BLOCK_FORMATS[Q[t]][2] for t in self.types)
+        return bytes_per_weight(self.block_len, self.bits, scale_bytes)
 
     def unpacked_codes(self) -> torch.Tensor:
         """uint8 (rows, blocks, L): one code a byte whatever `bits`."""
@@ -170,6 +181,37 @@ def _q8_0(raw):
     return raw[:, 2:] ^ np.uint8(0x80), d, -128.0 * d  # q + 128 as the byte's bits
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit values -> (n, 256): per 32 bytes, bits 0-1 of each,
+    then bits 2-3, 4-5, 6-7 (gguf-py's order)."""
+    n = qs.shape[0]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, QK_K)
+
+
+def _q2_k(raw):
+    sc = raw[:, :16]  # per sub-block of 16: scale (low nibble) and min (high nibble)
+    d, dmin = _f16(raw, 80), _f16(raw, 82)
+    scale = d * (sc & 0x0F).astype(np.float32)
+    return _crumbs(raw[:, 16:80]), scale, -(dmin * (sc >> 4).astype(np.float32))
+
+
+def _q3_k(raw):
+    n = raw.shape[0]
+    hmask, qs, packed = raw[:, :32], raw[:, 32:96], raw[:, 96:108]
+    d = _f16(raw, 108)
+    # 16 6-bit scales: low nibbles in bytes 0-7 (then their high nibbles), 2 high bits each
+    # in bytes 8-11 (gguf-py's dequantize, ggml's dequantize_row_q3_K)
+    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1))
+    high = (packed[:, 8:].reshape(n, 1, 4)
+            >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1))
+    sc = (low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
+    scale = d * (sc.astype(np.float32) - 32.0)
+    bit = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    # q = low bits - 4 unless the high bit is set: u = q + 4 = low bits + 4 * bit
+    return _crumbs(qs) | (bit.reshape(n, QK_K) << 2), scale, -4.0 * scale
+
+
 def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> (n, 8) each (ggml's get_scale_min_k4)."""
     n = scales.shape[0]
@@ -215,7 +257,7 @@ def _q6_k(raw):
 
 
 _CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-            Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
 
 
 def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
@@ -232,7 +274,7 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
                                    "use --quantization bf16, int8 or none to dequantize it")
     from gguf import GGML_QUANT_SIZES
 
-    block_len, bits = BLOCK_FORMATS[qtype]
+    block_len, bits, _ = BLOCK_FORMATS[qtype]
     type_block, type_size = GGML_QUANT_SIZES[qtype]
     if data.ndim != 2:
         raise ModelFileError(path, f"tensor {name!r}: a linear weight must be 2-D")

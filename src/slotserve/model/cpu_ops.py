@@ -25,8 +25,13 @@ The module's functions, all fp32 on the CPU:
   (quantization="bf16"); panel_bf16_vectorised() -> (fp32-activation mode, bf16-activation
   mode) vectorised here; panel_linear_bf16_amx(x, panels, out) on AMX tiles (x rounded to
   bf16) where amx_bf16_usable(); set_force_plain_loops(bool): tests run the fallbacks
+- pack_quant_blocks(codes, scales, mins, bits) -> (packed codes, scales_mins: fp16 where
+  every value is one, else fp32); quant_block_linear(x, codes, scales_mins, out, block_len,
+  bits) -> (T, out): GGUF blocks x int8 activations (linear_kernels.GGUFBlockLinear);
+  quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
-  call, the GIL released; built by LlamaForCausalLM.build_decode_stack
+  call, the GIL released; built by LlamaForCausalLM.build_decode_stack; its linears
+  (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included
 """
 
 from __future__ import annotations

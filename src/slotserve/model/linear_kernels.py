@@ -241,11 +241,14 @@ class Int8WeightOnlyLinear:
 class GGUFBlockLinear:
     """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
 
-    The blocks (4- or 8-bit unsigned codes, an fp32 scale and min per block of 16 or 32)
-    are packed into panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
-    x per row and block to int8 and sums the products in integers (AVX512-VNNI,
+    The blocks (4- or 8-bit unsigned codes, a scale and min per block of 16 or 32: fp16 where
+    they are fp16 values, as GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ones, else fp32) are packed into
+    panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
+    x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
+    or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
     csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
-    on its batch. The decode stack has no such kind yet: its model runs decodes per layer.
+    on its batch, nor on the path. The decode stack runs the same kernel (its `gguf_blocks`
+    kind).
     """
 
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
@@ -262,11 +265,14 @@ class GGUFBlockLinear:
         return y if self.bias is None else y.add_(self.bias)
 
     def cpp_weights(self, ops):
-        raise ValueError("the C++ decode stack has no GGUF block kind: decodes run per layer")
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.linear_weights("gguf_blocks", self.codes, self.scales_mins, self.bias,
+                                  self.out_features, block_len=self.block_len, bits=self.bits)
 
 
 def gguf_block_kernel_available(ops) -> bool:
-    """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI)."""
+    """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI, or AVX2: the build's
+    path is `ops.quant_blocks_isa()`)."""
     return ops is not None and hasattr(ops, "quant_block_linear") and ops.quant_blocks_vectorised()
 
 
