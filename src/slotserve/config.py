@@ -476,9 +476,9 @@ class EngineConfig:
         reference the tests compare against; bf16: weights stored in bfloat16, activations,
         norms, attention and KV cache fp32 (CPU; NOTE: not dtype=bfloat16, which runs the
         whole model in bf16); int8: int8 weight-only linear layers on the CPU; gguf: a GGUF's
-        quantized linear weights in the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
-        Q6_K, int8 activations, AVX512-VNNI; no fp32 copy of the model; a file with another
-        quantized type is dequantized, with a warning). Greedy agreement with fp32 in
+        quantized linear weights in the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/
+        Q4_K/Q5_K/Q6_K, int8 activations, AVX512-VNNI or AVX2; no fp32 copy of the model; a
+        file with another quantized type is dequantized, with a warning). Greedy agreement with fp32 in
         benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
