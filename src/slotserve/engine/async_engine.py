@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -72,6 +73,21 @@ class EngineClosedError(RuntimeError):
 
 class EngineDeadError(EngineClosedError):
     """The engine loop stopped after a fault it could not recover from (HTTP 503)."""
+
+
+def freeze_heap() -> None:
+    """Collect, then freeze every object alive now (the model, the tokenizer, torch's and
+    the libraries' own) out of the garbage collector's sight, as vLLM does after start-up.
+
+    NOTE: a collection of the oldest generation scans every tracked object; with the
+    start-up heap in it (~190k objects with a tiny model and SmolLM2's tokenizer) one took
+    130-160 ms on this 2-core CPU and came once in ~100 steps at 256 sequences: a step
+    200 ms long, a TPOT p99. Frozen, it scanned what serving allocated: ~1 ms. Objects
+    frozen are still freed when their last reference goes; only a cycle among them that
+    becomes garbage later is never collected (start-up objects live as long as the server).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -197,6 +213,7 @@ class AsyncEngine:
         engine thread ran made every step 1.6-1.8x slower (13.6 -> 22.3 ms at batch 1, 31
         -> 56 ms at 32). Loading the weights is such an op, so the server builds the engine
         here rather than in its main thread.
+        NOTE: once built, what is alive is frozen for the garbage collector (`freeze_heap`).
         """
         built: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -207,6 +224,7 @@ class AsyncEngine:
                 built.put(exc)
                 return
             async_engine._thread = threading.current_thread()
+            freeze_heap()
             built.put(async_engine)
             async_engine._run()
 
