@@ -18,6 +18,11 @@ same round (client_gap_over_in_process: what the server costs a token, contentio
 the forward on a small machine included), and the CPU time the server's event-loop thread
 and engine thread spent per token (loop_cpu_ms_per_token: the SSE/HTTP work per token).
 
+The garbage collector: in process, its pauses during the timed steps (total per step and
+the longest; a collection of the oldest generation scans the whole start-up heap unless it
+was frozen: --freeze-gc freezes it after the warm-up, as the server's AsyncEngine.launch
+does since it has `freeze_heap`).
+
 The tiny model's forward is small on purpose, so the host work shows. Each measurement runs
 in its own child process; with --baseline-src the two trees alternate round by round (so a
 machine shared with other work loads both alike): compare the medians, not one run's tok/s.
@@ -26,6 +31,7 @@ machine shared with other work loads both alike): compare the medians, not one r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -74,8 +80,10 @@ def prompts(count: int, length: int = 32) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------- in process
-def engine_steps(batch: int, steps: int, model: str = "tiny") -> dict:
-    """Median wall, forward and host (wall - forward) milliseconds of a decode step."""
+def engine_steps(batch: int, steps: int, model: str = "tiny", freeze_gc: bool = False) -> dict:
+    """Median wall, forward and host (wall - forward) milliseconds of a decode step; the
+    longest step and the garbage collector's pauses. freeze_gc: freeze the heap after the
+    warm-up as `AsyncEngine.launch` does (if this tree's does: the server's path)."""
     from slotserve.sampling import SamplingParams
 
     engine = ENGINES[model](batch)
@@ -89,6 +97,11 @@ def engine_steps(batch: int, steps: int, model: str = "tiny") -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
+    if freeze_gc:
+        from slotserve.engine import async_engine
+
+        if hasattr(async_engine, "freeze_heap"):
+            async_engine.freeze_heap()
     forward: list[float] = []
     execute = engine.runner.execute
 
@@ -101,16 +114,42 @@ def engine_steps(batch: int, steps: int, model: str = "tiny") -> dict:
 
     engine.runner.execute = timed
     walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        outputs = engine.step()
-        walls.append(time.perf_counter() - start)
-        assert len(outputs) == batch
+    with GCPauses() as pauses:
+        for _ in range(steps):
+            start = time.perf_counter()
+            outputs = engine.step()
+            walls.append(time.perf_counter() - start)
+            assert len(outputs) == batch
     host = [w - f for w, f in zip(walls, forward, strict=True)]
     return {"batch": batch, "steps": steps, "wall_ms": 1e3 * statistics.median(walls),
             "forward_ms": 1e3 * statistics.median(forward),
             "host_ms": 1e3 * statistics.median(host),
-            "host_us_per_seq": 1e6 * statistics.median(host) / batch}
+            "host_us_per_seq": 1e6 * statistics.median(host) / batch,
+            "wall_max_ms": 1e3 * max(walls), "gc_ms_per_step": pauses.total_ms / steps,
+            "gc_max_pause_ms": pauses.max_ms}
+
+
+class GCPauses:
+    """The garbage collector's pauses while the block runs (gc.callbacks): total, longest."""
+
+    def __init__(self) -> None:
+        self.total_ms = self.max_ms = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = 1e3 * (time.perf_counter() - self._start)
+        self.total_ms += pause
+        self.max_ms = max(self.max_ms, pause)
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 # --------------------------------------------------------------------------- the server
@@ -125,20 +164,24 @@ def serve(port_file: str, model: str = "tiny") -> None:
     from slotserve.engine.async_engine import AsyncEngine
     from slotserve.server.api import build_app
 
-    engine = ENGINES[model](2)  # NOTE: as engine_steps' batch 1 (slots max(batch, 2))
     step_ms: list[float] = []
-    step = engine.step
 
-    def timed_step():
-        start = time.perf_counter()
-        outputs = step()
-        if outputs:
-            step_ms.append(1e3 * (time.perf_counter() - start))
-        return outputs
+    def build():
+        engine = ENGINES[model](2)  # NOTE: as engine_steps' batch 1 (slots max(batch, 2))
+        step = engine.step
 
-    engine.step = timed_step
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
+        def timed_step():
+            start = time.perf_counter()
+            outputs = step()
+            if outputs:
+                step_ms.append(1e3 * (time.perf_counter() - start))
+            return outputs
+
+        engine.step = timed_step
+        return engine
+
+    # NOTE: built in the engine thread, as `slotserve serve` does (AsyncEngine.launch)
+    async_engine = AsyncEngine.launch(build)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -232,15 +275,18 @@ def _env(src: Path) -> dict:
     return env
 
 
-def engine_round(src: Path, batches: list[int], steps: int, model: str) -> list[dict]:
+def engine_round(src: Path, batches: list[int], steps: int, model: str,
+                 freeze_gc: bool) -> list[dict]:
     """One child process measuring every batch with the slotserve of `src`."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--engine-child",
                           "--batches", *map(str, batches), "--steps", str(steps),
-                          "--model", model],
+                          "--model", model, *(["--freeze-gc"] if freeze_gc else [])],
                          cwd=REPO, env=_env(src), check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+ENGINE_FIGURES = ("wall_ms", "forward_ms", "host_ms", "host_us_per_seq", "wall_max_ms",
+                  "gc_ms_per_step", "gc_max_pause_ms")
 SERVER_FIGURES = ("client_gap_ms", "client_gap_mean_ms", "engine_step_ms", "server_overhead_ms",
                   "loop_cpu_ms_per_token", "engine_cpu_ms_per_token", "in_process_step_ms",
                   "client_gap_over_in_process")
@@ -263,8 +309,7 @@ def summarise(rounds: list[dict]) -> dict:
         for row in r["engine"]:
             engine.setdefault(row["batch"], []).append(row)
     summary = {"engine": [{"batch": b, **{k: statistics.median(x[k] for x in rows)
-                                          for k in ("wall_ms", "forward_ms", "host_ms",
-                                                    "host_us_per_seq")}}
+                                          for k in ENGINE_FIGURES if k in rows[0]}}
                           for b, rows in sorted(engine.items())]}
     servers = [r["server"] for r in rounds if r.get("server")]
     if servers:
@@ -285,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=sorted(ENGINES), default="tiny",
                         help="tiny: a random 2-layer model (the host work shows); embedded: "
                              "SmolLM2-135M with the engine's defaults (batch 1 is the issue's)")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="in process too, freeze the heap after the warm-up as the "
+                             "server does (where the tree's AsyncEngine.launch does)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
@@ -292,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         return serve(args.serve, args.model)
     if args.engine_child:
-        print(json.dumps([engine_steps(b, args.steps, args.model) for b in args.batches]))
+        print(json.dumps([engine_steps(b, args.steps, args.model, args.freeze_gc)
+                          for b in args.batches]))
         return None
     trees = {"this": REPO / "src"}
     if args.baseline_src is not None:
@@ -300,17 +349,19 @@ def main(argv: list[str] | None = None) -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     for index in range(args.rounds):
         for name, src in trees.items():  # NOTE: interleaved: each round runs every tree
-            row = {"engine": engine_round(src, args.batches, args.steps, args.model)}
+            row = {"engine": engine_round(src, args.batches, args.steps, args.model,
+                                          args.freeze_gc)}
             if not args.no_server:
                 row["server"] = with_in_process(server_tokens(src, args.tokens, args.model),
                                                 row["engine"])
             rounds[name].append(row)
             print(f"round {index} {name}: " + ", ".join(
-                f"b{r['batch']} host {r['host_ms']:.3f} ms" for r in row["engine"])
+                f"b{r['batch']} host {r['host_ms']:.3f} ms (gc max {r['gc_max_pause_ms']:.1f})"
+                for r in row["engine"])
                 + (f"; server loop {row['server']['loop_cpu_ms_per_token']:.3f} ms CPU/token"
                    if "server" in row else ""), flush=True)
     result = {"settings": {k: v for k, v in vars(args).items()
-                           if k in ("batches", "steps", "tokens", "rounds", "model")},
+                           if k in ("batches", "steps", "tokens", "rounds", "model", "freeze_gc")},
               "cpu": _cpu_name(), "load_avg": os.getloadavg(),
               "trees": {name: {"summary": summarise(r), "rounds": r}
                         for name, r in rounds.items()}}
