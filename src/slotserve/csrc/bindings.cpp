@@ -61,7 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),
            py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("window") = 0)
+           py::arg("down"), py::arg("window") = 0, py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("set_lookup_tables", &DecodeStack::set_lookup_tables)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "all decoder layers and the final norm of an all-decode iteration");

@@ -124,7 +124,8 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
 void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                             const LinearWeights& qkv, const LinearWeights& o,
                             const LinearWeights& gate_up, const LinearWeights& down,
-                            int64_t window) {
+                            int64_t window, c10::optional<torch::Tensor> q_norm,
+                            c10::optional<torch::Tensor> k_norm) {
   const int64_t hidden = final_norm_.numel(), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   for (const torch::Tensor* norm : {&final_norm_, &input_norm, &post_attention_norm}) {
@@ -143,9 +144,17 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
   TORCH_CHECK(layers_.empty() || gate_up.outputs() == layers_[0].gate_up.outputs(),
               "every layer has the same intermediate size");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
+  for (const auto* norm : {&q_norm, &k_norm}) {
+    if (!norm->has_value()) continue;
+    check_cpu_float(**norm, "q/k norm weight");
+    TORCH_CHECK((*norm)->is_contiguous() && (*norm)->numel() == head_dim_,
+                "q_norm and k_norm weights must be (head_dim,), contiguous");
+  }
   const bool all_windowed = layers_.empty() || read_window_ > 0;
   read_window_ = all_windowed && window > 0 ? std::max(read_window_, window) : 0;
-  layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down, window});
+  layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down, window,
+                     q_norm ? *q_norm : torch::Tensor(), k_norm ? *k_norm : torch::Tensor()});
 }
 
 void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
@@ -203,6 +212,20 @@ StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
   check_block_tables(in.tables, in.lens, first.num_blocks, first.block_size, read_window);
   check_indices(in.slots, first.num_blocks * first.block_size, "slot");
   return in;
+}
+
+// Qwen3's q/k norms: each token's q heads (nh rows of hd at the start of its qkv row) and
+// k heads (the nkv rows after them) normalized in place. NOTE: rms_norm_rows row by row, as
+// the Python layer's ops.rms_norm over the (T * n, hd) heads: the same bits.
+void norm_heads_rows(float* qkv, int64_t tokens, int64_t token_stride, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, const float* q_norm,
+                     const float* k_norm, double eps) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* q = qkv + t * token_stride;
+    float* k = q + num_heads * head_dim;
+    rms_norm_rows(q, q_norm, q, num_heads, head_dim, eps);
+    rms_norm_rows(k, k_norm, k, num_kv_heads, head_dim, eps);
+  }
 }
 
 // rows[i] of table (row width `width`) for each index i -> out (n, width).
@@ -263,6 +286,9 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
       add_rms_norm_rows(residual, mlp_out, layer.input_norm.data_ptr<float>(), h, D, hidden,
                         eps_);
     layer.qkv.into(h, D, hidden, qkv);
+    if (layer.q_norm.defined())
+      norm_heads_rows(qkv, D, qkv_size, num_heads_, num_kv_heads_, head_dim_,
+                      layer.q_norm.data_ptr<float>(), layer.k_norm.data_ptr<float>(), eps_);
     // q and k heads side by side at the start of each qkv row: rotated in place
     rotary_rows(qkv, D, num_heads_ + num_kv_heads_, half, qkv_size, head_dim_, cos_rows,
                 sin_rows);

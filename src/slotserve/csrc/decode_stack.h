@@ -52,6 +52,9 @@ struct DecoderLayerWeights {
   torch::Tensor input_norm, post_attention_norm;  // (H,)
   LinearWeights qkv, o, gate_up, down;
   int64_t window;  // attention's sliding window (the last `window` positions), 0: full
+  // Qwen3 / Gemma 3: an RMSNorm over each head's q and over each head's k, before RoPE
+  // (hd,) each; undefined: none
+  torch::Tensor q_norm, k_norm;
 };
 
 class DecodeStack {
@@ -63,10 +66,13 @@ class DecodeStack {
 
   // NOTE: every shape is checked here, once: forward's layers run on raw pointers.
   // window: the layer's sliding window (its attention reads the last `window` positions),
-  // 0 for full attention.
+  // 0 for full attention. q_norm, k_norm (hd,) both or neither: RMSNorm (the stack's eps) of
+  // each q head and each k head after the qkv projection, before RoPE (Qwen3's q/k norms).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm,
                  const LinearWeights& qkv, const LinearWeights& o,
-                 const LinearWeights& gate_up, const LinearWeights& down, int64_t window);
+                 const LinearWeights& gate_up, const LinearWeights& down, int64_t window,
+                 c10::optional<torch::Tensor> q_norm = c10::nullopt,
+                 c10::optional<torch::Tensor> k_norm = c10::nullopt);
 
   // The tables forward looks its tokens up in: the embedding (V, H) and RoPE's cos, sin
   // (max positions, hd/2), fp32 and contiguous; the model's own tensors (no copy).

@@ -31,7 +31,8 @@ The module's functions, all fp32 on the CPU:
   quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack; its linears
-  (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included
+  (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included; per layer
+  optional q/k norms (`add_layer(..., q_norm=, k_norm=)`, Qwen3's per-head RMSNorms)
 """
 
 from __future__ import annotations

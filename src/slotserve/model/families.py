@@ -70,7 +70,8 @@ def family_of(cfg: ModelConfig) -> Family:
 
 def decode_stack_gaps(cfg: ModelConfig) -> list[str]:
     """What the C++ decode stack (csrc/decode_stack.cpp: the Llama block with SiLU, one RoPE
-    table, plain scaled attention) cannot run for this model; empty: it runs it all.
+    table, plain scaled attention, optional per-head q/k RMSNorms) cannot run for this model;
+    empty: it runs it all (Qwen3 included).
 
     NOTE: where this is not empty the model decodes layer by layer in Python, through the
     fused ops where they apply and torch elsewhere; the start-up line says why.
@@ -79,8 +80,6 @@ def decode_stack_gaps(cfg: ModelConfig) -> list[str]:
     gaps = []
     if family.sandwich_norms:
         gaps.append("sandwich norms")
-    if family.qk_norm:
-        gaps.append("q/k norms")
     if family.embed_scale:
         gaps.append("embedding scale")
     if cfg.hidden_act != "silu":

@@ -38,9 +38,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if family.qk_norm:  # NOTE: torch's RMSNorm: the heads are a strided view of qkv
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if family.qk_norm:  # (hd,) weights; over (T * heads, hd) rows (_norm_heads)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = family.qk_norm
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
@@ -54,8 +54,8 @@ class LlamaAttention(nn.Module):
         # q and k side by side, rotated in one call: (T, nh + nkv, hd)
         qk = qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim)
         if self.qk_norm:  # Qwen3 / Gemma 3: each head's q and k normalized, before RoPE
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads:])], dim=1)
+            qk = torch.cat([_norm_heads(self.q_norm, qk[:, :self.num_heads]),
+                            _norm_heads(self.k_norm, qk[:, self.num_heads:])], dim=1)
         if self.ops is not None:
             self.ops.rotary_(qk, *rope)  # in place (inside qkv, or the normalized copy)
         else:
@@ -71,6 +71,14 @@ class LlamaAttention(nn.Module):
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.ops,
                                   self.window)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))
+
+
+def _norm_heads(norm: RMSNorm, heads: torch.Tensor) -> torch.Tensor:
+    """heads (T, n, hd), a strided view of qkv -> a normalized copy (T, n, hd): one RMSNorm
+    row per head. NOTE: the fused rms_norm takes 2-D rows; the decode stack normalizes the
+    same rows with the same kernel (norm_heads_rows), so the two agree to the last bit."""
+    T, n, hd = heads.shape
+    return norm(heads.reshape(T * n, hd)).view(T, n, hd)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -175,10 +183,13 @@ class LlamaForCausalLM(nn.Module):
         stack.set_lookup_tables(self.embed_tokens.weight, self.rotary.cos, self.rotary.sin)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            # Qwen3: the q/k norms' (hd,) weights (the stack's eps is theirs too)
+            qk_norms = ({"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+                        if attn.qk_norm else {})
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                             *(linear.cpp_weights(ops) for linear in
                               (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                            attn.window or 0)
+                            attn.window or 0, **qk_norms)
         return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32

@@ -1,0 +1,109 @@
+"""The C++ DecodeStack runs the families beyond Llama's block that it knows (Qwen3's per-head
+q/k RMSNorms) bit for bit as the model's Python layers on the same fused kernels, and greedy
+decoding through it gives HF transformers' tokens; families it lacks something for still
+decode layer by layer and say why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slotserve import SamplingParams
+from slotserve.config import ModelConfig
+from slotserve.model.families import decode_stack_gaps
+from tests.conftest import random_prompts, tiny_engine
+from tests.model.test_decode_stack import run_comparing_stack_and_python
+from tests.model.test_families import tiny_hf
+from tests.model.test_vs_hf import hf_greedy
+
+# Prompts of 3-44 tokens (chunked by a 16-token budget), then 16 decode steps each.
+PROMPTS = random_prompts(4, min_len=3, max_len=44, seed=31)
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    """A random Qwen3ForCausalLM (2 layers, 4 heads of 32, 2 KV heads): q/k norm weights
+    moved off 1 (tiny_hf), so a stack that skipped or misplaced them would differ."""
+    return tiny_hf("qwen3", seed=41, head_dim=32)
+
+
+def qwen3_engine(hf_model, **kwargs):
+    settings = dict(block_size=8, num_blocks=128, max_num_batched_tokens=16, kernels="auto")
+    return tiny_engine(hf_model, **{**settings, **kwargs})
+
+
+@pytest.mark.parametrize("quantization", [None, "bf16", "int8"])
+def test_qwen3_stack_equals_python_layers_bit_for_bit(cpu_ops, tiny_qwen3, quantization):
+    engine = qwen3_engine(tiny_qwen3, quantization=quantization)
+    model = engine.runner.model
+    assert model.decode_stack is not None
+    assert model.layers[0].self_attn.q_norm.ops is cpu_ops  # the same kernel as the stack's
+
+    decode_only = run_comparing_stack_and_python(engine, PROMPTS, max_tokens=NEW_TOKENS)
+
+    assert decode_only >= NEW_TOKENS - 1
+
+
+def test_qwen3_through_the_stack_gives_hf_greedy_tokens(cpu_ops, tiny_qwen3):
+    engine = qwen3_engine(tiny_qwen3)
+    assert engine.runner.model.decode_stack is not None
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[f"r{i}"] == hf_greedy(tiny_qwen3, prompt, NEW_TOKENS), f"prompt {i}"
+
+
+def test_stack_without_the_qk_norms_differs(cpu_ops, tiny_qwen3):
+    """The bit-equality above can fail: a stack built without the q/k norms gives other
+    hidden states on the same decode step."""
+    engine = qwen3_engine(tiny_qwen3)
+    model = engine.runner.model
+    with_norms = model.decode_stack
+    for layer in model.layers:
+        layer.self_attn.qk_norm = False  # build_decode_stack reads it
+    without_norms = model.build_decode_stack(cpu_ops)
+    for layer in model.layers:
+        layer.self_attn.qk_norm = True
+    cfg = model.config
+    # a decode at position 5 reading 5 earlier (random) K/V: its scores depend on q and k
+    torch.manual_seed(0)
+    caches = [torch.randn(4, 8, cfg.num_key_value_heads, cfg.head_dim) for _ in range(4)]
+    step = (torch.tensor([7]), torch.tensor([5]), caches, torch.tensor([5]),
+            torch.tensor([[0]]), torch.tensor([6]))
+    assert not torch.equal(with_norms.forward(*step), without_norms.forward(*step))
+
+
+def test_gaps_no_longer_list_qk_norms():
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    assert decode_stack_gaps(dataclasses.replace(cfg, architecture="qwen3")) == []
+    gemma3 = decode_stack_gaps(dataclasses.replace(cfg, architecture="gemma3_text"))
+    assert "sandwich norms" in gemma3 and "q/k norms" not in gemma3
+
+
+def test_start_up_line_of_qwen3_names_no_gap(cpu_ops, tiny_qwen3):
+    kernels = qwen3_engine(tiny_qwen3).runner.kernels
+    assert kernels.decode_stack and "lacks" not in kernels.describe()
+
+
+def test_stack_rejects_bad_qk_norms(cpu_ops):
+    hidden, heads, kv_heads, head_dim = 8, 2, 1, 4
+    stack = cpu_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.5, torch.ones(hidden))
+    linear = lambda i, o: cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(o, i)),
+                                                out_features=o)
+    layer = (torch.ones(hidden), torch.ones(hidden), linear(hidden, 16), linear(8, hidden),
+             linear(hidden, 12), linear(6, hidden))
+    with pytest.raises(RuntimeError, match="both or neither"):
+        stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim))
+    with pytest.raises(RuntimeError, match=r"must be \(head_dim,\)"):
+        stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(hidden))
+    stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(head_dim))
