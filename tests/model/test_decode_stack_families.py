@@ -1,7 +1,8 @@
 """The C++ DecodeStack runs the families beyond Llama's block that it knows (Qwen3's per-head
-q/k RMSNorms) bit for bit as the model's Python layers on the same fused kernels, and greedy
-decoding through it gives HF transformers' tokens; families it lacks something for still
-decode layer by layer and say why."""
+q/k RMSNorms; Gemma 3's sandwich norms, GeGLU, embedding scale, q/k norms, sliding layers with
+their own RoPE base) bit for bit as the model's Python layers on the same fused kernels, and
+greedy decoding through it gives HF transformers' tokens; families it lacks something for
+(Gemma 2's soft-capped attention) still decode layer by layer and say why."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from slotserve.config import ModelConfig
 from slotserve.model.families import decode_stack_gaps
 from tests.conftest import random_prompts, tiny_engine
 from tests.model.test_decode_stack import run_comparing_stack_and_python
-from tests.model.test_families import tiny_hf
+from tests.model.test_families import FAMILY_CONFIGS, tiny_hf
 from tests.model.test_vs_hf import hf_greedy
 
-# Prompts of 3-44 tokens (chunked by a 16-token budget), then 16 decode steps each.
+# Prompts of 3-44 tokens (chunked by a 16-token budget), then 16 decode steps each: past
+# Gemma 3's 24-token window.
 PROMPTS = random_prompts(4, min_len=3, max_len=44, seed=31)
 NEW_TOKENS = 16
 
@@ -30,14 +32,28 @@ def tiny_qwen3():
     return tiny_hf("qwen3", seed=41, head_dim=32)
 
 
-def qwen3_engine(hf_model, **kwargs):
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    """A random Gemma3ForCausalLM (test_families' config: a sliding layer of window 24 with
+    RoPE base 100, a full one with linear scaling, query_pre_attn_scalar 24, 1-D weights
+    moved off their init so the (1 + w) norms and q/k norms matter)."""
+    return tiny_hf("gemma3_text", seed=42, **FAMILY_CONFIGS["gemma3_text"])
+
+
+@pytest.fixture(params=["qwen3", "gemma3_text"])
+def family_model(request):
+    return request.getfixturevalue({"qwen3": "tiny_qwen3", "gemma3_text": "tiny_gemma3"}
+                                   [request.param])
+
+
+def stack_engine(hf_model, **kwargs):
     settings = dict(block_size=8, num_blocks=128, max_num_batched_tokens=16, kernels="auto")
     return tiny_engine(hf_model, **{**settings, **kwargs})
 
 
 @pytest.mark.parametrize("quantization", [None, "bf16", "int8"])
-def test_qwen3_stack_equals_python_layers_bit_for_bit(cpu_ops, tiny_qwen3, quantization):
-    engine = qwen3_engine(tiny_qwen3, quantization=quantization)
+def test_stack_equals_python_layers_bit_for_bit(cpu_ops, family_model, quantization):
+    engine = stack_engine(family_model, quantization=quantization)
     model = engine.runner.model
     assert model.decode_stack is not None
     assert model.layers[0].self_attn.q_norm.ops is cpu_ops  # the same kernel as the stack's
@@ -47,8 +63,8 @@ def test_qwen3_stack_equals_python_layers_bit_for_bit(cpu_ops, tiny_qwen3, quant
     assert decode_only >= NEW_TOKENS - 1
 
 
-def test_qwen3_through_the_stack_gives_hf_greedy_tokens(cpu_ops, tiny_qwen3):
-    engine = qwen3_engine(tiny_qwen3)
+def test_stack_gives_hf_greedy_tokens(cpu_ops, family_model):
+    engine = stack_engine(family_model)
     assert engine.runner.model.decode_stack is not None
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
@@ -59,13 +75,13 @@ def test_qwen3_through_the_stack_gives_hf_greedy_tokens(cpu_ops, tiny_qwen3):
             if out.finished:
                 tokens[out.request_id] = out.token_ids
     for i, prompt in enumerate(PROMPTS):
-        assert tokens[f"r{i}"] == hf_greedy(tiny_qwen3, prompt, NEW_TOKENS), f"prompt {i}"
+        assert tokens[f"r{i}"] == hf_greedy(family_model, prompt, NEW_TOKENS), f"prompt {i}"
 
 
 def test_stack_without_the_qk_norms_differs(cpu_ops, tiny_qwen3):
     """The bit-equality above can fail: a stack built without the q/k norms gives other
     hidden states on the same decode step."""
-    engine = qwen3_engine(tiny_qwen3)
+    engine = stack_engine(tiny_qwen3)
     model = engine.runner.model
     with_norms = model.decode_stack
     for layer in model.layers:
@@ -82,16 +98,19 @@ def test_stack_without_the_qk_norms_differs(cpu_ops, tiny_qwen3):
     assert not torch.equal(with_norms.forward(*step), without_norms.forward(*step))
 
 
-def test_gaps_no_longer_list_qk_norms():
+def test_gaps_list_only_soft_capping_and_o_mlp_biases():
     cfg = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=4)
     assert decode_stack_gaps(dataclasses.replace(cfg, architecture="qwen3")) == []
-    gemma3 = decode_stack_gaps(dataclasses.replace(cfg, architecture="gemma3_text"))
-    assert "sandwich norms" in gemma3 and "q/k norms" not in gemma3
+    gemma3 = dataclasses.replace(cfg, architecture="gemma3_text", hidden_act="gelu_pytorch_tanh",
+                                 local_rope_theta=10000.0, sliding_windows=(4,))
+    assert decode_stack_gaps(gemma3) == []
+    gemma2 = dataclasses.replace(gemma3, architecture="gemma2", attn_logit_softcapping=50.0)
+    assert decode_stack_gaps(gemma2) == ["attention soft-capping"]
 
 
-def test_start_up_line_of_qwen3_names_no_gap(cpu_ops, tiny_qwen3):
-    kernels = qwen3_engine(tiny_qwen3).runner.kernels
+def test_start_up_line_names_no_gap(cpu_ops, family_model):
+    kernels = stack_engine(family_model).runner.kernels
     assert kernels.decode_stack and "lacks" not in kernels.describe()
 
 
@@ -107,3 +126,28 @@ def test_stack_rejects_bad_qk_norms(cpu_ops):
     with pytest.raises(RuntimeError, match=r"must be \(head_dim,\)"):
         stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(hidden))
     stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(head_dim))
+
+
+def test_stack_rejects_bad_gemma_pieces(cpu_ops):
+    hidden, heads, kv_heads, head_dim = 8, 2, 1, 4
+    stack = cpu_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.5, torch.ones(hidden))
+    linear = lambda i, o: cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(o, i)),
+                                                out_features=o)
+    layer = (torch.ones(hidden), torch.ones(hidden), linear(hidden, 16), linear(8, hidden),
+             linear(hidden, 12), linear(6, hidden))
+    with pytest.raises(RuntimeError, match="both or neither"):
+        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(hidden))
+    with pytest.raises(RuntimeError, match=r"must be \(H,\)"):
+        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(hidden),
+                        post_feedforward_norm=torch.ones(head_dim))
+    with pytest.raises(RuntimeError, match="activation must be"):
+        stack.set_activation("relu")
+    with pytest.raises(RuntimeError, match="shaped as cos"):
+        stack.set_lookup_tables(torch.zeros(10, hidden), torch.zeros(5, 2), torch.zeros(5, 2),
+                                cos_local=torch.zeros(4, 2), sin_local=torch.zeros(4, 2))
+    stack.add_layer(*layer, 0, local_rope=True)
+    one = torch.tensor([0])
+    stack.set_lookup_tables(torch.zeros(10, hidden), torch.zeros(5, 2), torch.zeros(5, 2))
+    caches = [torch.zeros(2, 4, kv_heads, head_dim) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="local RoPE tables"):
+        stack.forward(one, one, caches, one, one.view(1, 1), one + 1)

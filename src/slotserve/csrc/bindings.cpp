@@ -62,8 +62,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),
            py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("window") = 0, py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none())
-      .def("set_lookup_tables", &DecodeStack::set_lookup_tables)
+           py::arg("k_norm") = py::none(), py::arg("pre_feedforward_norm") = py::none(),
+           py::arg("post_feedforward_norm") = py::none(), py::arg("local_rope") = false)
+      .def("set_lookup_tables", &DecodeStack::set_lookup_tables, py::arg("embedding"),
+           py::arg("cos"), py::arg("sin"), py::arg("cos_local") = py::none(),
+           py::arg("sin_local") = py::none())
+      .def("set_activation", &DecodeStack::set_activation,
+           "the MLP's activation: silu, gelu or gelu_pytorch_tanh")
+      .def("set_embedding_scale", &DecodeStack::set_embedding_scale,
+           "the looked-up embeddings x this (Gemma's sqrt(H)); 0: none")
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            "all decoder layers and the final norm of an all-decode iteration");
 }

@@ -125,7 +125,10 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
                             const LinearWeights& qkv, const LinearWeights& o,
                             const LinearWeights& gate_up, const LinearWeights& down,
                             int64_t window, c10::optional<torch::Tensor> q_norm,
-                            c10::optional<torch::Tensor> k_norm) {
+                            c10::optional<torch::Tensor> k_norm,
+                            c10::optional<torch::Tensor> pre_feedforward_norm,
+                            c10::optional<torch::Tensor> post_feedforward_norm,
+                            bool local_rope) {
   const int64_t hidden = final_norm_.numel(), q_size = num_heads_ * head_dim_;
   const int64_t kv_size = num_kv_heads_ * head_dim_;
   for (const torch::Tensor* norm : {&final_norm_, &input_norm, &post_attention_norm}) {
@@ -151,24 +154,55 @@ void DecodeStack::add_layer(torch::Tensor input_norm, torch::Tensor post_attenti
     TORCH_CHECK((*norm)->is_contiguous() && (*norm)->numel() == head_dim_,
                 "q_norm and k_norm weights must be (head_dim,), contiguous");
   }
+  TORCH_CHECK(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
+              "pre_feedforward_norm and post_feedforward_norm: both or neither");
+  TORCH_CHECK(layers_.empty() ||
+                  layers_[0].pre_feedforward_norm.defined() == pre_feedforward_norm.has_value(),
+              "every layer has sandwich norms or none does");
+  for (const auto* norm : {&pre_feedforward_norm, &post_feedforward_norm}) {
+    if (!norm->has_value()) continue;
+    check_cpu_float(**norm, "norm weight");
+    TORCH_CHECK((*norm)->is_contiguous() && (*norm)->numel() == hidden,
+                "every norm weight must be (H,), contiguous");
+  }
   const bool all_windowed = layers_.empty() || read_window_ > 0;
   read_window_ = all_windowed && window > 0 ? std::max(read_window_, window) : 0;
   layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down, window,
-                     q_norm ? *q_norm : torch::Tensor(), k_norm ? *k_norm : torch::Tensor()});
+                     q_norm ? *q_norm : torch::Tensor(), k_norm ? *k_norm : torch::Tensor(),
+                     pre_feedforward_norm ? *pre_feedforward_norm : torch::Tensor(),
+                     post_feedforward_norm ? *post_feedforward_norm : torch::Tensor(),
+                     local_rope});
+}
+
+void DecodeStack::set_activation(const std::string& name) {
+  TORCH_CHECK(name == "silu" || name == "gelu" || name == "gelu_pytorch_tanh",
+              "activation must be silu, gelu or gelu_pytorch_tanh, got ", name);
+  activation_ = name == "silu"   ? Activation::kSilu
+                : name == "gelu" ? Activation::kGelu
+                                 : Activation::kGeluTanh;
 }
 
 void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
-                                    torch::Tensor sin) {
-  for (const torch::Tensor* table : {&embedding, &cos, &sin}) {
+                                    torch::Tensor sin, c10::optional<torch::Tensor> cos_local,
+                                    c10::optional<torch::Tensor> sin_local) {
+  TORCH_CHECK(cos_local.has_value() == sin_local.has_value(),
+              "cos_local and sin_local: both or neither");
+  torch::Tensor local_cos = cos_local ? *cos_local : cos;
+  torch::Tensor local_sin = sin_local ? *sin_local : sin;
+  for (const torch::Tensor* table : {&embedding, &cos, &sin, &local_cos, &local_sin}) {
     check_cpu_float(*table, "lookup table");
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(), "lookup tables are 2-D, contiguous");
   }
   TORCH_CHECK(embedding.size(1) == final_norm_.numel(), "the embedding must be (V, H)");
   TORCH_CHECK(cos.size(1) == head_dim_ / 2 && sin.sizes() == cos.sizes(),
               "cos and sin must be (max positions, hd/2)");
+  TORCH_CHECK(local_cos.sizes() == cos.sizes() && local_sin.sizes() == cos.sizes(),
+              "the local cos and sin must be shaped as cos");
   embedding_ = embedding;
   cos_ = cos;
   sin_ = sin;
+  cos_local_ = cos_local ? *cos_local : torch::Tensor();
+  sin_local_ = sin_local ? *sin_local : torch::Tensor();
 }
 
 namespace {
@@ -228,6 +262,16 @@ void norm_heads_rows(float* qkv, int64_t tokens, int64_t token_stride, int64_t n
   }
 }
 
+// gate_up (rows, 2I) -> act (rows, I) = gelu(gate) * up: ATen's ops on the same shapes and
+// strides as the Python GatedMLP's `act(gate) * up` (its split views), so the same bits.
+void gelu_mul_rows(const float* gate_up, float* act, int64_t rows, int64_t inter, bool tanh) {
+  const torch::Tensor both = torch::from_blob(const_cast<float*>(gate_up), {rows, 2 * inter});
+  const torch::Tensor out =
+      (at::gelu(both.narrow(1, 0, inter), tanh ? "tanh" : "none") * both.narrow(1, inter, inter))
+          .contiguous();
+  std::copy_n(out.data_ptr<float>(), rows * inter, act);
+}
+
 // rows[i] of table (row width `width`) for each index i -> out (n, width).
 void gather_rows(const float* table, int64_t width, const int64_t* indices, int64_t n,
                  float* out) {
@@ -250,8 +294,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
   const int64_t inter = gate_up_size / 2;
   auto y = torch::empty({D, hidden}, final_norm_.options());
   // the workspace: every activation of a layer, reused by the next; RoPE's rows
+  const bool local_tables = cos_local_.defined();
+  for (const DecoderLayerWeights& layer : layers_)
+    TORCH_CHECK(!layer.local_rope || local_tables,
+                "a layer rotates with the local RoPE tables: give set_lookup_tables them");
   auto work = torch::empty(
-      {D * (4 * hidden + qkv_size + q_size + gate_up_size + inter + 2 * half)},
+      {D * (4 * hidden + qkv_size + q_size + gate_up_size + inter + 4 * half)},
       final_norm_.options());
   float* residual = work.data_ptr<float>();  // (D, H), added to in place
   float* h = residual + D * hidden;          // (D, H) the normed input of a block
@@ -263,11 +311,22 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
   float* mlp_out = act + D * inter;          // (D, H) the MLP's output, not yet added
   float* cos_rows = mlp_out + D * hidden;    // (D, hd/2)
   float* sin_rows = cos_rows + D * half;     // (D, hd/2)
+  float* cos_local_rows = sin_rows + D * half;        // (D, hd/2) local_rope's
+  float* sin_local_rows = cos_local_rows + D * half;  // (D, hd/2)
   const int64_t* ids = in.ids.data_ptr<int64_t>();
   const int64_t* token_positions = in.positions.data_ptr<int64_t>();
   gather_rows(embedding_.data_ptr<float>(), hidden, ids, D, residual);
   gather_rows(cos_.data_ptr<float>(), half, token_positions, D, cos_rows);
   gather_rows(sin_.data_ptr<float>(), half, token_positions, D, sin_rows);
+  if (local_tables) {
+    gather_rows(cos_local_.data_ptr<float>(), half, token_positions, D, cos_local_rows);
+    gather_rows(sin_local_.data_ptr<float>(), half, token_positions, D, sin_local_rows);
+  }
+  if (embed_scale_ != 0.0) {  // Gemma: x * sqrt(H) in fp32, as the Python model
+    const float scale = static_cast<float>(embed_scale_);
+#pragma omp simd
+    for (int64_t i = 0; i < D * hidden; ++i) residual[i] *= scale;
+  }
   if (layers_.empty()) {
     rms_norm_rows(residual, final_norm_.data_ptr<float>(), y.data_ptr<float>(), D, hidden,
                   eps_);
@@ -290,18 +349,30 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
       norm_heads_rows(qkv, D, qkv_size, num_heads_, num_kv_heads_, head_dim_,
                       layer.q_norm.data_ptr<float>(), layer.k_norm.data_ptr<float>(), eps_);
     // q and k heads side by side at the start of each qkv row: rotated in place
-    rotary_rows(qkv, D, num_heads_ + num_kv_heads_, half, qkv_size, head_dim_, cos_rows,
-                sin_rows);
+    rotary_rows(qkv, D, num_heads_ + num_kv_heads_, half, qkv_size, head_dim_,
+                layer.local_rope ? cos_local_rows : cos_rows,
+                layer.local_rope ? sin_local_rows : sin_rows);
     write_kv_rows(cache, qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, D, slots);
     decode_attention_into(qkv, D, num_heads_, qkv_size, head_dim_, cache, tables,
                           in.tables.size(1), lens, scale_, layer.window, attn);
     // MLP block
     layer.o.into(attn, D, q_size, o);
-    add_rms_norm_rows(residual, o, layer.post_attention_norm.data_ptr<float>(), h, D, hidden,
-                      eps_);
+    const bool sandwich = layer.pre_feedforward_norm.defined();
+    if (sandwich)  // Gemma: the attention's output normalized (in place), then added
+      rms_norm_rows(o, layer.post_attention_norm.data_ptr<float>(), o, D, hidden, eps_);
+    add_rms_norm_rows(residual, o,
+                      (sandwich ? layer.pre_feedforward_norm : layer.post_attention_norm)
+                          .data_ptr<float>(),
+                      h, D, hidden, eps_);
     layer.gate_up.into(h, D, hidden, gate_up);
-    silu_mul_rows(gate_up, act, D, inter);
+    if (activation_ == Activation::kSilu)
+      silu_mul_rows(gate_up, act, D, inter);
+    else
+      gelu_mul_rows(gate_up, act, D, inter, activation_ == Activation::kGeluTanh);
     layer.down.into(act, D, inter, mlp_out);
+    if (sandwich)  // Gemma: the MLP's output normalized (in place) before it is added
+      rms_norm_rows(mlp_out, layer.post_feedforward_norm.data_ptr<float>(), mlp_out, D,
+                    hidden, eps_);
   }
   add_rms_norm_rows(residual, mlp_out, final_norm_.data_ptr<float>(), y.data_ptr<float>(), D,
                     hidden, eps_);

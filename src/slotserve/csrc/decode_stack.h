@@ -55,7 +55,16 @@ struct DecoderLayerWeights {
   // Qwen3 / Gemma 3: an RMSNorm over each head's q and over each head's k, before RoPE
   // (hd,) each; undefined: none
   torch::Tensor q_norm, k_norm;
+  // Gemma's sandwich norms (H,) each, both or neither: with them post_attention_norm
+  // normalizes the attention's output, pre_feedforward_norm the MLP's input and
+  // post_feedforward_norm its output; undefined: the Llama block
+  torch::Tensor pre_feedforward_norm, post_feedforward_norm;
+  bool local_rope = false;  // Gemma 3's sliding layers: the local RoPE tables
 };
+
+// The MLP's gate activation: SiLU (the fused silu_mul), GELU or GELU's tanh form (ATen's
+// gelu, as the Python GatedMLP computes it: the same ops on the same shapes).
+enum class Activation { kSilu, kGelu, kGeluTanh };
 
 class DecodeStack {
  public:
@@ -72,11 +81,22 @@ class DecodeStack {
                  const LinearWeights& qkv, const LinearWeights& o,
                  const LinearWeights& gate_up, const LinearWeights& down, int64_t window,
                  c10::optional<torch::Tensor> q_norm = c10::nullopt,
-                 c10::optional<torch::Tensor> k_norm = c10::nullopt);
+                 c10::optional<torch::Tensor> k_norm = c10::nullopt,
+                 c10::optional<torch::Tensor> pre_feedforward_norm = c10::nullopt,
+                 c10::optional<torch::Tensor> post_feedforward_norm = c10::nullopt,
+                 bool local_rope = false);
+
+  // The MLP's activation: "silu" (the default), "gelu" or "gelu_pytorch_tanh" (HF's names).
+  void set_activation(const std::string& name);
+  // Gemma: the looked-up embeddings x scale (fp32; the Python model's factor); 0: none.
+  void set_embedding_scale(double scale) { embed_scale_ = scale; }
 
   // The tables forward looks its tokens up in: the embedding (V, H) and RoPE's cos, sin
   // (max positions, hd/2), fp32 and contiguous; the model's own tensors (no copy).
-  void set_lookup_tables(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin);
+  // cos_local, sin_local: Gemma 3's sliding layers' tables (add_layer's local_rope).
+  void set_lookup_tables(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin,
+                         c10::optional<torch::Tensor> cos_local = c10::nullopt,
+                         c10::optional<torch::Tensor> sin_local = c10::nullopt);
 
   // input_ids, positions (D,): D decode tokens, one per sequence; caches: k and v of each
   // layer in turn; slot_mapping (D,); block_tables (D, maxb); context_lens (D,) -> the
@@ -93,6 +113,9 @@ class DecodeStack {
   double eps_, scale_;
   torch::Tensor final_norm_;
   torch::Tensor embedding_, cos_, sin_;  // set_lookup_tables
+  torch::Tensor cos_local_, sin_local_;  // set_lookup_tables' local tables; undefined: none
+  Activation activation_ = Activation::kSilu;
+  double embed_scale_ = 0.0;
   std::vector<DecoderLayerWeights> layers_;
   // The positions any layer reads: the widest window, 0 (all) once a layer has none. NOTE:
   // forward checks the block tables only where some layer reads.

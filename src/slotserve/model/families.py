@@ -68,26 +68,25 @@ def family_of(cfg: ModelConfig) -> Family:
                          f"supported: {sorted(FAMILIES)}") from None
 
 
+# The MLP activations DecodeStack.set_activation takes (HF's names).
+STACK_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
 def decode_stack_gaps(cfg: ModelConfig) -> list[str]:
-    """What the C++ decode stack (csrc/decode_stack.cpp: the Llama block with SiLU, one RoPE
-    table, plain scaled attention, optional per-head q/k RMSNorms) cannot run for this model;
-    empty: it runs it all (Qwen3 included).
+    """What the C++ decode stack (csrc/decode_stack.cpp: the Llama block with SiLU or GELU,
+    plain scaled attention, optional per-head q/k RMSNorms, sandwich norms, an embedding
+    scale, a second RoPE table for sliding layers) cannot run for this model; empty: it runs
+    it all (Qwen3 and Gemma 3 included; Gemma 2's soft-capped attention is not).
 
     NOTE: where this is not empty the model decodes layer by layer in Python, through the
     fused ops where they apply and torch elsewhere; the start-up line says why.
     """
-    family = family_of(cfg)
+    family_of(cfg)  # NOTE: every family's block shape is one the stack runs; checks the name
     gaps = []
-    if family.sandwich_norms:
-        gaps.append("sandwich norms")
-    if family.embed_scale:
-        gaps.append("embedding scale")
-    if cfg.hidden_act != "silu":
+    if cfg.hidden_act not in STACK_ACTIVATIONS:
         gaps.append(f"{cfg.hidden_act} MLP")
     if cfg.attn_logit_softcapping is not None:
         gaps.append("attention soft-capping")
-    if cfg.local_rope_theta is not None:
-        gaps.append("per-layer RoPE bases")
     if cfg.o_bias or cfg.mlp_bias:
         gaps.append("o/MLP biases")
     return gaps

@@ -180,17 +180,32 @@ class LlamaForCausalLM(nn.Module):
         cfg, first = self.config, self.layers[0]
         stack = ops.DecodeStack(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                 self.norm.eps, first.self_attn.scale, self.norm.weight)
-        stack.set_lookup_tables(self.embed_tokens.weight, self.rotary.cos, self.rotary.sin)
+        rotary = self.rotary  # Gemma 3: the sliding layers' tables too
+        local = ({"cos_local": rotary.cos_local, "sin_local": rotary.sin_local}
+                 if cfg.local_rope_theta is not None else {})
+        stack.set_lookup_tables(self.embed_tokens.weight, rotary.cos, rotary.sin, **local)
+        stack.set_activation(cfg.hidden_act)  # Gemma's GeGLU: ATen's gelu, as GatedMLP
+        if self.embed_scale is not None:
+            stack.set_embedding_scale(self.embed_scale)
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            # Qwen3: the q/k norms' (hd,) weights (the stack's eps is theirs too)
-            qk_norms = ({"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
-                        if attn.qk_norm else {})
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                            *(linear.cpp_weights(ops) for linear in
-                              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                            attn.window or 0, **qk_norms)
+                            *(linear.cpp_weights(ops) for linear in (
+                                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                layer.mlp.gate_up_proj, layer.mlp.down_proj)),
+                            layer.self_attn.window or 0, **self._stack_layer_extras(layer))
         return stack
+
+    def _stack_layer_extras(self, layer: LlamaDecoderLayer) -> dict:
+        """What DecodeStack.add_layer takes beyond the Llama block for this family's layer:
+        q/k norms (Qwen3, Gemma 3: (hd,) weights; the stack's eps is theirs too), sandwich
+        norms (Gemma) and the local RoPE tables (Gemma 3's sliding layers)."""
+        attn, extras = layer.self_attn, {"local_rope": layer.self_attn.local_rope}
+        if attn.qk_norm:
+            extras.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
+        if self.family.sandwich_norms:
+            extras.update(pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
+                          post_feedforward_norm=layer.post_feedforward_layernorm.weight)
+        return extras
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V) fp32
         logits = self.lm_head(hidden)
