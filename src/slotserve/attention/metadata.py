@@ -116,8 +116,9 @@ class DecodeGroup:
 class AttentionMetadata:
     """slot_mapping: (T,) flat cache slot of each new token.
 
-    Prefills (more than one new token, or a first token) are attended one by one; decodes
-    (one new token after cached context) in a few groups of similar context length.
+    Prefills (more than one new token, a first token, or a one-token chunk that samples
+    nothing) are attended one by one; decodes (`ScheduledSeq.is_one_token_decode`) in a few
+    groups of similar context length.
     NOTE: masks are built here, once per iteration, not in each layer.
     """
 
@@ -153,14 +154,14 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     sequence's own context, padding costs nothing and one group is one call per layer.
     """
     to = lambda a: torch.from_numpy(a).to(device)
-    if not group_decodes and seqs and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs):
+    if not group_decodes and seqs and all(s.is_one_token_decode for s in seqs):
         return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     slot_mapping = np.concatenate([_slots(s, block_size) for s in seqs])
     prefills, decode_idx = [], []
     for i, seq in enumerate(seqs):
-        if seq.num_tokens == 1 and seq.start_pos > 0:
+        if seq.is_one_token_decode:  # NOTE: ScheduledSeq.is_decode, the one definition
             decode_idx.append(i)
         else:
             prefills.append(PrefillSeq(

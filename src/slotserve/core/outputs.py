@@ -7,6 +7,19 @@ from dataclasses import dataclass, field
 from slotserve.sampling import SamplingParams
 
 
+def is_decode_step(start_pos: int, num_new: int, samples: bool) -> bool:
+    """Whether a chunk of `num_new` known tokens (draft tokens aside) at `start_pos` is a
+    decode: one token after cached context that is the sequence's last, so the step samples
+    the token after it.
+
+    NOTE: the one definition of "decode" (the scheduler's prefill cap, drafts and trace
+    kinds, the attention metadata, the decode graphs and the decode stack all use it). A
+    preempted request's recompute cut to one-token chunks is a prefill until its last
+    chunk: one token that samples nothing is a prefill chunk everywhere.
+    """
+    return num_new == 1 and start_pos > 0 and samples
+
+
 @dataclass
 class ScheduledSeq:
     """One request's share of an iteration.
@@ -25,7 +38,7 @@ class ScheduledSeq:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int  # generated so far: the index of the token sampled now
-    kind: str  # "prefill" | "decode"
+    kind: str  # SlotKind.PREFILL or DECODE: the scheduler sets it as is_decode says
     spec_token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -36,6 +49,17 @@ class ScheduledSeq:
     def context_len(self) -> int:
         """Positions attended to after this iteration's tokens are written."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """A decode (`is_decode_step`), maybe verified with draft tokens."""
+        return is_decode_step(self.start_pos, len(self.token_ids) - len(self.spec_token_ids),
+                              self.sample)
+
+    @property
+    def is_one_token_decode(self) -> bool:
+        """A decode without drafts: one query row, the decode attention's and graphs' shape."""
+        return self.is_decode and not self.spec_token_ids
 
 
 @dataclass

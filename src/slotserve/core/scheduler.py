@@ -35,10 +35,16 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from slotserve.config import Policy, SchedulerConfig, check_policy_fields
+from slotserve.config import Policy, SchedulerConfig, SlotKind, check_policy_fields
 from slotserve.core import policy
 from slotserve.core.kv_manager import KVCacheManager
-from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput, SlotState
+from slotserve.core.outputs import (
+    RunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    SlotState,
+    is_decode_step,
+)
 from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
@@ -203,7 +209,7 @@ class Scheduler:
 
     def _cap_prefill(self, request: Request, num_new: int) -> int:
         """num_new, cut to the iteration's prefill allowance if it is a prefill chunk."""
-        if self._prefill_allowance is None or num_new <= 1 and request.output_token_ids:
+        if self._prefill_allowance is None or self._is_decode(request, num_new):
             return num_new
         num_new = min(num_new, self._prefill_allowance)
         self._prefill_allowance -= num_new
@@ -235,7 +241,8 @@ class Scheduler:
         if budget <= 0:
             return budget
         candidates = [self._candidate(r) for r in self.running
-                      if plan.get(r.request_id) == 1 and self._is_decode(r)]
+                      if plan.get(r.request_id) == 1 and self._is_decode(r, 1)
+                      and r.output_token_ids]  # NOTE: drafts continue generated text
         candidates = [c for c in candidates if c.max_tokens > 0]
         if not candidates:
             return budget
@@ -256,10 +263,10 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _is_decode(request: Request) -> bool:
-        """It has sampled a token and computed everything before it."""
-        return bool(request.output_token_ids) and (
-            request.num_computed_tokens == request.num_tokens - 1)
+    def _is_decode(request: Request, num_new: int) -> bool:
+        """Whether the request's next num_new tokens are a decode (`is_decode_step`)."""
+        start = request.num_computed_tokens
+        return is_decode_step(start, num_new, start + num_new == request.num_tokens)
 
     def _candidate(self, request: Request) -> Candidate:
         """A decoding request as the speculator sees it; max_tokens keeps the drafts and
@@ -451,7 +458,7 @@ class Scheduler:
             sample=start + num_known == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
-            kind="decode" if self._is_decode(request) else "prefill",
+            kind=SlotKind.DECODE if self._is_decode(request, num_known) else SlotKind.PREFILL,
             spec_token_ids=list(drafts),
         )
 
@@ -464,7 +471,7 @@ class Scheduler:
         now = self.clock()
         if self._scheduled_at is not None and output.seqs:
             self.cost.observe(output.num_batched_tokens, now - self._scheduled_at)
-            if self.speculator is not None and all(s.kind == "decode" for s in output.seqs):
+            if self.speculator is not None and all(s.is_decode for s in output.seqs):
                 self.decode_cost.observe(output.num_batched_tokens, now - self._scheduled_at)
         self._scheduled_at = None
         self.last_extra_tokens = 0

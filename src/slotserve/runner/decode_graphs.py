@@ -72,7 +72,7 @@ class DecodeGraphs:
     def runs(self, seqs: list[ScheduledSeq]) -> bool:
         """Every sequence decodes one token, they fit the largest size and the tables."""
         return (0 < len(seqs) <= self.rows
-                and all(s.num_tokens == 1 and s.start_pos > 0 for s in seqs)
+                and all(s.is_one_token_decode for s in seqs)
                 and max(len(s.block_table) for s in seqs) <= self.tables_width)
 
     def forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
