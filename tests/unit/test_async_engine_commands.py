@@ -10,6 +10,7 @@ import queue
 
 import pytest
 
+from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.engine.async_engine import (
     AbortRequest,
     AddRequest,
@@ -47,10 +48,11 @@ def test_a_request_and_its_abort_are_typed_commands(tiny_llama):
     asyncio.run(leave_before_the_first_output())
     add, abort = queued(engine)
     assert isinstance(add, AddRequest) and abort == AbortRequest("r1")
-    assert (add.request_id, add.prompt_text, add.prompt_ids, add.cache_salt, add.matchers) == (
-        "r1", None, [5, 6, 7], "salt", None)
+    assert (add.request_id, add.prompt_text, add.prompt_ids, add.matchers) == (
+        "r1", None, [5, 6, 7], None)
     assert add.params is PARAMS
-    assert (add.policy.priority, add.policy.tenant, add.policy.slo_ttft_ms) == (2, "acme", 500.0)
+    assert add.scheduling == SchedulingFields(priority=2, tenant="acme", slo_ttft_ms=500.0,
+                                              cache_salt="salt")
     with pytest.raises(dataclasses.FrozenInstanceError):
         add.request_id = "other"  # type: ignore[misc]
     assert (str(add), str(abort)) == ("add r1", "abort r1")

@@ -35,7 +35,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from slotserve.config import Policy, SchedulerConfig, SlotKind, check_policy_fields
+from slotserve.config import Policy, SchedulerConfig, SlotKind
 from slotserve.core import policy
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import (
@@ -46,6 +46,7 @@ from slotserve.core.outputs import (
     is_decode_step,
 )
 from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
+from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
 from slotserve.spec.planner import Candidate, Speculator
@@ -131,8 +132,9 @@ class Scheduler:
 
     @staticmethod
     def _check_policy_fields(request: Request) -> None:
-        check_policy_fields(request.priority, request.tenant, request.slo_ttft_ms,
-                            request.slo_tpot_ms)
+        """ValueError naming a bad scheduling field of a Request built directly (the
+        engine's come from a checked SchedulingFields: this is the same check)."""
+        SchedulingFields.of(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, error, stop string): it leaves and its blocks return."""

@@ -34,7 +34,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from slotserve.config import SchedulerConfig, check_policy_fields, tenant_waiting_bound
+from slotserve.config import SchedulerConfig, tenant_waiting_bound
+from slotserve.core.scheduling_fields import SchedulingFields, given_or_loose
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
 from slotserve.engine.llm_engine import LLMEngine, Prompt
@@ -106,21 +107,6 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
         stream.queue.put_nowait(out)
 
 
-@dataclass(frozen=True)
-class _PolicyFields:
-    """A request's fields for the scheduling policy (LLMEngine.add_request's)."""
-
-    priority: int = 0
-    tenant: str = "default"
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-
-    def check(self) -> None:
-        """ValueError naming the field (before the request is queued, so the caller gets
-        it at once rather than from the engine thread)."""
-        check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
-
-
 # ---------------------------------------------------------------------- commands
 # What the event loop's side asks of the engine thread, applied at the next iteration
 # boundary (AsyncEngine._apply). NOTE: frozen: a command is built once, then only read by
@@ -133,8 +119,7 @@ class AddRequest:
     prompt_text: str | None  # the prompt as text, when it came as text
     prompt_ids: list[int]
     params: SamplingParams
-    cache_salt: str | None
-    policy: _PolicyFields
+    scheduling: SchedulingFields  # NOTE: checked when built, in the caller's thread
     matchers: list | None  # the grammar matchers, one per completion (None: unconstrained)
 
     def __str__(self) -> str:
@@ -323,20 +308,23 @@ class AsyncEngine:
         return ids
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                       scheduling: SchedulingFields | None = None,
                        cache_salt: str | None = None, priority: int = 0,
                        tenant: str = "default", slo_ttft_ms: float | None = None,
                        slo_tpot_ms: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (each carries deltas); aborts it if the consumer leaves.
 
-        cache_salt: requests with different salts never share prefix-cache blocks (a
-        non-empty string, or None).
-        priority, tenant, slo_ttft_ms, slo_tpot_ms: for the scheduling policy (see
-        `LLMEngine.add_request`); ValueError naming the field if malformed. A request the
-        `deadline` policy rejects (slo_reject) finishes with finish_reason "rejected".
+        scheduling: the request's priority, tenant, SLOs and cache salt for the scheduling
+        policy and the prefix cache (core/scheduling_fields.py; see
+        `LLMEngine.add_request`), passed through as is. cache_salt, priority, tenant,
+        slo_ttft_ms, slo_tpot_ms: the same one by one, only without `scheduling`; ValueError
+        naming the field if malformed. A request the `deadline` policy rejects (slo_reject)
+        finishes with finish_reason "rejected".
         """
-        policy = _PolicyFields(priority, tenant, slo_ttft_ms, slo_tpot_ms)
+        scheduling = given_or_loose(scheduling, SchedulingFields(
+            priority, tenant, slo_ttft_ms, slo_tpot_ms, cache_salt))
         matchers = await self._build_matchers(params)
-        stream = self._open(request_id, prompt, params, cache_salt, policy, matchers)
+        stream = self._open(request_id, prompt, params, scheduling, matchers)
         finished = False
         try:
             while True:
@@ -356,30 +344,26 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     def _open(self, request_id: str, prompt: Prompt, params: SamplingParams,
-              cache_salt: str | None = None, policy: _PolicyFields | None = None,
+              scheduling: SchedulingFields | None = None,
               matchers: list | None = None) -> _Stream:
         self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
         ids = self.validate(prompt, params)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string if given")
-        policy = policy or _PolicyFields()
-        policy.check()
+        scheduling = scheduling or SchedulingFields()
         text = prompt if isinstance(prompt, str) else None
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), params.n)
         with self._lock:
             self._raise_if_dead()  # NOTE: under the lock that _die sweeps the streams with
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._check_bounds(policy.tenant, params.n)
+            self._check_bounds(scheduling.tenant, params.n)
             self._streams[request_id] = stream
             self._queued_adds[request_id] = self._queued_adds.get(request_id, 0) + 1
             self._queued_seqs += params.n
-            tenant = policy.tenant
+            tenant = scheduling.tenant
             self._queued_by_tenant[tenant] = self._queued_by_tenant.get(tenant, 0) + params.n
-        self._commands.put(AddRequest(request_id, text, ids, params, cache_salt, policy,
-                                      matchers))
+        self._commands.put(AddRequest(request_id, text, ids, params, scheduling, matchers))
         self._wakeup.set()
         return stream
 
@@ -539,12 +523,12 @@ class AsyncEngine:
         loop.call_soon_threadsafe(settle, done.set_result, result)
 
     def _add(self, command: AddRequest) -> None:
-        request_id, params, policy = command.request_id, command.params, command.policy
+        request_id, params, tenant = command.request_id, command.params, command.scheduling.tenant
         with self._lock:
             self._queued_seqs -= params.n
-            left_of_tenant = self._queued_by_tenant.pop(policy.tenant) - params.n
+            left_of_tenant = self._queued_by_tenant.pop(tenant) - params.n
             if left_of_tenant:
-                self._queued_by_tenant[policy.tenant] = left_of_tenant
+                self._queued_by_tenant[tenant] = left_of_tenant
             left = self._queued_adds.pop(request_id) - 1
             if left:
                 self._queued_adds[request_id] = left
@@ -554,10 +538,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(request_id, command.prompt_ids, params,
                                     prompt_text=command.prompt_text,
-                                    cache_salt=command.cache_salt, priority=policy.priority,
-                                    tenant=policy.tenant, slo_ttft_ms=policy.slo_ttft_ms,
-                                    slo_tpot_ms=policy.slo_tpot_ms,
-                                    grammar_matchers=command.matchers)
+                                    grammar_matchers=command.matchers,
+                                    scheduling=command.scheduling)
         except ValueError as exc:
             stream.put(exc)
 

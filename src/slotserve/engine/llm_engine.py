@@ -35,6 +35,7 @@ from slotserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import RunnerOutput, SchedulerOutput
 from slotserve.core.scheduler import Scheduler
+from slotserve.core.scheduling_fields import SchedulingFields, given_or_loose
 from slotserve.engine import sequence as seqs
 from slotserve.engine.events import EngineSnapshot, FinishedCompletion, IterationEvent
 from slotserve.engine.isolation import Culprits, execute_isolated, is_fault
@@ -209,22 +210,25 @@ class LLMEngine:
                     cache_salt: str | None = None, priority: int = 0,
                     tenant: str = "default", slo_ttft_ms: float | None = None,
                     slo_tpot_ms: float | None = None,
-                    grammar_matchers: list[GrammarMatcher | None] | None = None) -> None:
+                    grammar_matchers: list[GrammarMatcher | None] | None = None,
+                    scheduling: SchedulingFields | None = None) -> None:
         """Queue a request (n completions of it). ValueError if it is malformed or can never fit.
 
         prompt_text: the text of a prompt passed as token ids (shown in outputs).
-        cache_salt: a non-empty string; requests with different salts never share cached
-        blocks (so one tenant cannot time another's prompts through the prefix cache).
-        priority, tenant, slo_ttft_ms, slo_tpot_ms: for the scheduling policy (see
-        core/queue_policy.py); every completion gets them.
+        scheduling: its priority, tenant, SLOs and cache salt (core/scheduling_fields.py),
+        checked when built; every completion gets them (see core/queue_policy.py). A cache
+        salt keeps a request's cached blocks from others' (so one tenant cannot time
+        another's prompts through the prefix cache).
+        cache_salt, priority, tenant, slo_ttft_ms, slo_tpot_ms: the same one by one (for
+        offline callers), only without `scheduling`.
         grammar_matchers: one per completion, built beforehand (`sequence.build_matchers`,
         off this thread: AsyncEngine does); None: built here (compiling the spec, which can
         take a second; fine offline).
         """
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string if given")
+        scheduling = given_or_loose(scheduling, SchedulingFields(
+            priority, tenant, slo_ttft_ms, slo_tpot_ms, cache_salt))
         text, ids = self.tokenize(prompt)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):  # NOTE: SamplingParams: ints >= 0
@@ -239,10 +243,9 @@ class LLMEngine:
                                       eos_token_ids=self.eos_token_ids)
                     for i in range(params.n)]
         for seq in children:
-            seq.request.cache_salt = cache_salt
-            seqs.ask_prompt_logprobs(seq, cache_salt)  # NOTE: its own salt (no cache hits)
-            seq.request.priority, seq.request.tenant = priority, tenant
-            seq.request.slo_ttft_ms, seq.request.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+            scheduling.apply_to(seq.request)
+            # NOTE: its own salt (no cache hits)
+            seqs.ask_prompt_logprobs(seq, scheduling.cache_salt)
             if shaping is not None:
                 seq.shaping = SequenceShaping(shaping, ids, seq.request.output_token_ids)
         try:

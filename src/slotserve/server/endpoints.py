@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
+from slotserve.core.scheduling_fields import SchedulingFieldError, SchedulingFields
 from slotserve.engine.async_engine import EngineClosedError
 from slotserve.engine.client import EngineClient
 from slotserve.loader.chat_template import renders_tool_calls, tool_call_format
@@ -20,7 +21,7 @@ from slotserve.server import protocol as p
 from slotserve.server.answers import chat_response, completion_response, whole_answer
 from slotserve.server.auth import tenant_of
 from slotserve.server.echo import EchoOnlyGenerations
-from slotserve.server.generation import Generation, Generations, scheduling_keywords
+from slotserve.server.generation import Generation, Generations
 from slotserve.server.limits import ServerLimits, client_request_id
 from slotserve.server.protocol import APIError
 from slotserve.server.protocol import responses_api as r
@@ -134,10 +135,11 @@ class Server:
                     prompt_text: str | None = None) -> Generation:
         """One engine request. NOTE: it takes the engine and the Retry-After value, not the
         Server (no import cycle between the server's modules)."""
+        tenant = self._tenant(request, body)
         generation = Generation(self.engine, self.retry_after_s, request_id, prompt_ids, params,
-                                prompt_param, tenant=self._tenant(request, body),
+                                prompt_param, tenant=tenant,
                                 client_id=client_request_id(request.scope),
-                                cache_salt=body.cache_salt, scheduling=scheduling_keywords(body),
+                                scheduling=scheduling_fields(body, tenant),
                                 prompt_text=prompt_text)
         self._generations.add(generation)
         return generation
@@ -342,3 +344,13 @@ class Server:
                 f"{param} has {num_tokens} tokens, but this server fits at most {limit} "
                 "tokens per sequence; the prompt and at least one output token must fit",
                 param=param, code="context_length_exceeded")
+
+
+def scheduling_fields(body: p.CompletionRequest | p.ChatCompletionRequest,
+                      tenant: str) -> SchedulingFields:
+    """The request's scheduling fields (checked once, here); a 400 naming a bad one."""
+    try:
+        return SchedulingFields(body.priority, tenant, body.slo_ttft_ms, body.slo_tpot_ms,
+                                body.cache_salt)
+    except SchedulingFieldError as exc:
+        raise APIError(str(exc), param=exc.field) from exc

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.engine.async_engine import EngineClosedError, QueueFullError
 from slotserve.engine.client import EngineClient
 from slotserve.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
@@ -34,14 +35,15 @@ class Generation:
     engine: the engine client; retry_after_s: the Retry-After of a 429 or an SLO's 503.
     request_id: the server's own (the engine's id). tenant: whose request it is (from the
     API key; "default" without keys). client_id: the client's X-Request-Id (logged only).
-    cache_salt: the request's, for the engine's prefix cache. prompt_text: the prompt as
-    text (echo), when known.
+    scheduling: the request's priority, tenant, SLOs and cache salt (SchedulingFields,
+    checked; None: the defaults for `tenant`), EngineClient.generate's keywords.
+    prompt_text: the prompt as text (echo), when known.
     """
 
     def __init__(self, engine: EngineClient, retry_after_s: int, request_id: str,
                  prompt_ids: list[int], params: SamplingParams, prompt_param: str,
                  tenant: str = "default", client_id: str | None = None,
-                 cache_salt: str | None = None, scheduling: dict | None = None,
+                 scheduling: SchedulingFields | None = None,
                  prompt_text: str | None = None) -> None:
         self.retry_after_s = retry_after_s
         self.request_id = request_id
@@ -51,8 +53,9 @@ class Generation:
         self.client_id = client_id
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
-        self.outputs = engine.generate(request_id, prompt_ids, params, cache_salt=cache_salt,
-                                       tenant=tenant, **(scheduling or {}))
+        scheduling = scheduling or SchedulingFields(tenant=tenant)
+        self.outputs = engine.generate(request_id, prompt_ids, params,
+                                       **scheduling.keywords())
         # With params.prompt_logprobs: completion 0's, once its prefill is done
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_logprob_ranks: list[int | None] | None = None
@@ -374,12 +377,6 @@ async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
-
-
-def scheduling_keywords(body: p.CompletionRequest | p.ChatCompletionRequest) -> dict:
-    """The request's scheduling fields, as AsyncEngine.generate's keywords."""
-    return {"priority": body.priority, "slo_ttft_ms": body.slo_ttft_ms,
-            "slo_tpot_ms": body.slo_tpot_ms}
 
 
 async def unless_disconnected(request: Request, awaitable):
