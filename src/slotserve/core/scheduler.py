@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 from slotserve.config import Policy, SchedulerConfig, SlotKind
 from slotserve.core import policy
+from slotserve.core.context_fit import check_fits_context
 from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import (
     RunnerOutput,
@@ -103,12 +104,9 @@ class Scheduler:
         if not request.prompt_token_ids:
             raise ValueError("prompt must not be empty")
         limit = self.max_total_tokens
-        if request.num_prompt_tokens >= limit:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, but this engine fits at most "
-                f"{limit} tokens per sequence (max_model_len={self.config.max_model_len}, "
-                f"KV pool={self.kv.num_blocks * self.kv.block_size}); the prompt and at least "
-                "one output token must fit")
+        check_fits_context(request.num_prompt_tokens, limit, holder="this engine", why=(
+            f" (max_model_len={self.config.max_model_len}, "
+            f"KV pool={self.kv.num_blocks * self.kv.block_size})"))
         self._check_policy_fields(request)
         self._set_slos(request)
         request.max_total_tokens = limit

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from slotserve.config import SchedulerConfig, tenant_waiting_bound
+from slotserve.core.context_fit import check_fits_context
 from slotserve.core.scheduling_fields import SchedulingFields, given_or_loose
 from slotserve.engine.events import EngineSnapshot
 from slotserve.engine.isolation import is_fault
@@ -296,11 +297,7 @@ class AsyncEngine:
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Tokenize and check the request can ever fit; ValueError if not. Thread-safe."""
         _, ids = self.engine.tokenize(prompt)
-        limit = self.engine.max_total_tokens
-        if len(ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but this server fits at most {limit} tokens "
-                "per sequence; the prompt and at least one output token must fit")
+        check_fits_context(len(ids), self.engine.max_total_tokens)
         bound = self.max_waiting
         if bound and params.n > bound:  # NOTE: a bound of 0 refuses everything: 429, not 400
             raise ValueError(f"n={params.n} completions can never be queued: this server "

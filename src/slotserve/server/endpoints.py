@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
+from slotserve.core.context_fit import ContextOverflowError, check_fits_context, max_prompt_tokens
 from slotserve.core.scheduling_fields import SchedulingFieldError, SchedulingFields
 from slotserve.engine.async_engine import EngineClosedError
 from slotserve.engine.client import EngineClient
@@ -75,8 +76,8 @@ class Server:
 
     @property
     def max_prompt_tokens(self) -> int:
-        """A prompt must leave room for one output token."""
-        return self.engine.max_total_tokens - 1
+        """A prompt must leave room for one output token (core.context_fit)."""
+        return max_prompt_tokens(self.engine.max_total_tokens)
 
     def _max_prompt_bytes(self) -> int | None:
         """The most UTF-8 bytes a prompt of max_prompt_tokens tokens can span (None: no
@@ -338,12 +339,10 @@ class Server:
                 "output token) can hold", param=param, code="context_length_exceeded")
 
     def _check_token_count(self, num_tokens: int, param: str) -> None:
-        if num_tokens > self.max_prompt_tokens:
-            limit = self.max_prompt_tokens + 1
-            raise APIError(
-                f"{param} has {num_tokens} tokens, but this server fits at most {limit} "
-                "tokens per sequence; the prompt and at least one output token must fit",
-                param=param, code="context_length_exceeded")
+        try:
+            check_fits_context(num_tokens, self.engine.max_total_tokens, field=param)
+        except ContextOverflowError as exc:
+            raise APIError(str(exc), param=param, code="context_length_exceeded") from exc
 
 
 def scheduling_fields(body: p.CompletionRequest | p.ChatCompletionRequest,
