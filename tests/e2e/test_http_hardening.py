@@ -148,8 +148,13 @@ def test_live_view_under_its_csp_keeps_a_file_name_as_text(server, browser):
         page.set_input_files("#rp-file", files=[{
             "name": XSS_NAME, "mimeType": "application/json",
             "buffer": json.dumps(trace).encode()}])
+        # NOTE: the note already says "... iterations" of the simulator's pair at load: wait
+        # for the file's own note, which names it
         page.wait_for_function("() => document.querySelector('#replay-note')"
-                               ".textContent.includes(' iterations')")
+                               ".textContent.includes('onerror')")
+        assert not page.evaluate(
+            "() => document.querySelector('#replay-note').classList.contains('error')")
+        assert " iterations" in page.locator("#replay-note").inner_text()
         assert page.evaluate("() => document.querySelector('#replay-note img')") is None
         assert page.evaluate("() => window.__owned") is None
         assert XSS_NAME in page.locator("#replay-note").inner_text()

@@ -264,8 +264,9 @@ def test_prompt_logprobs_volume_is_capped(tiny_llama):
 
 
 def test_prompt_lists_are_admitted_all_or_none(tiny_llama):
-    """3 prompts x n=2 against a waiting bound of 4: a 429, and the two admitted prompts are
-    aborted (the engine, started afterwards, runs nothing of them)."""
+    """3 prompts x n=2 against a waiting bound of 4 can never be queued: a 400 naming prompt
+    before anything is admitted (the engine, started afterwards, runs nothing of them); 2 x 2
+    fit and all four run."""
     from fastapi.testclient import TestClient
 
     from slotserve.engine.async_engine import AsyncEngine
@@ -275,7 +276,8 @@ def test_prompt_lists_are_admitted_all_or_none(tiny_llama):
     engine = AsyncEngine(text_engine(tiny_llama, num_blocks=32), max_waiting=4)
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as client:
         response = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
-        assert response.status_code == 429, response.text
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
         assert engine.num_active == 0
         engine.start()
         try:
