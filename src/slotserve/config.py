@@ -478,8 +478,8 @@ class EngineConfig:
         whole model in bf16); int8: int8 weight-only linear layers on the CPU; gguf: a GGUF's
         quantized linear weights in the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/
         Q4_K/Q5_K/Q6_K, int8 activations, AVX512-VNNI or AVX2; no fp32 copy of the model; a
-        file with another quantized type is dequantized, with a warning). Greedy agreement with fp32 in
-        benchmarks/PERF.md.
+        file with another quantized type is dequantized, with a warning). Greedy agreement
+        with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
     speculative_config: speculative decoding, as vLLM's JSON: {"method": "ngram",
