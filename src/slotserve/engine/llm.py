@@ -14,6 +14,10 @@ from slotserve.sampling import SamplingParams
 __all__ = ["LLM", "engine_config"]
 
 
+# The chat template's arguments LLM.chat sets itself (chat_template_kwargs may not).
+CHAT_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "chat_template"})
+
+
 class LLM:
     """Offline generation. With no model named, the embedded SmolLM2-135M-Instruct.
 
@@ -51,14 +55,26 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the chat template."""
+             sampling_params: SamplingParams | None = None, *,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             **kwargs) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the chat template.
+
+        chat_template: a Jinja template used instead of the model's (the server's
+        `--chat-template`); chat_template_kwargs: extra template variables, e.g. Qwen3's
+        `{"enable_thinking": False}` (as vLLM's LLM.chat takes them).
+        """
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer and no chat template")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & CHAT_TEMPLATE_RESERVED)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by LLM.chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # NOTE: the server's chat path uses the same encode_chat (BOS only as the template
         # writes it), so both give the same prompt ids.
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True)
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True,
+                                              chat_template=chat_template, **extra)
                    for c in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
