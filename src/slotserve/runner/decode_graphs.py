@@ -53,16 +53,16 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = batch_sizes(max_num_seqs)
         self.tables_width = tables_width
-        rows, width = self.sizes[-1], NUM_SCALARS + tables_width
-        # NOTE: one host buffer and its device twin: (rows, scalars | table) int64; the
-        # device's columns are the model's inputs (contiguous: scalars first, transposed)
+        rows = self.sizes[-1]
+        # NOTE: one host buffer and its device twin, int64: the scalars (NUM_SCALARS, rows),
+        # each input a contiguous row, then the block tables (rows, tables_width)
         pinned = device.type == "cuda"
         self.host = torch.zeros(NUM_SCALARS * rows + rows * tables_width, dtype=torch.int64,
                                 pin_memory=pinned)
         self.device_buffer = torch.zeros_like(self.host, device=device)
         self.host_scalars = self.host[:NUM_SCALARS * rows].view(NUM_SCALARS, rows).numpy()
         self.host_tables = self.host[NUM_SCALARS * rows:].view(rows, tables_width).numpy()
-        self.rows, self.width = rows, width
+        self.rows = rows
         self.outputs: dict[int, torch.Tensor] = {}  # batch size -> its hidden states
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture = capture
@@ -88,8 +88,6 @@ class DecodeGraphs:
         """The inputs of `seqs` into the host buffer, padded to `size` rows; one copy."""
         n, scalars, tables = len(seqs), self.host_scalars, self.host_tables
         positions = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
-        longest = max(len(s.block_table) for s in seqs)
-        tables[:size, :longest] = 0
         for row, seq in enumerate(seqs):
             tables[row, :len(seq.block_table)] = seq.block_table
         scalars[IDS, :n] = np.fromiter((s.token_ids[0] for s in seqs), dtype=np.int64,
@@ -102,9 +100,9 @@ class DecodeGraphs:
         scalars[IDS:CONTEXT_LENS, n:size] = 0
         scalars[SLOTS, n:size] = -1
         scalars[CONTEXT_LENS, n:size] = 1
-        # NOTE: the tables' rows from n on may hold an earlier step's blocks: any block id
-        # of the pool is safe to read, and padding rows read only position 0 of row 0's
-        tables[n:size, 0] = 0
+        # NOTE: past a row's own blocks the tables hold earlier steps' ids: the kernel reads
+        # no block past a row's context, and every id written here is one of the pool's
+        tables[n:size, 0] = 0  # a padding row reads position 0 of block 0
         # NOTE: all scalars and the tables' first `size` rows: one host-to-device copy
         end = NUM_SCALARS * self.rows + size * self.tables_width
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
