@@ -105,12 +105,11 @@ class ThreadServer:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def live_server():
-    engine = tiny_engine(tiny_hf_model(), max_num_seqs=NUM_SLOTS, num_blocks=NUM_BLOCKS,
-                         block_size=BLOCK_SIZE, max_model_len=256)
+def serve_slowed(engine, step_delay_s: float = STEP_DELAY_S):
+    """A ThreadServer over `engine` whose engine thread pauses step_delay_s after each
+    iteration (so a page sees the batch move); yields the server, stops both after."""
     async_engine = AsyncEngine(engine)
-    async_engine.subscribe(lambda event: time.sleep(STEP_DELAY_S))
+    async_engine.subscribe(lambda event: time.sleep(step_delay_s))
     server = ThreadServer(build_test_app(async_engine))
     async_engine.start()
     server.start()
@@ -119,6 +118,13 @@ def live_server():
     finally:
         server.stop()
         async_engine.stop()
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    yield from serve_slowed(tiny_engine(tiny_hf_model(), max_num_seqs=NUM_SLOTS,
+                                        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                        max_model_len=256))
 
 
 def start_requests(server: ThreadServer, prefix: str, n: int = 8, max_tokens: int = 64,

@@ -10,21 +10,18 @@ so the page sees the batch; headless Chromium as in test_dashboard (skips withou
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
-from slotserve.engine.async_engine import AsyncEngine
 from tests.conftest import tiny_engine, tiny_hf_model
 from tests.e2e.test_dashboard import (  # noqa: F401 (browser and page are fixtures)
     BLOCK_SIZE,
-    ThreadServer,
     browser,
-    build_test_app,
     open_dashboard,
     page,
     screenshot,
+    serve_slowed,
     start_requests,
     wait_idle,
 )
@@ -50,19 +47,10 @@ PER_SLOT = """() => Object.fromEntries([...document.querySelectorAll('#live-spec
 
 @pytest.fixture(scope="module")
 def spec_server():
-    engine = tiny_engine(tiny_hf_model(), kernels="reference", max_num_seqs=NUM_SLOTS,
-                         num_blocks=64, block_size=BLOCK_SIZE, max_model_len=256,
-                         speculative_config=SPEC)
-    async_engine = AsyncEngine(engine)
-    async_engine.subscribe(lambda event: time.sleep(STEP_DELAY_S))
-    server = ThreadServer(build_test_app(async_engine))
-    async_engine.start()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        async_engine.stop()
+    yield from serve_slowed(tiny_engine(tiny_hf_model(), kernels="reference",
+                                        max_num_seqs=NUM_SLOTS, num_blocks=64,
+                                        block_size=BLOCK_SIZE, max_model_len=256,
+                                        speculative_config=SPEC), STEP_DELAY_S)
 
 
 def _per_slot_totals(trace: dict) -> dict[str, list[int]]:
