@@ -36,12 +36,12 @@ from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.sizing import set_torch_threads
 from slotserve.lab.bench import write_report
+from slotserve.lab.bench.targets import timed_greedy_run
 from slotserve.lab.quality import greedy_agreement
 from slotserve.lab.workload import generate_workload
 from slotserve.model.cpu_ops import load_cpu_ops
 from slotserve.model.kernels import resolve_kernels
 from slotserve.model.linear_kernels import Bf16PanelLinear, Int8WeightOnlyLinear, PanelLinear
-from slotserve.sampling import SamplingParams
 
 # (hidden, intermediate, q heads, kv heads, head dim, layers)
 SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64, 30), "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 24)}
@@ -123,14 +123,7 @@ def build_engine(loaded, name: str, max_num_seqs: int) -> LLMEngine:
 def decode_rate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
     """All prompts at once, `tokens` greedy tokens each: (median ms of the steps after the
     first, output tokens per second over all steps, prefills included)."""
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    steps = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
+    steps = [seconds for seconds, _ in timed_greedy_run(engine, prompts, tokens)]
     return statistics.median(steps[1:]) * 1e3, len(prompts) * tokens / sum(steps)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from slotserve.config import ModelConfig, engine_config
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.lab.bench.targets import timed_greedy_run
 from slotserve.sampling import SamplingParams
 
 SHAPES = {  # HF config fields of each benchmarked shape
@@ -95,19 +96,6 @@ def build_engine(cfg: ModelConfig, weights: dict, device: torch.device, dtype: s
     return LLMEngine(config, cfg, weights)
 
 
-def run_requests(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[tuple]:
-    """Run the prompts to the end; per step (seconds, sequences that got a token)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{time.perf_counter_ns()}-{i}", prompt, params)
-    steps = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        outputs = engine.step()
-        steps.append((time.perf_counter() - start, len(outputs)))
-    return steps
-
-
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()
@@ -116,8 +104,8 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[l
 def batch_one(engine: LLMEngine, cfg: ModelConfig, copy_gbps: float | None, prompt_len: int,
               new: int) -> dict:
     """One request alone: the median decode step (TPOT) against the bandwidth floor."""
-    run_requests(engine, random_prompts(1, prompt_len // 2, cfg.vocab_size, seed=1), 8)
-    steps = run_requests(engine, random_prompts(1, prompt_len, cfg.vocab_size, seed=2), new)
+    timed_greedy_run(engine, random_prompts(1, prompt_len // 2, cfg.vocab_size, seed=1), 8)
+    steps = timed_greedy_run(engine, random_prompts(1, prompt_len, cfg.vocab_size, seed=2), new)
     decode = sorted(dt for dt, _ in steps[1:])
     tpot = statistics.median(decode)
     row = {"tpot_ms": 1e3 * tpot, "tpot_p90_ms": 1e3 * decode[int(0.9 * (len(decode) - 1))],
@@ -154,7 +142,7 @@ def full_batches(engine: LLMEngine, cfg: ModelConfig, slots: int, prompt_len: in
     decoding."""
     prompts = random_prompts(slots, prompt_len, cfg.vocab_size, seed=slots)
     start = time.perf_counter()
-    steps = run_requests(engine, prompts, new)
+    steps = timed_greedy_run(engine, prompts, new)
     wall = time.perf_counter() - start
     full = sorted(dt for dt, n in steps if n == slots)
     row = {"slots": slots, "prompt": prompt_len, "new_tokens": new, "wall_s": wall,

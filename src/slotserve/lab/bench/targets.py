@@ -89,6 +89,22 @@ class EngineTarget:
                 "enable_prefix_caching": cfg.cache.enable_prefix_caching}
 
 
+def timed_greedy_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+                     ) -> list[tuple[float, int]]:
+    """Add every prompt at once (greedy, exactly max_tokens tokens each) and step the engine
+    until it is idle: per step (wall seconds, completions that got output). The benchmarks'
+    timing loop; request ids are unique across calls on one engine."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"timed-{time.perf_counter_ns()}-{i}", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        steps.append((time.perf_counter() - start, len(outputs)))
+    return steps
+
+
 def _prefix_cache_counts(engine) -> dict:
     """The engine's prompt-token and prefix-cache counters for the run.
 
