@@ -114,40 +114,44 @@ def test_start_up_line_names_no_gap(cpu_ops, family_model):
     assert kernels.decode_stack and "lacks" not in kernels.describe()
 
 
-def test_stack_rejects_bad_qk_norms(cpu_ops):
-    hidden, heads, kv_heads, head_dim = 8, 2, 1, 4
-    stack = cpu_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.5, torch.ones(hidden))
+HIDDEN, HEAD_DIM = 8, 4
+
+
+def tiny_stack(cpu_ops):
+    """A DecodeStack of 2 heads over 1 KV head of 4 (hidden 8) and one layer's arguments
+    (norms, then zero panels for qkv, o, gate_up, down), for the refusal tests."""
+    stack = cpu_ops.DecodeStack(2, 1, HEAD_DIM, 1e-6, 0.5, torch.ones(HIDDEN))
     linear = lambda i, o: cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(o, i)),
                                                 out_features=o)
-    layer = (torch.ones(hidden), torch.ones(hidden), linear(hidden, 16), linear(8, hidden),
-             linear(hidden, 12), linear(6, hidden))
+    layer = (torch.ones(HIDDEN), torch.ones(HIDDEN), linear(HIDDEN, 16), linear(8, HIDDEN),
+             linear(HIDDEN, 12), linear(6, HIDDEN))
+    return stack, layer
+
+
+def test_stack_rejects_bad_qk_norms(cpu_ops):
+    stack, layer = tiny_stack(cpu_ops)
     with pytest.raises(RuntimeError, match="both or neither"):
-        stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim))
-    with pytest.raises(RuntimeError, match=r"must be \(head_dim,\)"):
-        stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(hidden))
-    stack.add_layer(*layer, 0, q_norm=torch.ones(head_dim), k_norm=torch.ones(head_dim))
+        stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM))
+    with pytest.raises(RuntimeError, match=r"must be \(HEAD_DIM,\)"):
+        stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HIDDEN))
+    stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HEAD_DIM))
 
 
 def test_stack_rejects_bad_gemma_pieces(cpu_ops):
-    hidden, heads, kv_heads, head_dim = 8, 2, 1, 4
-    stack = cpu_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.5, torch.ones(hidden))
-    linear = lambda i, o: cpu_ops.linear_weights("panel", cpu_ops.pack_panels(torch.zeros(o, i)),
-                                                out_features=o)
-    layer = (torch.ones(hidden), torch.ones(hidden), linear(hidden, 16), linear(8, hidden),
-             linear(hidden, 12), linear(6, hidden))
+    stack, layer = tiny_stack(cpu_ops)
     with pytest.raises(RuntimeError, match="both or neither"):
-        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(hidden))
+        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(HIDDEN))
     with pytest.raises(RuntimeError, match=r"must be \(H,\)"):
-        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(hidden),
-                        post_feedforward_norm=torch.ones(head_dim))
+        stack.add_layer(*layer, 0, pre_feedforward_norm=torch.ones(HIDDEN),
+                        post_feedforward_norm=torch.ones(HEAD_DIM))
     with pytest.raises(RuntimeError, match="activation must be"):
         stack.set_activation("relu")
     with pytest.raises(RuntimeError, match="shaped as cos"):
-        stack.set_lookup_tables(torch.zeros(10, hidden), torch.zeros(5, 2), torch.zeros(5, 2),
+        stack.set_lookup_tables(torch.zeros(10, HIDDEN), torch.zeros(5, 2), torch.zeros(5, 2),
                                 cos_local=torch.zeros(4, 2), sin_local=torch.zeros(4, 2))
     stack.add_layer(*layer, 0, local_rope=True)
     one = torch.tensor([0])
-    stack.set_lookup_tables(torch.zeros(10, hidden), torch.zeros(5, 2), torch.zeros(5, 2))
-    caches = [torch.zeros(2, 4, kv_heads, head_dim) for _ in range(2)]
+    stack.set_lookup_tables(torch.zeros(10, HIDDEN), torch.zeros(5, 2), torch.zeros(5, 2))
+    caches = [torch.zeros(2, 4, 1, HEAD_DIM) for _ in range(2)]
     with pytest.raises(RuntimeError, match="local RoPE tables"):
         stack.forward(one, one, caches, one, one.view(1, 1), one + 1)
