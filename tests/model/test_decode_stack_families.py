@@ -132,7 +132,7 @@ def test_stack_rejects_bad_qk_norms(cpu_ops):
     stack, layer = tiny_stack(cpu_ops)
     with pytest.raises(RuntimeError, match="both or neither"):
         stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM))
-    with pytest.raises(RuntimeError, match=r"must be \(HEAD_DIM,\)"):
+    with pytest.raises(RuntimeError, match=r"must be \(head_dim,\)"):
         stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HIDDEN))
     stack.add_layer(*layer, 0, q_norm=torch.ones(HEAD_DIM), k_norm=torch.ones(HEAD_DIM))
 
