@@ -24,6 +24,7 @@ from benchmarks.chaos_attacks_fields import (
     body_2mb,
     cache_salt_huge,
     chat_1mb,
+    chat_template_kwargs_deep,
     continuous_usage_wrong_type,
     echo_1mb,
     echo_long_prompt_scored,
@@ -107,6 +108,7 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "1000 prompts (past --max-waiting 64)": (prompts_past_the_queue, frozenset({400})),
     "echo of a 1 MB prompt": (echo_1mb, frozenset({400})),
     "echo of a 360-token prompt, scored": (echo_long_prompt_scored, frozenset({200})),
+    "chat_template_kwargs 10,000 deep": (chat_template_kwargs_deep, frozenset({400})),
 }
 
 

@@ -4,6 +4,8 @@ sizes), each answered by a status and, for a 200, checked content (benchmarks/ch
 
 from __future__ import annotations
 
+import json
+
 from benchmarks.chaos_kit import (
     ADVERSARY_PROMPT,
     ATTACK_MAX_TOKENS,
@@ -244,6 +246,17 @@ async def tool_arguments_deep(ctx: Context) -> Outcome:
                          {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
     r = await post(ctx, "deep_args", body, path="/v1/chat/completions")
+    return Outcome(r.status_code, error_note(r))
+
+
+async def chat_template_kwargs_deep(ctx: Context) -> Outcome:
+    """chat_template_kwargs nested 10,000 deep (the bound is 8; written as raw JSON, too deep
+    for json.dumps): a 400, never a RecursionError's 500."""
+    nested = '{"x":' * 10_000 + "{}" + "}" * 10_000
+    body = (f'{{"model": {json.dumps(MODEL)}, "max_tokens": {ATTACK_MAX_TOKENS}, '
+            f'"messages": [{{"role": "user", "content": "hi"}}], '
+            f'"chat_template_kwargs": {{"deep": {nested}}}}}')
+    r = await post(ctx, "template_kwargs", content=body.encode(), path="/v1/chat/completions")
     return Outcome(r.status_code, error_note(r))
 
 
