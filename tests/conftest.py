@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
+from hypothesis import settings
 
 from slotserve.config import ModelConfig, engine_config
 from slotserve.engine.llm import LLM
 from slotserve.engine.llm_engine import LLMEngine
+
+# NOTE: property tests draw the same examples on every run (CI must not go red by chance);
+# `HYPOTHESIS_PROFILE=explore make test` draws new ones to hunt for bugs.
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from slotserve.config import SchedulerConfig
@@ -235,6 +235,8 @@ def test_output_capped_by_pool_size():
     n=st.integers(1, 12),
     cap=st.one_of(st.none(), st.integers(1, 40)),
 )
+# A prompt's last one-token chunk is labelled a decode: the cap holds beside it too.
+@example(seed=0, policy="continuous", slots=2, budget=3, num_blocks=6, n=4, cap=1)
 def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_blocks, n, cap):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=slots,

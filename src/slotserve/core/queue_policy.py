@@ -46,13 +46,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from slotserve.config import SchedulerConfig
+from slotserve.core.outputs import is_decode_step
 from slotserve.request import Request
 
 
 def decodes_now(request: Request) -> bool:
-    """Whether a running request's next tokens are a decode (it has its first token and
-    only its last sampled token is pending), not a prefill chunk."""
-    return request.times.first_token is not None and request.num_pending_tokens <= 1
+    """Whether a running request's next step is a decode as the plan labels it
+    (`is_decode_step`): one pending token after cached context. NOTE: this includes a
+    prompt whose last chunk is its one remaining token, so the prefill cap holds in
+    every iteration whose plan has a decode in it."""
+    pending = request.num_pending_tokens
+    return is_decode_step(request.num_computed_tokens, pending, pending == 1)
 
 
 class CostModel:
