@@ -118,7 +118,8 @@ class AttentionMetadata:
 
     Prefills (more than one new token, a first token, or a one-token chunk that samples
     nothing) are attended one by one; decodes (`ScheduledSeq.is_one_token_decode`) in a few
-    groups of similar context length.
+    groups of similar context length. With group_decodes=False an iteration of decodes only,
+    some verified with draft tokens, is one group of a row per token (`_one_decode_group`).
     NOTE: masks are built here, once per iteration, not in each layer.
     """
 
@@ -129,7 +130,7 @@ class AttentionMetadata:
 
     @property
     def decode_only(self) -> bool:
-        """Every token is a decode and all are one group, rows 0..T-1 in order."""
+        """Every token is a decode row and all are one group, rows 0..T-1 in order."""
         return not self.prefills and len(self.decode_groups) == 1
 
     @property
@@ -154,7 +155,7 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     sequence's own context, padding costs nothing and one group is one call per layer.
     """
     to = lambda a: torch.from_numpy(a).to(device)
-    if not group_decodes and seqs and all(s.is_one_token_decode for s in seqs):
+    if not group_decodes and seqs and all(s.is_decode for s in seqs):
         return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
@@ -185,11 +186,24 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
 
 def _one_decode_group(seqs: list[ScheduledSeq], block_size: int, to) -> AttentionMetadata:
     """build_metadata of an all-decode iteration in one group without a mask, in a few
-    array operations (the decode stack's every step)."""
+    array operations (the decode stack's every step).
+
+    A decode verified with k draft tokens is k + 1 rows of the group: the row at position p
+    reads the sequence's table up to p (context_len p + 1). NOTE: that is exact causal
+    attention over the chunk because every layer writes all rows' K/V before any row
+    attends (`paged_attention`, the decode stack), so speculative decoding's iterations run
+    on the decode stack too.
+    """
     tables, context_lens = _padded_tables(seqs)
-    positions = context_lens - 1  # of each sequence's one new token
-    slots = tables[np.arange(len(seqs)), positions // block_size] * block_size
-    group = DecodeGroup(rows=to(np.arange(len(seqs))), block_tables=to(tables),
+    counts = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    if int(counts.sum()) == len(seqs):  # one token each: no rows to repeat
+        positions = context_lens - 1  # of each sequence's one new token
+    else:
+        owner = np.repeat(np.arange(len(seqs)), counts)  # (T,) each row's sequence
+        positions = np.concatenate([np.arange(s.start_pos, s.context_len) for s in seqs])
+        tables, context_lens = tables[owner], positions + 1
+    slots = tables[np.arange(len(positions)), positions // block_size] * block_size
+    group = DecodeGroup(rows=to(np.arange(len(positions))), block_tables=to(tables),
                         context_lens=to(context_lens), mask=None)
     return AttentionMetadata(to(slots + positions % block_size), [], [group], block_size)
 
