@@ -60,6 +60,7 @@ from slotserve.model.kernels import (
 )
 from slotserve.request import Request
 from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
+from slotserve.runner.lookups import RequestLookups
 from slotserve.runner.model_runner import ModelRunner
 from slotserve.runner.prompt_logprobs import PromptLogprobs
 from slotserve.sampling import SamplingParams
@@ -102,9 +103,12 @@ class LLMEngine:
                                           resolve_dtype(config.device, config.dtype))
         num_blocks = resolve_num_blocks(config.cache, model_config, sched, config.device,
                                         kv_dtype)
+        self.eos_token_ids = eos_ids(model_config, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(model_config, weights, config.cache, num_blocks,
                                   config.device, config.dtype, config.seed,
-                                  kernels=kernels, kv_cache_dtype=kv_dtype)
+                                  kernels=kernels, kv_cache_dtype=kv_dtype,
+                                  lookups=self._runner_lookups())
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(sched.max_num_seqs, sched.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
@@ -117,12 +121,6 @@ class LLMEngine:
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
                                    settings=trace_settings(sched, config.cache))
-        self.eos_token_ids = eos_ids(model_config, tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
-        self.runner.grammar_of = self._grammar_of
-        self.runner.shaping_of = self._shaping_of
-        self.runner.prompt_logprobs_of = self._prompt_logprobs_of
-        self.runner.sampler.eos_token_ids = self.eos_token_ids  # min_tokens masks them
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []
@@ -275,6 +273,13 @@ class LLMEngine:
             if self._sequences.get(child_id) is seq:
                 del self._sequences[child_id]
         self._parents.pop(request_id, None)  # add_request checked it was not in use
+
+    def _runner_lookups(self) -> RequestLookups:
+        """What the runner may read of the running completions (runner/lookups.py), and the
+        EOS ids min_tokens masks. NOTE: bound methods over `_sequences`, read at each step."""
+        return RequestLookups(grammar_of=self._grammar_of, shaping_of=self._shaping_of,
+                              prompt_logprobs_of=self._prompt_logprobs_of,
+                              eos_token_ids=self.eos_token_ids)
 
     def _shaping_of(self, request_id: str) -> SequenceShaping | None:
         """The penalties and logit shaping of a running completion (None: none); the runner's."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
@@ -15,8 +14,8 @@ from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.decode_graphs import DecodeGraphs
-from slotserve.runner.logit_shaping import SequenceShaping
-from slotserve.runner.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from slotserve.runner.lookups import NO_LOOKUPS, RequestLookups
+from slotserve.runner.prompt_logprobs import compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
 from slotserve.sampling import SamplingParams
 from slotserve.spec.verify import (
@@ -53,13 +52,17 @@ class ModelRunner:
     kernels: the KernelSet the model runs (model/kernels.py); default: resolved from
     device and dtype with kernels="auto" and fp32 weights.
     kv_cache_dtype: the KV pool's element type (default: the model's dtype).
+    lookups: what the runner asks the engine about a running request (its grammar matcher,
+    logit shaping, prompt-logprobs accumulator) and the EOS ids min_tokens masks
+    (runner/lookups.py); default: none, every request unconstrained.
     """
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  cache_config: CacheConfig, num_blocks: int, device: str = "cpu",
                  dtype: str | None = None, seed: int = 0, *,
                  kernels: KernelSet | None = None,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None,
+                 lookups: RequestLookups = NO_LOOKUPS) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = resolve_dtype(device, dtype)
@@ -76,14 +79,10 @@ class ModelRunner:
         # NOTE: after .to(): it builds the kernels (GGUF blocks dequantized unless they run them)
         self.model.load_hf_weights(self.kernels.prepare_weights(weights))
         self.kv_caches = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, seed, ops=self.kernels.layer_ops)
-        # Structured outputs: the engine points this at its sequences' grammar matchers.
-        self.grammar_of: Callable[[str], GrammarMatcher | None] = lambda request_id: None
-        # Penalties and logit shaping: the engine points this at its sequences' state.
-        self.shaping_of: Callable[[str], SequenceShaping | None] = lambda request_id: None
-        # Prompt logprobs: the engine points this at its completions' accumulators.
-        self.prompt_logprobs_of: Callable[[str], PromptLogprobs | None] = (
-            lambda request_id: None)
+        # NOTE: fixed at construction; the engine's per-request state is only read through it
+        self._lookups = lookups
+        self.sampler = Sampler(self.device, seed, eos_token_ids=lookups.eos_token_ids,
+                               ops=self.kernels.layer_ops)
         self._mask_worker: ThreadPoolExecutor | None = None
         # Decode-only iterations through CUDA graphs, once capture_decode_graphs ran.
         self.decode_graphs: DecodeGraphs | None = None
@@ -97,6 +96,11 @@ class ModelRunner:
         tables_width = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                           max_num_seqs, tables_width, self.device)
+
+    @property
+    def lookups(self) -> RequestLookups:
+        """What the runner asks the engine about its requests (given at construction)."""
+        return self._lookups
 
     @property
     def linear_kernel(self) -> str:
@@ -149,7 +153,7 @@ class ModelRunner:
         if len(sample_rows) < len(hidden):  # NOTE: the rows ascend: all of them is every row
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)  # (S, V), only where sampling
-        shaping = [self.shaping_of(s.request_id) for s in sampling]
+        shaping = [self._lookups.shaping_of(s.request_id) for s in sampling]
         extra = {} if all(s is None for s in shaping) else {"shaping": shaping}
         if allowed is None:  # NOTE: the sampler's two-argument form when nothing is masked
             tokens, logprobs = self.sampler(logits, sampling, **extra)
@@ -192,7 +196,7 @@ class ModelRunner:
         for s in sampling:
             first = first_row[s.request_id]
             shaping[first:first + len(s.spec_token_ids) + 1] = shaping_for_rows(
-                self.shaping_of(s.request_id), s.spec_token_ids)
+                self._lookups.shaping_of(s.request_id), s.spec_token_ids)
         if any(x is not None for x in shaping):
             extra["shaping"] = shaping
         tokens, logprobs = self.sampler(logits, row_seqs, **extra)
@@ -241,7 +245,7 @@ class ModelRunner:
         entries = []
         row = 0
         for seq in sampling:
-            matcher = self.grammar_of(seq.request_id)
+            matcher = self._lookups.grammar_of(seq.request_id)
             if matcher is not None:
                 entries.append((matcher, row, list(seq.spec_token_ids)))
             row += len(seq.spec_token_ids) + 1
@@ -276,7 +280,7 @@ class ModelRunner:
         rows = []
         chunk_row = 0
         for s in seqs:
-            acc = (self.prompt_logprobs_of(s.request_id)
+            acc = (self._lookups.prompt_logprobs_of(s.request_id)
                    if s.sampling_params.prompt_logprobs is not None else None)
             if acc is not None:
                 offsets = acc.rows_to_compute(s.start_pos, s.num_tokens)
@@ -309,7 +313,8 @@ class ModelRunner:
         Measured with SmolLM2 on a loaded 2-core CPU: a step's masks took 0.27 ms (1 row) to
         0.6 ms (8 rows) at the median, the wait for them after the forward 0.02 ms.
         """
-        rows = [(m, i) for i, m in enumerate(self.grammar_of(s.request_id) for s in sampling)
+        grammar_of = self._lookups.grammar_of
+        rows = [(m, i) for i, m in enumerate(grammar_of(s.request_id) for s in sampling)
                 if m is not None]
         if not rows:
             return None

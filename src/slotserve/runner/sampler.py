@@ -38,8 +38,8 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0,
                  eos_token_ids: tuple[int, ...] = (), ops=None) -> None:
-        """eos_token_ids: the model's EOS tokens (the engine sets them), which min_tokens
-        keeps out. ops: the fused CPU kernels (their argmax_rows), or None."""
+        """eos_token_ids: the model's EOS tokens (ModelRunner passes its RequestLookups'),
+        which min_tokens keeps out. ops: the fused CPU kernels (their argmax_rows), or None."""
         self.device = device
         self.ops = ops
         self.generator = torch.Generator(device=device).manual_seed(seed)
