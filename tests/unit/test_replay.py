@@ -51,7 +51,7 @@ def seed_toy_requests() -> list[ReplayRequest]:
 @pytest.mark.parametrize("policy, iterations, busy, percent", [
     ("static", 12, 22, 61), ("continuous", 8, 22, 92)])
 def test_unit_cost_reproduces_the_seed(policy, iterations, busy, percent):
-    result = replay(seed_toy_requests(), ReplaySettings(policy=policy, max_num_seqs=3),
+    result = replay(seed_toy_requests(), ReplaySettings(batching=policy, max_num_seqs=3),
                     UnitCost(), check=True)
     s = summarize(result.trace)
     assert (s["iterations"], s["busy_slot_iterations"], s["slot_iterations"]) == (
@@ -113,11 +113,6 @@ def _decisions(plan, token_values: bool = True):
             plan.kv_blocks_used)
 
 
-def _replay_names(settings: dict) -> dict:
-    """The engine's settings as ReplaySettings names them (its admission rule: `policy`)."""
-    return {("policy" if k == "batching" else k): v for k, v in settings.items()}
-
-
 CASES = {
     "continuous": (dict(batching="continuous", max_num_seqs=4, max_num_batched_tokens=32),
                    dict(count=10)),
@@ -143,7 +138,7 @@ def test_engine_with_the_fake_runner_takes_the_same_decisions(tiny_llama, case):
     engine = tiny_engine(tiny_llama, **ENGINE, **settings)
     engine.runner = FakeRunner(cost)
     engine_plans = _drive_engine(engine, requests)
-    sim = replay(requests, ReplaySettings(max_model_len=512, **_replay_names(settings)), cost,
+    sim = replay(requests, ReplaySettings(max_model_len=512, **settings), cost,
                  keep_plans=True, check=True)
     assert [_decisions(p) for p in sim.plans] == [_decisions(p) for p in engine_plans]
     if case == "preemption":
@@ -172,7 +167,7 @@ def test_the_real_engine_and_its_trace_replay_to_the_same_schedule(tiny_llama):
     requests = _requests(10, seed=3)
     engine = tiny_engine(tiny_llama, **ENGINE, **settings)
     engine_plans = _drive_engine(engine, requests)
-    replay_settings = ReplaySettings(max_model_len=512, **_replay_names(settings))
+    replay_settings = ReplaySettings(max_model_len=512, **settings)
     sim = replay(requests, replay_settings, UnitCost(), keep_plans=True)
     assert [_decisions(p, token_values=False) for p in sim.plans] == \
         [_decisions(p, token_values=False) for p in engine_plans]

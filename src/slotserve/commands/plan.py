@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           enable_prefix_caching=args.enable_prefix_caching,
                           speculative_config=speculation)
     started = time.perf_counter()
-    candidates = search(requests, slo, cost, base=base, policies=args.batching,
+    candidates = search(requests, slo, cost, base=base, batching=args.batching,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         rates=args.rates or DEFAULT_RATES, seed=args.seed)
@@ -94,7 +94,7 @@ def verify(winner, workload, slo, args: argparse.Namespace) -> None:
 
     s = winner.settings
     target = EngineTarget.load(
-        args.model, batching=s.policy, max_num_seqs=s.max_num_seqs,
+        args.model, batching=s.batching, max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=s.max_prefill_tokens_while_decoding,
         max_model_len=s.max_model_len, block_size=s.block_size, num_blocks=s.resolved_num_blocks(),

@@ -161,10 +161,10 @@ def run_replay(args: argparse.Namespace, cost) -> int:
         info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     base = settings_from_args(args, info)
     both = args.batching == "both"
-    policies = ("static", "continuous") if both else (args.batching or base.policy,)
+    rules = ("static", "continuous") if both else (args.batching or base.batching,)
     results, started = [], time.perf_counter()
-    for policy in policies:
-        results.append(replay(requests, replace(base, policy=policy), cost, workload=info))
+    for rule in rules:
+        results.append(replay(requests, replace(base, batching=rule), cost, workload=info))
     elapsed = time.perf_counter() - started
     reports = [r.bench_result() for r in results]
     if len(reports) == 1:
@@ -184,15 +184,17 @@ def run_replay(args: argparse.Namespace, cost) -> int:
 def settings_from_args(args: argparse.Namespace, info: dict) -> ReplaySettings:
     """Each setting: its flag if given, else what the trace recorded, else the engine's
     default. NOTE: a flag overrides only its own setting (e.g. --max-num-seqs keeps the
-    trace's KV pool: the pool is the machine's memory, not a function of the slots)."""
+    trace's KV pool: the pool is the machine's memory, not a function of the slots). The
+    admission rule: --batching, else the trace header's `policy` (the trace format's name
+    for it), else continuous."""
     recorded = {k: v for k, v in info.get("trace_settings", {}).items()
                 if k in SETTINGS_FLAGS and v is not None}
     header = {"max_num_seqs": info.get("trace_num_slots"),
-              "num_blocks": info.get("trace_kv_blocks"), "policy": info.get("trace_policy")}
+              "num_blocks": info.get("trace_kv_blocks"), "batching": info.get("trace_policy")}
     recorded |= {k: v for k, v in header.items() if v is not None}
     flags = {k: getattr(args, k) for k in SETTINGS_FLAGS if getattr(args, k, None) is not None}
     if args.batching not in (None, "both"):
-        flags["policy"] = args.batching  # NOTE: ReplaySettings' name for the admission rule
+        flags["batching"] = args.batching
     return ReplaySettings(**(recorded | flags))
 
 
@@ -205,7 +207,7 @@ def _write_replay_outputs(args, results: list[ReplayResult], reports, ratios) ->
     if args.save_trace:
         path = Path(args.save_trace)
         paths = [path] if len(results) == 1 else [
-            path.with_suffix(f".{r.settings.policy}{path.suffix or '.json'}") for r in results]
+            path.with_suffix(f".{r.settings.batching}{path.suffix or '.json'}") for r in results]
         for result, p in zip(results, paths):
             p.write_text(json.dumps(result.trace) + "\n")
             print(f"wrote {p}")

@@ -1,7 +1,7 @@
 """Planning: search settings and request rates in simulation for the best goodput under SLOs.
 
 goodput = requests that meet both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot; a one-token
-request has no TPOT and meets that one) per second of the run. For every setting (policy x
+request has no TPOT and meets that one) per second of the run. For every setting (batching x
 max_num_seqs x max_num_batched_tokens) the workload is replayed at every rate (Poisson
 arrivals, as `slotserve bench --request-rate` sends them); the best (setting, rate) wins.
 """
@@ -62,7 +62,7 @@ def score_records(records, duration: float, slo: SLO) -> tuple[float, float]:
 
 
 def search(requests: list[ReplayRequest], slo: SLO, cost_model, *,
-           base: ReplaySettings | None = None, policies: tuple[str, ...] = ("continuous",),
+           base: ReplaySettings | None = None, batching: tuple[str, ...] = ("continuous",),
            max_num_seqs: tuple[int, ...] = (4, 8, 16, 32, 64),
            max_num_batched_tokens: tuple[int, ...] = (256, 512, 1024),
            rates: tuple[float, ...] = DEFAULT_RATES, seed: int = 0) -> list[Candidate]:
@@ -74,8 +74,8 @@ def search(requests: list[ReplayRequest], slo: SLO, cost_model, *,
     base = base or ReplaySettings()
     timed = {rate: with_poisson(requests, rate, seed) for rate in rates}
     candidates = []
-    for policy, seqs, tokens in itertools.product(policies, max_num_seqs, max_num_batched_tokens):
-        settings = replace(base, policy=policy, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    for rule, seqs, tokens in itertools.product(batching, max_num_seqs, max_num_batched_tokens):
+        settings = replace(base, batching=rule, max_num_seqs=seqs, max_num_batched_tokens=tokens)
         for rate, arrivals in timed.items():
             result = replay(arrivals, settings, cost_model)
             goodput, attainment = score(result, slo)
@@ -89,7 +89,7 @@ def best_per_setting(candidates: list[Candidate]) -> list[Candidate]:
     """Each setting's best rate, in the candidates' order (best first)."""
     seen, best = set(), []
     for c in candidates:
-        key = (c.settings.policy, c.settings.max_num_seqs, c.settings.max_num_batched_tokens)
+        key = (c.settings.batching, c.settings.max_num_seqs, c.settings.max_num_batched_tokens)
         if key not in seen:
             seen.add(key)
             best.append(c)
@@ -101,16 +101,16 @@ def format_plan(candidates: list[Candidate], slo: SLO, top: int = 8) -> str:
     rows = best_per_setting(candidates)[:top]
     lines = [f"SLOs: TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.tpot_ms:g} ms "
              f"(goodput: requests meeting both, per second)",
-             f"{'policy':<11}{'seqs':>5}{'tokens':>7}{'rate':>7}{'goodput':>9}{'met':>6}"
+             f"{'batching':<11}{'seqs':>5}{'tokens':>7}{'rate':>7}{'goodput':>9}{'met':>6}"
              f"{'TTFT p50/p99 ms':>18}{'TPOT p50/p99 ms':>18}"]
     for c in rows:
         b = c.result.bench_result()
-        lines.append(f"{c.settings.policy:<11}{c.settings.max_num_seqs:>5}"
+        lines.append(f"{c.settings.batching:<11}{c.settings.max_num_seqs:>5}"
                      f"{c.settings.max_num_batched_tokens:>7}{_rate(c.rate):>7}"
                      f"{c.goodput:>9.2f}{c.attainment:>6.0%}{_pair(b.ttft_ms):>18}"
                      f"{_pair(b.tpot_ms):>18}")
     win = rows[0]
-    lines.append(f"best: --batching {win.settings.policy} --max-num-seqs "
+    lines.append(f"best: --batching {win.settings.batching} --max-num-seqs "
                  f"{win.settings.max_num_seqs} --max-num-batched-tokens "
                  f"{win.settings.max_num_batched_tokens} at {_rate(win.rate)} req/s: "
                  f"predicted goodput {win.goodput:.2f} req/s ({win.attainment:.0%} meet the SLOs)")

@@ -91,6 +91,9 @@ class ReplayRequest:
 class ReplaySettings:
     """The engine settings a replay varies (names as `engine_config`'s).
 
+    batching: the admission rule, continuous or static (as `engine_config`'s `batching`;
+    formerly `policy` here too). NOTE: a trace names it `policy` (its header's key, format
+    version 1); `slotserve replay` reads it from there.
     num_blocks None: the engine's default when memory is plentiful, enough blocks for
     max_num_seqs sequences of max_model_len tokens.
     scheduling_policy, slo_ttft_ms, slo_tpot_ms, slo_reject: as `SchedulerConfig`'s (the
@@ -99,7 +102,7 @@ class ReplaySettings:
     drafts go to the requests with recorded `verifications` (see `speculation`).
     """
 
-    policy: str = Policy.CONTINUOUS
+    batching: str = Policy.CONTINUOUS
     scheduling_policy: str = "fcfs"
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -127,7 +130,7 @@ class ReplaySettings:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-            max_model_len=self.max_model_len, policy=self.policy,
+            max_model_len=self.max_model_len, policy=self.batching,
             scheduling_policy=self.scheduling_policy, slo_ttft_ms=self.slo_ttft_ms,
             slo_tpot_ms=self.slo_tpot_ms, slo_reject=self.slo_reject)
 
@@ -203,7 +206,7 @@ class ReplayResult:
                                  o.error) for o in self.outcomes]
         run = RunStats(records, self.duration, self.config(), self.utilisation,
                        self.preemptions, self.iterations)
-        return summarize(run, label or self.settings.policy, "simulator")
+        return summarize(run, label or self.settings.batching, "simulator")
 
 
 def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_model, *,
@@ -224,7 +227,7 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model,
                              speculator=make_speculator(settings.speculation(), oracle),
                              acceptance=oracle)
-    trace = TraceRecorder(settings.max_num_seqs, settings.policy, cache.num_blocks,
+    trace = TraceRecorder(settings.max_num_seqs, settings.batching, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
     # NOTE: arrival order, input order among equal arrivals (as a workload's).
