@@ -9,6 +9,17 @@ Scope (CacheConfig.prefix_cache_scope): tenant-scoped, the request's tenant star
 chain, so only requests of one tenant share blocks (a tenant cannot learn, from
 `cached_tokens` or from timing, what another sent); global, any requests with the same
 tokens do. A request's cache_salt narrows either further.
+
+Sliding windows (`sliding_window`: the one window every layer of the model has,
+`layer_windows.uniform_window`): a query at position q reads keys q - window + 1 .. q only,
+and queries only move forward, so once a request has computed its first q positions, the
+blocks that end before q - window + 1 are read by no layer again: they go back to the pool
+(vLLM's sliding-window manager). They are always a prefix of the table: the table keeps the
+blocks held, and `num_freed_blocks` counts the freed entries before them (vLLM puts its null
+block there); `block_table` gives the runner the whole table. A freed block that carries a
+hash stays in the prefix cache as a cached free block (evictable, still hittable), as a
+request's finished blocks do. A model with mixed windows (some layer attends fully, or the
+windows differ) frees nothing.
 """
 
 from __future__ import annotations
@@ -32,17 +43,27 @@ class KVCacheManager:
     computed, so never written again; only they may be shared or carry a hash. Every block
     after them is held by this one request alone and has no hash. `check_integrity` asserts
     it; the scheduler asserts that a request's computed tokens cover its cached blocks.
+    NOTE (sliding window): table indices count the freed entries too (index i holds
+    positions i * block_size ..); `block_tables[id]` lists the blocks held, the entries from
+    `num_freed_blocks(id)` on. Freed entries are full and computed (so, with prefix caching,
+    never more than the cached ones).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False, tenant_scoped: bool = False) -> None:
+                 enable_prefix_caching: bool = False, tenant_scoped: bool = False,
+                 sliding_window: int | None = None) -> None:
         """tenant_scoped: the tenant is part of every block hash (CacheConfig's
-        prefix_cache_scope "tenant"); False: the global scope."""
+        prefix_cache_scope "tenant"); False: the global scope.
+        sliding_window: the window every layer of the model has (`uniform_window` of its
+        `sliding_windows`), or None: the blocks before a request's window are freed."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tenant_scoped = tenant_scoped
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}  # the blocks held (after freed entries)
+        self._num_freed: dict[str, int] = {}  # leading table entries freed (sliding window)
+        self.sliding_window: int | None = None
+        self.set_sliding_window(sliding_window)
         self._num_cached_blocks: dict[str, int] = {}
         # Hashes of allocated blocks whose tokens are known but whose K/V are being computed
         # (so another request with that prefix may wait for them instead of computing them).
@@ -71,6 +92,43 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def set_sliding_window(self, window: int | None) -> None:
+        """Free the blocks before each request's last `window` positions from now on (the
+        window every layer has), or None: keep every block. Only while no request holds
+        blocks; ValueError for a window that is not a positive int."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, "
+                             f"not {window!r}")
+        if self.block_tables:
+            raise RuntimeError("the sliding window can change only while no request holds "
+                               "blocks")
+        self.sliding_window = window
+
+    def num_freed_blocks(self, request_id: str) -> int:
+        """Leading entries of the request's table whose blocks went back (sliding window)."""
+        return self._num_freed.get(request_id, 0)
+
+    def num_table_blocks(self, request_id: str) -> int:
+        """Entries of the request's table, freed ones included: its positions need this many
+        blocks (0 if it holds none)."""
+        held = self.block_tables.get(request_id)
+        return 0 if held is None else self.num_freed_blocks(request_id) + len(held)
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's table as the runner reads it: one block id per entry.
+
+        NOTE: a freed entry repeats the first block held: an id inside the pool, in this
+        request's own memory. No attention path reads it (they read only the blocks of a
+        query's window: attention/metadata.py, the fused kernels' check_block_tables), and no
+        new token is written there (new positions come after the window).
+        """
+        held = self.block_tables[request_id]
+        freed = self.num_freed_blocks(request_id)
+        if not freed:
+            return list(held)
+        return [held[0] if held else 0] * freed + held
 
     def num_cached_blocks(self, request_id: str) -> int:
         """Leading blocks of the request's table that are full, computed and hash-checked."""
@@ -135,12 +193,11 @@ class KVCacheManager:
         Returns the new blocks, or None (and takes nothing) when too few are free.
         """
         request_id = request.request_id
+        held = self.num_table_blocks(request_id)
         if computed_blocks is None:  # NOTE: most decodes: the blocks held cover them
-            table = self.block_tables.get(request_id)
-            if table is not None and self.blocks_for(num_total_tokens) <= len(table):
+            if request_id in self.block_tables and self.blocks_for(num_total_tokens) <= held:
                 return []
         computed = computed_blocks or []
-        held = len(self.block_tables.get(request_id, ()))
         if computed and held:
             raise RuntimeError(f"{request_id}: cached blocks given to a request holding blocks")
         needed = max(0, self.blocks_for(num_total_tokens) - held - len(computed))
@@ -153,7 +210,7 @@ class KVCacheManager:
             self.prefix_cache_queries += request.num_tokens
         new_blocks = self.pool.allocate(needed)
         table.extend(new_blocks)
-        self._mark_in_flight(request, len(table) - needed)
+        self._mark_in_flight(request, self.num_table_blocks(request_id) - needed)
         return new_blocks
 
     def extend_computed(self, request: Request) -> int:
@@ -163,21 +220,21 @@ class KVCacheManager:
         own is allocated past them). Returns the tokens gained; the caller advances
         `num_computed_tokens` by that much.
         """
-        table = self.block_tables.get(request.request_id)
-        if not self.enable_prefix_caching or table is None:
+        if not self.enable_prefix_caching or request.request_id not in self.block_tables:
             return 0
-        if request.num_computed_tokens != len(table) * self.block_size:
+        num_entries = self.num_table_blocks(request.request_id)
+        if request.num_computed_tokens != num_entries * self.block_size:
             return 0
-        blocks = self._longest_hit(request, len(table))
+        blocks = self._longest_hit(request, num_entries)
         self._take_hit(request, blocks)
         return len(blocks) * self.block_size
 
     def _take_hit(self, request: Request, blocks: list[int]) -> None:
-        table = self.block_tables[request.request_id]
-        assert self.num_cached_blocks(request.request_id) == len(table)
+        request_id = request.request_id
+        assert self.num_cached_blocks(request_id) == self.num_table_blocks(request_id)
         self.pool.touch(blocks)
-        table.extend(blocks)
-        self._num_cached_blocks[request.request_id] = len(table)
+        self.block_tables[request_id].extend(blocks)
+        self._num_cached_blocks[request_id] = self.num_table_blocks(request_id)
         hit_tokens = len(blocks) * self.block_size
         self.prefix_cache_hits += hit_tokens
         if request.num_preemptions == 0 and not request.output_token_ids:
@@ -187,10 +244,10 @@ class KVCacheManager:
         """Record the hashes of new blocks that will fill with already-known tokens."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables[request.request_id]
         hashes = self.block_hashes(request)
+        num_entries = self.num_table_blocks(request.request_id)
         marks = self._in_flight_of.setdefault(request.request_id, {})
-        for index in range(first_new, min(len(table), len(hashes))):
+        for index in range(first_new, min(num_entries, len(hashes))):
             marks[index] = hashes[index]
             self._in_flight[hashes[index]] += 1
 
@@ -214,14 +271,56 @@ class KVCacheManager:
         if not self.enable_prefix_caching or table is None:
             return
         start = self.num_cached_blocks(request_id)
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        freed = self.num_freed_blocks(request_id)
+        num_full = min(request.num_computed_tokens // self.block_size, freed + len(table))
         if num_full <= start:
             return
+        assert freed <= start, f"{request_id}: a freed block was never cached"
         hashes = self.block_hashes(request)
         for index in range(start, num_full):
             self._end_in_flight(request_id, index)
-            self.pool.cache_block(table[index], hashes[index])  # False: a duplicate, kept plain
+            # False: a duplicate, kept plain
+            self.pool.cache_block(table[index - freed], hashes[index])
         self._num_cached_blocks[request_id] = num_full
+
+    def on_computed(self, request: Request) -> None:
+        """After a forward advanced `num_computed_tokens`: register the blocks it filled
+        (prefix caching), then give back the blocks no later query reads (sliding window)."""
+        self.cache_full_blocks(request)
+        self.free_outside_window(request)
+
+    def free_outside_window(self, request: Request) -> int:
+        """Give back the blocks that end before the window of the request's next query
+        (position `num_computed_tokens`, reading keys from num_computed_tokens - window + 1
+        on). Returns how many went back; 0 without a sliding window.
+
+        NOTE: queries only move forward (speculative decoding rewinds only past positions it
+        had not computed; a preempted request gives back all its blocks and starts again),
+        so a block freed here is never read again. The attention paths read from the same
+        first block: (context_len - window) // block_size with context_len = the query's
+        position + 1 (metadata.py's views, the kernels' first_window_position).
+        """
+        request_id = request.request_id
+        table = self.block_tables.get(request_id)
+        if self.sliding_window is None or table is None:
+            return 0
+        first_read = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        freed = self.num_freed_blocks(request_id)
+        # NOTE: with prefix caching, only blocks whose hash was registered (or refused as a
+        # duplicate) go: cache_full_blocks runs first (on_computed), so this caps nothing
+        # unless a caller skipped it.
+        limit = self.num_cached_blocks(request_id) if self.enable_prefix_caching else \
+            freed + len(table)
+        num_free = min(first_read // self.block_size, limit) - freed
+        if num_free <= 0:
+            return 0
+        gone = table[:num_free]
+        del table[:num_free]
+        self._num_freed[request_id] = freed + num_free
+        # Reversed, as in free(): the later blocks go back first, the earlier stay cached
+        # longer (a prefix hit needs the earliest blocks of the chain).
+        self.pool.free(list(reversed(gone)))
+        return num_free
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Give back the blocks past the first ceil(num_tokens / block_size) of a request's
@@ -235,13 +334,14 @@ class KVCacheManager:
         request_id = request.request_id
         table = self.block_tables.get(request_id)
         keep = self.blocks_for(num_tokens)
-        if table is None or len(table) <= keep:
+        if table is None or self.num_table_blocks(request_id) <= keep:
             return 0
-        if keep < self.num_cached_blocks(request_id):
+        if keep < max(self.num_cached_blocks(request_id), self.num_freed_blocks(request_id)):
             raise RuntimeError(f"{request_id}: trimming to {num_tokens} tokens would drop "
-                               "cached blocks")
-        tail = table[keep:]
-        del table[keep:]
+                               "cached or freed blocks")
+        keep_held = keep - self.num_freed_blocks(request_id)
+        tail = table[keep_held:]
+        del table[keep_held:]
         for index in range(keep, keep + len(tail)):
             self._end_in_flight(request_id, index)
         self.pool.free(list(reversed(tail)))
@@ -250,6 +350,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks to the pool (no-op if it holds none)."""
         blocks = self.block_tables.pop(request_id, [])
+        self._num_freed.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         self._end_in_flight(request_id)
         self._in_flight_of.pop(request_id, None)
@@ -263,24 +364,32 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        """Assert tables and pool agree: ref counts, the cached/exclusive split, in-flight."""
+        """Assert tables and pool agree: ref counts, the cached/exclusive split, in-flight,
+        freed entries (only with a sliding window; with prefix caching, only cached ones)."""
         self.pool.check_integrity()
         refs: Counter[int] = Counter()
         for request_id, table in self.block_tables.items():
             assert len(table) == len(set(table)), f"{request_id}: a block twice in its table"
             refs.update(table)
             cached = self.num_cached_blocks(request_id)
-            assert cached <= len(table), f"{request_id}: {cached} cached of {len(table)}"
-            for block in table[cached:]:
+            freed = self.num_freed_blocks(request_id)
+            entries = freed + len(table)
+            assert cached <= entries, f"{request_id}: {cached} cached of {entries}"
+            assert freed == 0 or self.sliding_window is not None, (
+                f"{request_id}: {freed} blocks freed without a sliding window")
+            assert not self.enable_prefix_caching or freed <= cached, (
+                f"{request_id}: {freed} freed but {cached} cached blocks")
+            for block in table[max(0, cached - freed):]:
                 assert self.pool.ref_count(block) == 1, f"block {block} is writable but shared"
                 assert self.pool.hash_of(block) is None, f"block {block} is writable but hashed"
             for index in self._in_flight_of.get(request_id, {}):
-                assert cached <= index < len(table), f"{request_id}: in-flight block {index}"
+                assert cached <= index < entries, f"{request_id}: in-flight block {index}"
         for block in range(self.pool.num_blocks):
             assert self.pool.ref_count(block) == refs[block], (
                 f"block {block}: ref count {self.pool.ref_count(block)}, "
                 f"in {refs[block]} tables")
         assert set(self._num_cached_blocks) <= set(self.block_tables)
+        assert set(self._num_freed) <= set(self.block_tables)
         assert set(self._in_flight_of) <= set(self.block_tables)
         expected = Counter(h for marks in self._in_flight_of.values() for h in marks.values())
         assert expected == self._in_flight, "in-flight counts disagree"

@@ -399,7 +399,7 @@ class Scheduler:
     def _waits_for_prefix(self, request: Request) -> bool:
         """Whether a running request, all of whose blocks are computed, should wait for its
         next block: another request is computing the same block now."""
-        held = len(self.kv.block_tables[request.request_id])
+        held = self.kv.num_table_blocks(request.request_id)
         return (request.num_computed_tokens == held * self.kv.block_size
                 and self.kv.next_block_in_flight(request, held))
 
@@ -454,7 +454,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.token_ids_between(start, start + num_known) + drafts,
             start_pos=start,
-            block_table=list(self.kv.block_tables[request.request_id]),
+            block_table=self.kv.block_table(request.request_id),
             sample=start + num_known == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=len(request.output_token_ids),
@@ -486,7 +486,7 @@ class Scheduler:
                 continue
             self.queue_policy.on_processed(request, seq.start_pos, seq.num_tokens, seq.sample)
             request.num_computed_tokens += seq.num_tokens
-            self.kv.cache_full_blocks(request)
+            self.kv.on_computed(request)
             if not seq.sample:
                 continue
             request.append_token(result.sampled[seq.request_id], now)
@@ -538,7 +538,7 @@ class Scheduler:
         if slot is not None and slot.request_id == request.request_id:
             slot.accepted = len(accepted)
         request.num_computed_tokens = min(seq.start_pos + 1 + len(accepted), request.num_tokens)
-        self.kv.cache_full_blocks(request)
+        self.kv.on_computed(request)
         if status is not None:
             self.finish_request(request.request_id, status)
         else:
@@ -577,13 +577,19 @@ class Scheduler:
             assert request.request_id not in self.kv.block_tables, "a waiting request holds blocks"
         size = self.kv.block_size
         for request in self.running:
-            held = len(self.kv.block_tables[request.request_id])
+            held = self.kv.num_table_blocks(request.request_id)
             # NOTE: with the KV manager's own check, this proves shared blocks are never
             # written: the next write is at num_computed_tokens, past every cached block.
             cached = self.kv.num_cached_blocks(request.request_id)
             assert cached * size <= request.num_computed_tokens <= held * size, (
                 f"{request.request_id}: {request.num_computed_tokens} computed, "
                 f"{cached} cached and {held} held blocks")
+            # NOTE: and no query reads a freed block: they end before the next one's window.
+            freed = self.kv.num_freed_blocks(request.request_id)
+            assert freed == 0 or freed * size <= (
+                request.num_computed_tokens - self.kv.sliding_window + 1), (
+                f"{request.request_id}: {freed} blocks freed at "
+                f"{request.num_computed_tokens} computed")
         if not self.requests:
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle, but blocks are held"
         active: dict[str, int] = {}
