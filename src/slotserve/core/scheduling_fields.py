@@ -13,18 +13,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slotserve.config import check_slo_ms
+# NOTE: the field checks and their error are config's (check_policy_fields: one definition,
+# which the lab's request records use too); the server catches the error from here.
+from slotserve.config import SchedulingFieldError, check_policy_fields
 
 if TYPE_CHECKING:
     from slotserve.request import Request
 
-
-class SchedulingFieldError(ValueError):
-    """A bad scheduling field; `field` names it (the server's 400 `param`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+__all__ = ["SchedulingFieldError", "SchedulingFields", "given_or_loose"]
 
 
 @dataclass(frozen=True)
@@ -49,13 +45,7 @@ class SchedulingFields:
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
-        _check_priority(self.priority)
-        _check_tenant(self.tenant)
-        for name in ("slo_ttft_ms", "slo_tpot_ms"):
-            try:
-                check_slo_ms(name, getattr(self, name))
-            except ValueError as exc:
-                raise SchedulingFieldError(name, str(exc)) from None
+        check_policy_fields(self.priority, self.tenant, self.slo_ttft_ms, self.slo_tpot_ms)
         _check_cache_salt(self.cache_salt)
 
     @classmethod
@@ -86,17 +76,6 @@ def given_or_loose(given: SchedulingFields | None,
     if loose != SchedulingFields():
         raise ValueError("pass the scheduling fields in `scheduling` or one by one, not both")
     return given
-
-
-def _check_priority(priority: Any) -> None:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise SchedulingFieldError("priority", f"priority must be an integer, got {priority!r}")
-
-
-def _check_tenant(tenant: Any) -> None:
-    if not isinstance(tenant, str) or not tenant:
-        raise SchedulingFieldError("tenant",
-                                   f"tenant must be a non-empty string, got {tenant!r}")
 
 
 def _check_cache_salt(cache_salt: Any) -> None:
