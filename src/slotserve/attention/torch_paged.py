@@ -33,7 +33,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of every new token over its own sequence's cached context.
 
     q: (T, nh, hd) -> out (T, nh, hd). NOTE: the new tokens' K/V must already be written.
-    ops: the fused CPU kernels (model/cpu_ops.py) for the decodes, or None for torch's.
+    ops: the fused CPU kernels (model/cpu_ops.py) for the decodes, or None for torch's;
+    ops with `prefill_attention` (gpu/triton_prefill.py) run the prefills too.
     window: the layer's sliding window (a query at position i reads positions i - window + 1
     .. i only; the blocks before them are not read), None for full causal attention.
     """
@@ -42,10 +43,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _decode_group_attention(q, k_cache, v_cache, groups[0], meta.block_size,
                                        scale, ops, window)
     out = torch.empty_like(q)
-    for seq in meta.prefills:
-        rows = slice(seq.query_start, seq.query_start + seq.num_queries)
-        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq.keys(window),
-                                       seq.context_len, scale)
+    # NOTE: ops with a prefill kernel (gpu/triton_prefill.WITH_PREFILL) attend every prefill
+    # in one call; the others (the fused CPU kernels, triton_ops) leave prefills to SDPA
+    prefill_kernel = getattr(ops, "prefill_attention", None)
+    if prefill_kernel is not None:
+        prefill_kernel(q, k_cache, v_cache, meta, scale, window, out)
+    else:
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.num_queries)
+            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, seq.keys(window),
+                                           seq.context_len, scale)
     for group in groups:
         out[group.rows] = _decode_group_attention(q[group.rows], k_cache, v_cache, group,
                                                   meta.block_size, scale, ops, window)

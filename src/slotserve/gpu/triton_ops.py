@@ -562,14 +562,16 @@ def _check_dtype(name: str, x: torch.Tensor) -> None:
     _check(x.dtype in SUPPORTED_DTYPES, f"{name} must be float32 or bfloat16, got {x.dtype}")
 
 
-def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
     _check(k_cache.dim() == 4, "k_cache must be (num_blocks, block_size, nkv, hd), got "
                                f"{tuple(k_cache.shape)}")
     _check(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
            and v_cache.stride() == k_cache.stride(),
            "v_cache must have k_cache's shape, dtype and strides")
     _check(k_cache.is_contiguous(), "the caches must be contiguous")
-    _check_dtype("k_cache", k_cache)
+    _check(k_cache.dtype in dtypes, f"k_cache must be one of "
+           f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}, got {k_cache.dtype}")
 
 
 def _check_devices(**tensors: torch.Tensor) -> None:
