@@ -128,6 +128,27 @@ def test_long_generations_free_blocks_and_match_hf(mistral, kernels, budget):
     assert watch.freed >= (max(map(len, PROMPTS)) + NEW_TOKENS - WINDOW) // BLOCK_SIZE - 1
 
 
+def test_the_live_views_block_map_draws_freed_blocks_free(mistral):
+    """The snapshot's block map (what the live view draws) gives a long request only the
+    blocks it holds; the freed ones are free (plain, or cached free with prefix caching)."""
+    model, _ = mistral
+    engine = window_engine(model, num_blocks=64, kernels="auto", enable_prefix_caching=True)
+    engine.add_request("long", PROMPTS[0], GREEDY)
+    for _ in range(20):
+        engine.step()
+    snap = engine.snapshot(include_blocks=True)
+    block_map = snap.block_map
+    assert block_map.owners == ("long",)
+    owned = sum(count for _, count, _ in block_map.runs)
+    assert owned == len(engine.kv.block_tables["long"]) <= DECODE_BOUND
+    freed = engine.kv.num_freed_blocks("long")
+    assert freed >= (len(PROMPTS[0]) + 19 - WINDOW) // BLOCK_SIZE - 1
+    assert sum(count for _, count in block_map.cached_free) == freed == snap.kv_blocks_cached_free
+    assert snap.kv_blocks_free == snap.kv_blocks_total - owned
+    engine.abort_request("long")
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_preemption_with_freed_blocks_matches_hf(mistral):
     """A pool of 14 blocks (56 tokens, one whole request) for five 16 + 40-token requests at
     once, which decoding hold 3 blocks each: some are preempted (all their blocks go back)
