@@ -17,9 +17,10 @@ The launchers' signatures are those of the fused CPU kernels' layer ops (model/c
 `paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)`), so a CUDA
 KernelSet can hand this module to the model as its `ops` (issue 36, item 1; not done yet).
 
-Prefill attention has no kernel here yet: torch_paged.py's `_prefill_attention` (SDPA over
-the chunk's gathered blocks, with its causal / window mask) is device-neutral and is the GPU
-path's first step, as issue 36 allows.
+Prefill attention: torch_paged.py's `_prefill_attention` (SDPA over the chunk's gathered
+blocks, with its causal / window mask) is device-neutral and the GPU path's default; the
+Triton kernel is gpu/triton_prefill.py (all chunks in one launch; `triton_prefill.WITH_PREFILL`
+is this module plus it, chosen by SLOTSERVE_PREFILL_ATTENTION=triton: model/kernels.py).
 
 Numerics: every kernel computes in fp32 and rounds once to the output's dtype (fp32 or bf16).
 NOTE: bf16 results are rounded by `_to_bf16` (integer round-to-nearest-even), not by

@@ -33,6 +33,12 @@ NO_BF16_ENV = "SLOTSERVE_NO_AVX512_BF16"
 # CPU of that class or above (tests of each class's kernels, benchmarks timing each class on
 # one machine); a class above this CPU's is an error.
 CPU_ISA_ENV = "SLOTSERVE_CPU_ISA"
+# SLOTSERVE_PREFILL_ATTENTION=sdpa|triton: the CUDA path's prefill attention: torch's SDPA over
+# each chunk's gathered blocks (sdpa, the default) or gpu/triton_prefill.py's kernel, all the
+# iteration's chunks in one launch (triton; NOTE: opt-in until timed on a GPU,
+# benchmarks/GPU.md).
+PREFILL_ATTENTION_ENV = "SLOTSERVE_PREFILL_ATTENTION"
+PREFILL_ATTENTIONS = ("sdpa", "triton")
 
 # The CPU classes, lowest first, and the /proc/cpuinfo flags each needs (with the lower
 # classes'). A class picks its kernels (resolve_kernels):
@@ -380,17 +386,40 @@ def cuda_kernels(kernels: str, quantization: str | None, model_dtype: torch.dtyp
                  ) -> KernelSet:
     """The kernels of a model on CUDA: auto: the Triton kernels (slotserve.gpu.triton_ops)
     for norms, RoPE, SiLU, K/V writes and decode attention, cuBLAS for the linears (torch's
-    matmul), prefill attention through torch's SDPA; reference: plain torch everywhere.
-    The weights compute in the model's dtype (quantization has no GPU kernels)."""
+    matmul), prefill attention through torch's SDPA (or Triton's: PREFILL_ATTENTION_ENV);
+    reference: plain torch everywhere. The weights compute in the model's dtype
+    (quantization has no GPU kernels)."""
     weights = str(model_dtype).removeprefix("torch.")
     if quantization not in ("auto", "none", None):
         raise ValueError(f"quantization={quantization!r} runs on the CPU only")
+    prefill = prefill_attention_setting()
     if kernels == "reference":
         return KernelSet(weights=weights, reason="kernels=reference")
     ops, why_not = _triton_ops()
     if ops is None:
         return KernelSet(weights=weights, reason=f"{weights} on CUDA; torch's ops: {why_not}")
-    return KernelSet(ops=ops, fused_layers=True, weights=weights, reason=f"{weights} on CUDA")
+    return KernelSet(ops=with_prefill_attention(ops, prefill), fused_layers=True,
+                     weights=weights, reason=f"{weights} on CUDA")
+
+
+def prefill_attention_setting() -> str:
+    """PREFILL_ATTENTION_ENV's value ("sdpa" when unset); a ValueError naming it otherwise."""
+    value = os.environ.get(PREFILL_ATTENTION_ENV, "").strip().lower() or "sdpa"
+    if value not in PREFILL_ATTENTIONS:
+        raise ValueError(f"{PREFILL_ATTENTION_ENV}={value!r}: must be one of "
+                         f"{', '.join(PREFILL_ATTENTIONS)}")
+    return value
+
+
+def with_prefill_attention(triton_ops, prefill: str):
+    """The layer ops of a CUDA model: triton_ops itself (prefills through SDPA), or with
+    prefill="triton" triton_ops plus the Triton prefill attention
+    (gpu/triton_prefill.WITH_PREFILL, which attention/torch_paged.paged_attention calls)."""
+    if prefill != "triton":
+        return triton_ops
+    from slotserve.gpu import triton_prefill
+
+    return triton_prefill.WITH_PREFILL
 
 
 def _triton_ops():
