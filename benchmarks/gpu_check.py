@@ -11,7 +11,14 @@ Steps, each written to the JSON report as soon as it ends (a run cut short keeps
    (gather + SDPA, torch_paged.decode_attention) and dense SDPA over contiguous K/V (no
    paging); the KV bytes read / time against the copy bandwidth;
 5. RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul and the K/V write against the torch ops they
-   replace, at 64 and 4096 tokens.
+   replace, at 64 and 4096 tokens;
+6. paged prefill attention at Llama-3.2-1B's and Llama-3.1-8B's head shapes (32 query heads
+   over 8 KV heads of 64 / 128, bf16, blocks of 16 scattered over the pool): chunks of 256,
+   512 and 2048 tokens after a cached prefix of 0 or 2048 positions, and 8 chunks of 256 in
+   one iteration: gpu/triton_prefill.py's kernel (two tile shapes; one launch for all
+   chunks) against the torch path (torch_paged.paged_attention: SDPA over each chunk's
+   gathered blocks with its mask, today's default) and dense causal SDPA over contiguous K/V
+   (prefix 0: no paging, flash attention); attention TFLOP/s of the best Triton tiles.
 Times: triton.testing.do_bench's median (it clears the L2 before each call). Each Triton
 result is also compared with its torch reference (relative error ||a - b|| / ||b||).
 
@@ -59,6 +66,13 @@ DECODE_CASES = [  # (sequences, context length, window)
     (64, 8192, 4096)]
 DRY_DECODE_CASES = [(2, 40, None), (1, 40, 20)]
 TOKEN_COUNTS, DRY_TOKEN_COUNTS = (64, 4096), (3,)
+PREFILL_HEAD_DIMS = {"llama-3.2-1b": 64, "llama-3.1-8b": 128}  # 32 heads over 8 KV heads
+PREFILL_CASES = [  # (head shape, chunks, tokens per chunk, cached prefix)
+    *((shape, 1, chunk, prefix) for shape in PREFILL_HEAD_DIMS for prefix in (0, 2048)
+      for chunk in (256, 512, 2048)),
+    *((shape, 8, 256, 2048) for shape in PREFILL_HEAD_DIMS)]
+DRY_PREFILL_CASES = [("dry", 1, 5, 0), ("dry", 2, 3, 7)]
+PREFILL_TILES = {"triton_m128_n64": (128, 64), "triton_m64_n64": (64, 64)}  # (block_m, _n)
 TESTS_TIMEOUT_S = 270  # tests/gpu on CUDA (Triton compiles every kernel variant first)
 
 
@@ -289,6 +303,74 @@ def elementwise_case(device, timer: Timer, tokens: int) -> list:
     return rows
 
 
+def prefill_attention_cases(device, timer: Timer, cases) -> list:
+    results = []
+    for shape, chunks, tokens, prefix in cases:
+        results.append(prefill_attention_case(device, timer, shape, chunks, tokens, prefix))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def prefill_attention_case(device, timer: Timer, shape: str, chunks: int, tokens: int,
+                           prefix: int) -> dict:
+    """`chunks` prefill chunks of `tokens` new tokens each after `prefix` cached positions,
+    one iteration's: the Triton kernel against the torch path (both over the same paged
+    cache) and, without a prefix, dense causal SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    from slotserve.attention.metadata import build_metadata
+    from slotserve.attention.torch_paged import paged_attention
+    from slotserve.config import SlotKind
+    from slotserve.core.outputs import ScheduledSeq
+    from slotserve.gpu import triton_prefill
+    from slotserve.sampling import SamplingParams
+
+    heads, kv_heads, head_dim = (4, 2, 16) if shape == "dry" else (
+        NUM_HEADS, NUM_KV_HEADS, PREFILL_HEAD_DIMS[shape])
+    context = prefix + tokens
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = chunks * blocks_per_seq + 1
+    gen = torch.Generator(device="cpu").manual_seed(chunks * tokens + prefix)
+    tables = torch.randperm(num_blocks, generator=gen)[:chunks * blocks_per_seq]
+    tables = tables.view(chunks, blocks_per_seq).tolist()
+    cache_shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    q = torch.randn(chunks * tokens, heads, head_dim, dtype=torch.bfloat16, device=device)
+    params = SamplingParams(temperature=0.0)
+    seqs = [ScheduledSeq(f"r{i}", list(range(tokens)), prefix, tables[i], True, params, 0,
+                         SlotKind.PREFILL) for i in range(chunks)]
+    meta = build_metadata(seqs, BLOCK_SIZE, device)
+    scale = head_dim ** -0.5
+    expected = paged_attention(q.float(), k_cache, v_cache, meta, scale)
+    # causal: query i of a chunk sees prefix + i + 1 keys; QK^T and PV: 4 * hd FLOPs a pair
+    pairs = chunks * heads * (tokens * prefix + tokens * (tokens + 1) // 2)
+    row = {"shape": shape, "heads": [heads, kv_heads, head_dim], "chunks": chunks,
+           "tokens": tokens, "prefix": prefix, "attention_flops": 4 * head_dim * pairs}
+    out = torch.empty_like(q)
+    for name, (block_m, block_n) in PREFILL_TILES.items():
+        block_q = triton_prefill.tokens_per_tile(heads // kv_heads, block_m)
+        batch = triton_prefill.metadata_batch(meta, block_q, device)
+
+        def call(batch=batch, block_n=block_n):
+            return triton_prefill.paged_prefill_attention(q, k_cache, v_cache, batch, scale,
+                                                          out=out, block_n=block_n)
+        row[f"{name}_rel_error"] = rel_error(call(), expected)
+        row[f"{name}_ms"] = timer(call)
+    row["torch_paged_ms"] = timer(lambda: paged_attention(q, k_cache, v_cache, meta, scale))
+    if prefix == 0:  # each chunk's K/V contiguous: the flash kernel, no gather, no mask
+        dense_q = q.view(chunks, tokens, heads, head_dim).transpose(1, 2)
+        dense_k = torch.randn(chunks, kv_heads, tokens, head_dim, dtype=torch.bfloat16,
+                              device=device)
+        row["dense_sdpa_ms"] = timer(lambda: F.scaled_dot_product_attention(
+            dense_q, dense_k, dense_k, is_causal=True, scale=scale, enable_gqa=True))
+    best = min(row[f"{name}_ms"] for name in PREFILL_TILES)
+    row["triton_best_tflops"] = row["attention_flops"] / best / 1e9
+    row["triton_best_vs_torch_paged"] = row["torch_paged_ms"] / best
+    return row
+
+
 def engine_steps(report: Report, device, copy_gbps: float | None, dry: bool) -> None:
     """The engine on the device (benchmarks/gpu_engine.py): HF equality, then the speed of
     a 1B- and an 8B-shaped model (the dry run: a tiny one, on the CPU)."""
@@ -318,6 +400,16 @@ def summary(data: dict) -> str:
     for row in data.get("elementwise", []) if isinstance(data.get("elementwise"), list) else []:
         lines.append(f"{row['op']:>12} x {row['tokens']:>4}: triton {row['triton_ms']:.4f} ms "
                      f"({row['triton_gb_per_s']:.0f} GB/s), torch {row['torch_ms']:.4f} ms")
+    prefill = data.get("prefill_attention")
+    for row in prefill if isinstance(prefill, list) else []:
+        tiles = ", ".join(f"{name.removeprefix('triton_')} {row[f'{name}_ms']:.3f} ms"
+                          for name in PREFILL_TILES)
+        lines.append(
+            f"prefill {row['shape']} {row['chunks']} x {row['tokens']:>4} after "
+            f"{row['prefix']:>4}: triton {tiles}, torch paged {row['torch_paged_ms']:.3f} ms, "
+            f"dense sdpa {row.get('dense_sdpa_ms', float('nan')):.3f} ms; "
+            f"{row['triton_best_tflops']:.0f} TFLOP/s, "
+            f"err {row['triton_m128_n64_rel_error']:.1e}")
     for name, value in data.items():
         if name.startswith("engine_") and isinstance(value, dict) and "error" not in value:
             lines.append(f"{name}: {json.dumps(value)}")
@@ -376,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                     DRY_DECODE_CASES if args.dry_run else DECODE_CASES, copy_gbps)
         report.step("elementwise", elementwise_cases, device, timer,
                     DRY_TOKEN_COUNTS if args.dry_run else TOKEN_COUNTS)
+        report.step("prefill_attention", prefill_attention_cases, device, timer,
+                    DRY_PREFILL_CASES if args.dry_run else PREFILL_CASES)
     print(summary(report.data))
     failed = any(isinstance(v, dict) and ("error" in v or v.get("returncode"))
                  for v in report.data.values())

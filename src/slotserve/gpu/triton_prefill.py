@@ -107,7 +107,8 @@ def _prefill_attention_kernel(
         kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cp + kv_head * stride_ch
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        k = _cast(_to_f32(k), dtype)  # (BLOCK_N, HD_P), in q's dtype as torch's gather
+        if k.dtype != dtype:  # (BLOCK_N, HD_P) in q's dtype, as torch's gather
+            k = _cast(_to_f32(k), dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(_to_f32(k)), input_precision="ieee")
         else:
@@ -124,15 +125,16 @@ def _prefill_attention_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = _cast(_to_f32(v), dtype)
-        if dtype != tl.float32:
-            p_in = _cast(p, dtype)  # rounded, as flash attention's P
+        if v.dtype != dtype:
+            v = _cast(_to_f32(v), dtype)
+        # P in q's dtype, rounded to nearest even as flash attention's (on a GPU by the
+        # native conversion; the interpreter's truncates, so there by _cast)
+        if dtype == tl.float32:
+            pv = tl.dot(p, _to_f32(v), input_precision="ieee")
+        elif IEEE:
+            pv = tl.dot(_to_f32(_cast(p, dtype)), _to_f32(v), input_precision="ieee")
         else:
-            p_in = p
-        if IEEE:
-            pv = tl.dot(_to_f32(p_in), _to_f32(v), input_precision="ieee")
-        else:
-            pv = tl.dot(p_in, v)
+            pv = tl.dot(p.to(dtype), v)
         acc = acc * alpha[:, None] + pv
         denom = denom * alpha + tl.sum(p, axis=1)
         m = m_new
