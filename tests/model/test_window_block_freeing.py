@@ -164,6 +164,17 @@ def test_preemption_with_freed_blocks_matches_hf(mistral):
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_requests_longer_than_the_pool_match_hf(mistral, kernels):
+    """A 10-block pool (40 tokens) with an 8-token budget: one request holds at most 5
+    blocks at a time, so 70..130-token sequences run (five at once: with preemption)."""
+    model, hf_tokens = mistral
+    engine = window_engine(model, num_blocks=10, kernels=kernels, max_num_batched_tokens=8)
+    assert engine.max_total_tokens == 512  # max_model_len: no longer the pool's 40
+    assert generate(engine, PROMPTS) == hf_tokens
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
 def test_prefix_hits_over_freed_blocks_match_hf(mistral, kernels):
     """A 42-token system prefix: the first request frees its early blocks (they stay in the
     prefix cache as cached free blocks); the next ones hit its 10 full blocks, freed ones

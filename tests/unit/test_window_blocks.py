@@ -297,7 +297,50 @@ def test_freed_cached_blocks_stay_hittable_and_show_as_cached_free_in_the_block_
     kv.check_integrity()
 
 
+def test_a_prefix_hit_takes_only_the_blocks_of_its_window():
+    kv = KVCacheManager(16, BLOCK_SIZE, enable_prefix_caching=True, sliding_window=WINDOW)
+    prompt = prompt_of(30, 9)
+    first = request("a", prompt, 1)
+    kv.allocate_slots(first, 30, [])
+    first.num_computed_tokens = 30
+    kv.on_computed(first)
+    kv.free("a")
+    second = request("b", prompt + [7, 8], 1)
+    blocks, tokens = kv.get_computed_blocks(second)
+    assert tokens == 28 and len(blocks) == 7
+    # its first query (position 28) reads 21..28: blocks 5 and 6 of the hit
+    assert kv.hit_blocks_to_hold(blocks) == blocks[5:]
+    free_before = kv.num_free_blocks
+    assert kv.allocate_slots(second, 32, blocks) is not None  # one new block: 28..31
+    assert kv.block_tables["b"] == blocks[5:] + kv.block_tables["b"][2:]
+    assert kv.num_freed_blocks("b") == 5 and kv.num_table_blocks("b") == 8
+    assert kv.num_free_blocks == free_before - 3
+    assert kv.prefix_cache_hits == 28  # the whole hit saved its compute
+    assert all(kv.pool.ref_count(b) == 0 for b in blocks[:5])  # still cached free
+    kv.check_integrity()
+
+
 # ------------------------------------------------------------------------- the scheduler
+def test_requests_longer_than_the_pool_fit_when_a_window_and_a_chunk_do():
+    """Pool 8 blocks (32 tokens), window 8, budget 8: a request holds at most 5 blocks at a
+    time, so sequences reach max_model_len (an engine without the window: the pool's 32)."""
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=8, max_model_len=400)
+    assert sched.kv.max_blocks_held(8) == 5 and sched.max_total_tokens == 400
+    assert make_scheduler(num_blocks=8, window=None, max_num_batched_tokens=8,
+                          max_model_len=400).max_total_tokens == 32
+    # a budget whose chunk and window may not fit: the pool limits the length again
+    assert make_scheduler(num_blocks=8, max_num_batched_tokens=24,
+                          max_model_len=400).max_total_tokens == 32
+    prompts = [prompt_of(n, 50 + n) for n in (100, 70, 45)]
+    reference = run(make_scheduler(num_blocks=512, window=None, max_num_batched_tokens=8,
+                                   max_model_len=400),
+                    [request(f"r{i}", p, 150) for i, p in enumerate(prompts)])
+    out = run(sched, [request(f"r{i}", p, 150) for i, p in enumerate(prompts)],
+              on_step=bounded(5))
+    assert out == reference and all(len(t) == 150 for t in out.values())
+    assert sched.num_preemptions > 0  # three at once do not fit: one at a time does
+
+
 def bounded(window_blocks: int):
     """on_step: every request the step ran holds at most window_blocks blocks afterwards."""
     def check(sched: Scheduler, plan: SchedulerOutput) -> None:
@@ -390,35 +433,43 @@ def test_speculative_drafts_over_freed_blocks_give_the_same_tokens():
 
 
 WORKLOAD = st.fixed_dictionaries({
-    "prompts": st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.integers(0, 3)),
-                        min_size=1, max_size=6),
+    "prompts": st.lists(st.tuples(st.integers(1, 90), st.integers(1, 60), st.integers(0, 3)),
+                        min_size=1, max_size=8),
     "shared": st.integers(0, 30),  # a shared prefix: prefix hits across requests
-    "num_blocks": st.integers(16, 48),
+    "num_blocks": st.integers(4, 24),
+    "max_model_len": st.integers(24, 200),  # often past the pool: windows make that fit
     "budget": st.integers(1, 48),
-    "max_num_seqs": st.integers(1, 4),
+    "max_num_seqs": st.integers(1, 6),
     "caching": st.booleans(),
     "window": st.integers(1, 13),
 })
 
 
-@settings(deadline=None, database=None, derandomize=True, max_examples=60,
+@settings(deadline=None, database=None, derandomize=True, max_examples=80,
           suppress_health_check=[HealthCheck.too_slow])
 @given(WORKLOAD)
 def test_random_workloads_free_blocks_and_keep_the_tokens(w):
     """Any workload: integrity after every step, no block read outside the requests' own,
-    a request that ran holds at most its window's and its chunk's blocks, the tokens of
-    keeping every block."""
+    a request that ran holds at most its window's and its chunk's blocks, and the tokens of
+    keeping every block in a pool big enough for all (same length limit)."""
     shared = prompt_of(w["shared"], 99)
     bound = bounded(math.ceil((w["window"] - 1 + w["budget"]) / BLOCK_SIZE) + 1)
 
-    def outputs(window):
-        kv = KVCacheManager(w["num_blocks"], BLOCK_SIZE, enable_prefix_caching=w["caching"],
+    def scheduler(window: int | None, num_blocks: int, max_model_len: int) -> Scheduler:
+        kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=w["caching"],
                             sliding_window=window)
-        sched = Scheduler(SchedulerConfig(max_num_seqs=w["max_num_seqs"],
-                                          max_num_batched_tokens=w["budget"],
-                                          max_model_len=w["num_blocks"] * BLOCK_SIZE), kv)
+        return Scheduler(SchedulerConfig(max_num_seqs=w["max_num_seqs"],
+                                         max_num_batched_tokens=w["budget"],
+                                         max_model_len=max_model_len), kv)
+
+    freeing = scheduler(w["window"], w["num_blocks"], w["max_model_len"])
+    limit = freeing.max_total_tokens
+    keeping = scheduler(None, 4 * 256, limit)
+    assert keeping.max_total_tokens == limit
+
+    def outputs(sched: Scheduler):
         model = WindowedModel(sched, w["window"])
-        requests = [request(f"r{i}", (shared + prompt_of(n, i))[:w["num_blocks"] * 2], m)
+        requests = [request(f"r{i}", (shared + prompt_of(n, i))[:limit - 1], m)
                     for i, (n, m, _) in enumerate(w["prompts"])]
         pending = sorted(zip((a for _, _, a in w["prompts"]), range(len(requests))))
         steps = 0
@@ -428,11 +479,11 @@ def test_random_workloads_free_blocks_and_keep_the_tokens(w):
             plan = sched.schedule()
             sched.update(plan, model(plan))
             sched.check_integrity()
-            if window is not None:
+            if sched.kv.sliding_window is not None:
                 bound(sched, plan)
             steps += 1
             assert steps < 5_000
-        assert kv.num_free_blocks == kv.num_blocks
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
         return [r.output_token_ids for r in requests]
 
-    assert outputs(w["window"]) == outputs(None)
+    assert outputs(freeing) == outputs(keeping)

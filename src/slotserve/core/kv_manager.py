@@ -106,6 +106,26 @@ class KVCacheManager:
                                "blocks")
         self.sliding_window = window
 
+    def num_before_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query reads once num_computed_tokens positions are computed:
+        those that end before the next query's window (0 without a sliding window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_new_tokens: int) -> int | None:
+        """The most blocks a request holds while computing up to num_new_tokens new tokens at
+        once (its window's and the new tokens'), or None without a sliding window (then all
+        of its positions' blocks)."""
+        if self.sliding_window is None:
+            return None
+        return cdiv(self.sliding_window - 1 + num_new_tokens, self.block_size) + 1
+
+    def hit_blocks_to_hold(self, computed_blocks: list[int]) -> list[int]:
+        """The blocks of an admission's hit (`get_computed_blocks`) that the request takes:
+        all but those before its first query's window, which it never reads."""
+        return computed_blocks[self.num_before_window(len(computed_blocks) * self.block_size):]
+
     def num_freed_blocks(self, request_id: str) -> int:
         """Leading entries of the request's table whose blocks went back (sliding window)."""
         return self._num_freed.get(request_id, 0)
@@ -202,7 +222,8 @@ class KVCacheManager:
             raise RuntimeError(f"{request_id}: cached blocks given to a request holding blocks")
         needed = max(0, self.blocks_for(num_total_tokens) - held - len(computed))
         # NOTE: touching a free cached block takes it out of the free queues too.
-        if needed + self.pool.num_free_among(computed) > self.pool.num_free:
+        taken = self.hit_blocks_to_hold(computed)
+        if needed + self.pool.num_free_among(taken) > self.pool.num_free:
             return None
         table = self.block_tables.setdefault(request_id, [])
         if computed_blocks is not None and self.enable_prefix_caching:
@@ -230,11 +251,26 @@ class KVCacheManager:
         return len(blocks) * self.block_size
 
     def _take_hit(self, request: Request, blocks: list[int]) -> None:
+        """Append cached blocks to the table of a request whose entries are all cached.
+
+        NOTE (sliding window): the entries that end before the window of the first query
+        after the hit are freed at once: held ones go back, hit ones are never taken.
+        """
         request_id = request.request_id
-        assert self.num_cached_blocks(request_id) == self.num_table_blocks(request_id)
-        self.pool.touch(blocks)
-        self.block_tables[request_id].extend(blocks)
-        self._num_cached_blocks[request_id] = self.num_table_blocks(request_id)
+        entries = self.num_table_blocks(request_id)
+        assert self.num_cached_blocks(request_id) == entries
+        table = self.block_tables[request_id]
+        freed = self.num_freed_blocks(request_id)
+        out = max(freed, self.num_before_window((entries + len(blocks)) * self.block_size))
+        gone = table[:max(0, min(out, entries) - freed)]
+        del table[:len(gone)]
+        taken = blocks[max(0, out - entries):]
+        self.pool.touch(taken)
+        table.extend(taken)
+        self.pool.free(list(reversed(gone)))
+        if out:
+            self._num_freed[request_id] = out
+        self._num_cached_blocks[request_id] = entries + len(blocks)
         hit_tokens = len(blocks) * self.block_size
         self.prefix_cache_hits += hit_tokens
         if request.num_preemptions == 0 and not request.output_token_ids:
@@ -304,14 +340,13 @@ class KVCacheManager:
         table = self.block_tables.get(request_id)
         if self.sliding_window is None or table is None:
             return 0
-        first_read = max(0, request.num_computed_tokens - self.sliding_window + 1)
         freed = self.num_freed_blocks(request_id)
         # NOTE: with prefix caching, only blocks whose hash was registered (or refused as a
         # duplicate) go: cache_full_blocks runs first (on_computed), so this caps nothing
         # unless a caller skipped it.
         limit = self.num_cached_blocks(request_id) if self.enable_prefix_caching else \
             freed + len(table)
-        num_free = min(first_read // self.block_size, limit) - freed
+        num_free = min(self.num_before_window(request.num_computed_tokens), limit) - freed
         if num_free <= 0:
             return 0
         gone = table[:num_free]

@@ -94,7 +94,15 @@ class Scheduler:
     # ----------------------------------------------------------------- requests in / out
     @property
     def max_total_tokens(self) -> int:
-        """Longest sequence a request may reach: the model length or the whole pool."""
+        """Longest sequence a request may reach: the model length or the whole pool.
+
+        NOTE: with a uniform sliding window (the KV manager frees the blocks before it), the
+        model length whenever one request's window and a whole budget's chunk fit in the
+        pool: a request alone then always finds its blocks, however long.
+        """
+        step_blocks = self.kv.max_blocks_held(self.config.max_num_batched_tokens)
+        if step_blocks is not None and step_blocks <= self.kv.num_blocks:
+            return self.config.max_model_len
         return min(self.config.max_model_len, self.kv.num_blocks * self.kv.block_size)
 
     def add_request(self, request: Request) -> None:
@@ -390,11 +398,12 @@ class Scheduler:
         tokens once the victims' blocks are free (a block frees when all its holders go)."""
         pool = self.kv.pool
         holders = Counter(b for v in victims for b in self.kv.block_tables[v.request_id])
-        hit = set(computed_blocks)
+        taken = self.kv.hit_blocks_to_hold(computed_blocks)  # NOTE: not those before its window
+        hit = set(taken)
         freed = sum(1 for block, count in holders.items()
                     if count == pool.ref_count(block) and block not in hit)
         needed = self.kv.blocks_for(num_total) - len(computed_blocks)
-        return needed <= pool.num_free - pool.num_free_among(computed_blocks) + freed
+        return needed <= pool.num_free - pool.num_free_among(taken) + freed
 
     def _waits_for_prefix(self, request: Request) -> bool:
         """Whether a running request, all of whose blocks are computed, should wait for its
