@@ -15,7 +15,7 @@ Steps, each written to the JSON report as soon as it ends (a run cut short keeps
 6. paged prefill attention at Llama-3.2-1B's and Llama-3.1-8B's head shapes (32 query heads
    over 8 KV heads of 64 / 128, bf16, blocks of 16 scattered over the pool): chunks of 256,
    512 and 2048 tokens after a cached prefix of 0 or 2048 positions, and 8 chunks of 256 in
-   one iteration: gpu/triton_prefill.py's kernel (two tile shapes; one launch for all
+   one iteration: gpu/triton_prefill.py's kernel (three tile shapes; one launch for all
    chunks) against the torch path (torch_paged.paged_attention: SDPA over each chunk's
    gathered blocks with its mask, today's default) and dense causal SDPA over contiguous K/V
    (prefix 0: no paging, flash attention); attention TFLOP/s of the best Triton tiles.
@@ -72,7 +72,9 @@ PREFILL_CASES = [  # (head shape, chunks, tokens per chunk, cached prefix)
       for chunk in (256, 512, 2048)),
     *((shape, 8, 256, 2048) for shape in PREFILL_HEAD_DIMS)]
 DRY_PREFILL_CASES = [("dry", 1, 5, 0), ("dry", 2, 3, 7)]
-PREFILL_TILES = {"triton_m128_n64": (128, 64), "triton_m64_n64": (64, 64)}  # (block_m, _n)
+# (block_m, block_n): the defaults (n: 64 at head dim 64, 32 at 128), then two others
+PREFILL_TILES = {"triton_default": (128, None), "triton_m128_n64": (128, 64),
+                 "triton_m64_n32": (64, 32)}
 TESTS_TIMEOUT_S = 270  # tests/gpu on CUDA (Triton compiles every kernel variant first)
 
 
@@ -409,7 +411,7 @@ def summary(data: dict) -> str:
             f"{row['prefix']:>4}: triton {tiles}, torch paged {row['torch_paged_ms']:.3f} ms, "
             f"dense sdpa {row.get('dense_sdpa_ms', float('nan')):.3f} ms; "
             f"{row['triton_best_tflops']:.0f} TFLOP/s, "
-            f"err {row['triton_m128_n64_rel_error']:.1e}")
+            f"err {row['triton_default_rel_error']:.1e}")
     for name, value in data.items():
         if name.startswith("engine_") and isinstance(value, dict) and "error" not in value:
             lines.append(f"{name}: {json.dumps(value)}")

@@ -27,7 +27,7 @@ def test_the_prefill_timings_run_in_a_dry_run(device):
     # 2 chunks of 3 after 7: each query i sees 7 + i + 1 keys, 4 heads of 16
     assert rows[1]["attention_flops"] == 4 * 16 * 2 * 4 * (3 * 7 + 6)
     summary = gpu_check.summary({"prefill_attention": rows})
-    assert "prefill dry 2 x    3 after    7: triton m128_n64" in summary
+    assert "prefill dry 2 x    3 after    7: triton default" in summary
 
 
 def test_the_gpu_runs_cases_cover_both_head_shapes_and_prefixes():

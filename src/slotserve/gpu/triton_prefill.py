@@ -45,11 +45,12 @@ from slotserve.gpu import triton_ops
 from slotserve.gpu.triton_ops import _cast, _to_f32
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows of a program's query tile (tokens x the group's heads) and keys per loop step.
-# NOTE: the defaults are Triton's flash-attention tutorial's Hopper tiles, not yet measured
-# here (benchmarks/gpu_check.py times a few).
+# Rows of a program's query tile (tokens x the group's heads) and keys per loop step: 64
+# keys for head dims up to 64, else 32. NOTE: the largest tiles that compile for sm_90
+# without register spills at 8 warps (ptxas -v, tests/gpu/test_triton_prefill_compile.py:
+# 128 x 64 at head dim 128 spills 152 bytes); their speed is not yet measured
+# (benchmarks/gpu_check.py times these and one other).
 DEFAULT_BLOCK_M = 128
-DEFAULT_BLOCK_N = 64
 MIN_DOT = 16  # tl.dot's smallest M, N and K on a GPU
 
 
@@ -174,6 +175,11 @@ def tokens_per_tile(group: int, block_m: int = DEFAULT_BLOCK_M) -> int:
     return max(1, block_m // triton.next_power_of_2(group))
 
 
+def default_block_n(head_dim: int) -> int:
+    """Keys per loop step: 64 up to head dim 64, else 32 (see DEFAULT_BLOCK_M)."""
+    return 64 if head_dim <= 64 else 32
+
+
 def prefill_batch(query_starts, num_queries, start_positions, block_tables, block_q: int,
                   device: torch.device) -> PrefillBatch:
     """The device arrays of P chunks: per chunk its first row in q, its number of new tokens
@@ -212,7 +218,7 @@ def prefill_batch(query_starts, num_queries, start_positions, block_tables, bloc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: PrefillBatch, scale: float, window: int | None = None,
-                            out: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N,
+                            out: torch.Tensor | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None
                             ) -> torch.Tensor:
     """Causal attention of each chunk's new tokens over its paged context.
@@ -223,6 +229,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunks' rows of `out` (T, nh, hd) in q's dtype (a new tensor when None; its other rows are
     left as they are) and returns it. batch.block_q must be tokens_per_tile(nh // nkv, m) for
     some m: the tile's rows are block_q x the group's heads padded to a power of two.
+    block_n: keys per loop step (None: default_block_n's); num_warps: None for 8 at tiles
+    of 128 rows or more, else 4.
     """
     triton_ops._check_cache_pair(k_cache, v_cache, SUPPORTED_DTYPES)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -242,6 +250,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     tables = batch.block_tables
     _check(tables.dim() == 2 and tables.dtype == torch.int64 and tables.stride(1) == 1,
            "batch.block_tables must be (P, maxb) int64 with contiguous rows")
+    if block_n is None:
+        block_n = default_block_n(head_dim)
     _check(block_n >= MIN_DOT and block_n & (block_n - 1) == 0,
            f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     triton_ops._check_devices(q=q, k_cache=k_cache, v_cache=v_cache, out=out,
