@@ -37,8 +37,9 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Maps request ids to the blocks that hold their K/V.
 
-    NOTE: a request with n cached-or-scheduled token positions holds exactly
-    ceil(n / block_size) blocks; blocks are taken only when a new position needs one.
+    NOTE: a request with n cached-or-scheduled token positions has exactly
+    ceil(n / block_size) table entries (all held, but the freed ones of a sliding window);
+    blocks are taken only when a new position needs one.
     NOTE (prefix caching): the first `num_cached_blocks(id)` blocks of a table are full and
     computed, so never written again; only they may be shared or carry a hash. Every block
     after them is held by this one request alone and has no hash. `check_integrity` asserts
@@ -55,7 +56,8 @@ class KVCacheManager:
         """tenant_scoped: the tenant is part of every block hash (CacheConfig's
         prefix_cache_scope "tenant"); False: the global scope.
         sliding_window: the window every layer of the model has (`uniform_window` of its
-        `sliding_windows`), or None: the blocks before a request's window are freed."""
+        `sliding_windows`): the blocks before each request's window are freed; None (the
+        default): every block is kept until the request ends."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tenant_scoped = tenant_scoped
