@@ -127,16 +127,16 @@ def test_plan_searches_with_the_trace_s_speculation(spec_trace, tmp_path, capsys
     assert "replays of 8 requests" in capsys.readouterr().out
 
 
-def test_a_verification_costs_a_chunk_with_logits_at_every_row():
+def test_a_verification_among_decodes_costs_decode_rows_with_logits_at_every_row():
     params = SamplingParams(max_tokens=8)
     verify = ScheduledSeq("v", [7, 1, 2, 3], 10, [0], True, params, 3, SlotKind.DECODE,
                           spec_token_ids=[1, 2, 3])
     decode = ScheduledSeq("d", [9], 20, [1], True, params, 5, SlotKind.DECODE)
     plan = SchedulerOutput(0, [verify, decode], [None, None])
     features = StepFeatures.of(plan)
-    # 2 decodes; 3 draft rows through the linear layers; 4 + 1 rows of logits;
-    # pairs: 4 tokens after 10 (4*10 + 10) and 1 after 20 (21).
-    assert features == StepFeatures(prefill_tokens=3, decode_seqs=2, attention_pairs=71,
+    # decodes only (the decode stack): 2 decodes and 3 draft rows, all decode rows; 4 + 1
+    # rows of logits; pairs: 4 tokens after 10 (4*10 + 10) and 1 after 20 (21).
+    assert features == StepFeatures(prefill_tokens=0, decode_seqs=5, attention_pairs=71,
                                     sampled_rows=5)
 
 

@@ -8,9 +8,13 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   position s attends to s+1 .. s+n positions, n*s + n(n+1)/2 pairs (a decode: its context);
 - sampled_rows: rows that go through the LM head and the sampler.
 
-A decode verified with k draft tokens (speculative decoding) is a chunk of 1 + k tokens with
-logits at each: one decode sequence, k more rows through the linear layers (counted as
-prefill tokens), 1 + k sampled rows, and its attention pairs.
+A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
+each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
+runner computes every row as a decode row of the C++ decode stack (each reads its
+sequence's KV up to its own position: `attention.metadata._one_decode_group`), so the k
+drafts count as k more decode rows (`decode_seqs`); beside a prefill chunk the iteration
+takes the general path, where the verification is a chunk of 1 + k tokens: one decode
+sequence and k prefill tokens.
 
 `LinearCost` charges seconds = base + sum(coefficient x feature), fit per machine, model
 and kernel set by least squares (`LinearCost.fit`, numpy); `slotserve calibrate` measures
@@ -45,12 +49,15 @@ class StepFeatures:
     @classmethod
     def of(cls, plan: SchedulerOutput) -> StepFeatures:
         prefill = decode = pairs = sampled = 0
+        decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
         for seq in plan.seqs:
             n, start = seq.num_tokens, seq.start_pos
             drafts = len(seq.spec_token_ids)
             if seq.kind == SlotKind.DECODE:
-                decode += 1
-                prefill += drafts  # NOTE: a verification's rows after its first
+                # NOTE: a verification's rows after its first: decode rows on the decode
+                # stack (an iteration of decodes only), else rows of a chunk.
+                decode += 1 + (drafts if decode_only else 0)
+                prefill += 0 if decode_only else drafts
             else:
                 prefill += n
             pairs += n * start + n * (n + 1) // 2
