@@ -14,6 +14,16 @@ every side. Per run: output tokens / wall time, TPOT p50 / p99 over the completi
 whether the tokens equal the off run's (greedy: they must, up to the near-tie rule of
 docs/ARCHITECTURE.md). The summary gives the median ratio on / off per cell.
 
+The replay's prediction (issue 35: within 15% of the measured ratio; `--no-replay` skips
+it): per cell and round, the off run's trace is replayed (`slotserve.lab.replay`, no model)
+with speculation off and with the setting's config, drafts offered and accepted where that
+round's on run recorded them (per request and output position: the replay's DraftOracle;
+how many to verify its own speculator decides, on the replay's clock). Predicted ratio:
+replayed on tok/s / replayed off tok/s, median over the rounds; its error against the
+measured median. The clock: a LinearCost fit, as `slotserve calibrate` fits one, on every
+iteration of this benchmark's off runs (their trace times: the machine, model and kernels
+measured, no extra run), or `--profile PROFILE.json` (a `slotserve calibrate` profile).
+
 `--out [PATH]` writes the JSON report (default: benchmarks/results/speculative.json).
 NOTE: the lead runs it on a quiet machine; a loaded 2-core box swings tok/s several-fold.
 """
@@ -29,6 +39,8 @@ import time
 from slotserve import SamplingParams
 from slotserve.engine.llm import LLM
 from slotserve.lab.bench.report import write_report
+from slotserve.lab.replay.cost_model import load_profile
+from slotserve.lab.replay.speculation import fit_trace_cost, predict_ratio
 from slotserve.percentile import percentile
 
 DEFAULT_OUT = "benchmarks/results/speculative.json"
@@ -75,13 +87,16 @@ def chat_prompts(llm: LLM, texts: tuple[str, ...], count: int) -> list[list[int]
 
 
 def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
-    """One batch sent at once: tokens, wall time, tok/s, TPOT p50/p99, the token ids."""
+    """One batch sent at once: tokens, wall time, tok/s, TPOT p50/p99, the token ids and
+    the run's iteration trace (`trace`: for the replay; not written to the report)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     spec = llm.engine.scheduler.speculator
     before = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
+    llm.engine.trace.clear()  # NOTE: the trace of this run only
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    trace = llm.engine.export_trace()
     completions = [o.outputs[0] for o in outputs]
     tokens = sum(len(c.token_ids) for c in completions)
     tpots = [c.metrics.tpot for c in completions if c.metrics and c.metrics.tpot is not None]
@@ -91,12 +106,14 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
             "tpot_p50_ms": 1000 * percentile(tpots, 50) if tpots else None,
             "tpot_p99_ms": 1000 * percentile(tpots, 99) if tpots else None,
             "draft_tokens": drafted[0], "accepted_tokens": drafted[1],
-            "token_ids": [list(c.token_ids) for c in completions]}
+            "token_ids": [list(c.token_ids) for c in completions], "trace": trace}
 
 
 def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
-             rounds: int, log) -> dict:
-    """`rounds` runs of every setting on one workload and batch size, order rotating."""
+             rounds: int, log, traces: dict[str, list[dict]] | None = None) -> dict:
+    """`rounds` runs of every setting on one workload and batch size, order rotating.
+
+    traces: filled with each setting's run traces, in round order (for the replay)."""
     names = list(engines)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for number in range(rounds):
@@ -111,6 +128,9 @@ def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
     cell = {}
     for name in names:
         same = all(r["token_ids"] == reference for r in runs[name])
+        recorded = [r.pop("trace") for r in runs[name]]
+        if traces is not None:
+            traces[name] = recorded
         for r in runs[name]:
             r.pop("token_ids")
         cell[name] = {"runs": runs[name], "identical_to_off": same}
@@ -121,15 +141,61 @@ def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
     return cell
 
 
-def format_summary(report: dict) -> str:
-    settings = [n for n in report["settings"] if n != "off"]
-    lines = ["| workload | batch | " + " | ".join(f"{n} / off" for n in settings)
-             + " | identical |", "| --- | --- | " + "--- | " * len(settings) + "--- |"]
+def replay_cost_model(profile, traces: dict, log):
+    """The replay's clock and what it is: the profile (a LinearCost) if given, else a fit
+    on every off run's iterations."""
+    if profile is not None:
+        return profile, "profile"
+    off = [t for cells in traces.values() for cell in cells.values() for t in cell["off"]]
+    model = fit_trace_cost(off, meta={"runs": len(off)})
+    fit = model.meta["fit"]
+    log(f"replay clock: fit on {len(off)} off runs' {fit['samples']} iterations, median "
+        f"error {fit['median_rel_error']:.1%}, total {fit['total_rel_error']:.1%}")
+    return model, "fit on the off runs' iterations"
+
+
+def add_predictions(report: dict, traces: dict, cost_model) -> None:
+    """Each on setting's predicted ratio per cell (median over rounds of `predict_ratio` on
+    that round's off and on traces) and its relative error against the measured median;
+    beside it the replayed off tok/s against the measured (how well the clock fits)."""
     for workload, cells in report["results"].items():
         for batch, cell in cells.items():
-            ratios = " | ".join(f"{cell[n]['median_ratio']:.2f}x" for n in settings)
+            measured_off = statistics.median(r["output_tok_s"] for r in cell["off"]["runs"])
+            for name, config in report["settings"].items():
+                if config is None:
+                    continue
+                rounds = [predict_ratio(off, on, config, cost_model) for off, on in
+                          zip(traces[workload][batch]["off"], traces[workload][batch][name])]
+                predicted = statistics.median(r["ratio"] for r in rounds)
+                off_tok_s = statistics.median(r["off_tok_s"] for r in rounds)
+                cell[name]["replay"] = {
+                    "predicted_ratio": predicted,
+                    "error": predicted / cell[name]["median_ratio"] - 1,
+                    "off_tok_s": off_tok_s, "off_error": off_tok_s / measured_off - 1,
+                    "rounds": rounds}
+
+
+def format_summary(report: dict) -> str:
+    """One row per cell: each on setting's median ratio (and, with the replay, its
+    predicted ratio and that one's error), and whether every output equalled off's."""
+    settings = [n for n in report["settings"] if n != "off"]
+    predicted = "replay" in report
+    head = [f"{n} / off" + (f" | {n} predicted | error" if predicted else "")
+            for n in settings]
+    columns = len(settings) * (3 if predicted else 1)
+    lines = ["| workload | batch | " + " | ".join(head) + " | identical |",
+             "| --- | --- | " + "--- | " * columns + "--- |"]
+    for workload, cells in report["results"].items():
+        for batch, cell in cells.items():
+            values = []
+            for n in settings:
+                values.append(f"{cell[n]['median_ratio']:.2f}x")
+                if predicted:
+                    replayed = cell[n].get("replay")
+                    values += ([f"{replayed['predicted_ratio']:.2f}x",
+                                f"{replayed['error']:+.0%}"] if replayed else ["-", "-"])
             same = all(cell[n]["identical_to_off"] for n in settings)
-            lines.append(f"| {workload} | {batch} | {ratios} | {same} |")
+            lines.append(f"| {workload} | {batch} | {' | '.join(values)} | {same} |")
     return "\n".join(lines)
 
 
@@ -146,9 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", metavar="JSON", nargs="?", const=DEFAULT_OUT,
                    help=f"write the JSON report (default path {DEFAULT_OUT})")
+    p.add_argument("--no-replay", dest="replay", action="store_false",
+                   help="skip the replay's predicted ratios")
+    p.add_argument("--profile", metavar="PROFILE.json", default=None,
+                   help="the replay's clock: a `slotserve calibrate` profile (default: a fit "
+                        "on this run's off iterations)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 1 or min(args.batches) < 1:
         p.error("--rounds, --max-tokens and --batches must be at least 1")
+    try:
+        profile = load_profile(args.profile) if args.replay and args.profile else None
+    except (ValueError, OSError) as exc:
+        p.error(f"--profile: {exc}")
     lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 5} if args.method == "ngram" else {}
     settings: dict[str, str | None] = {
         "off": None, "auto": json.dumps({"method": args.method, **lookup})}
@@ -163,15 +238,28 @@ def main(argv: list[str] | None = None) -> int:
     for llm in engines.values():
         run_once(llm, warm, 8)
     results: dict[str, dict] = {}
+    traces: dict[str, dict] = {}
     for workload in args.workloads:
-        results[workload] = {}
+        results[workload], traces[workload] = {}, {}
         for batch in args.batches:
             log(f"{workload}, batch {batch}:")
             prompts = chat_prompts(engines["off"], WORKLOADS[workload], batch)
+            traces[workload][str(batch)] = {}
             results[workload][str(batch)] = run_cell(engines, prompts, args.max_tokens,
-                                                     args.rounds, log)
+                                                     args.rounds, log,
+                                                     traces[workload][str(batch)])
     report = {"settings": settings, "engine": engine, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "results": results}
+    if args.replay:
+        try:
+            cost_model, source = replay_cost_model(profile, traces, log)
+            add_predictions(report, traces, cost_model)
+            report["replay"] = {"clock": source, "profile": args.profile,
+                                "cost_model": cost_model.describe(),
+                                "fit": cost_model.meta.get("fit")}
+        except ValueError as exc:  # NOTE: the measurements are reported all the same
+            log(f"replay: no prediction: {exc}")
+            report["replay_error"] = str(exc)
     print(format_summary(report))
     if args.out:
         write_report(args.out, model=args.model or "embedded", **report)
