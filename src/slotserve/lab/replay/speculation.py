@@ -15,8 +15,13 @@ fewer may stand) it had p - i and a - i. A position the trace never drafted at o
 (its proposer found nothing, or "auto" gave it none). So a replay with the run's own settings
 verifies the same drafts in the same iterations as the run did, and one with other settings
 (more slots, a fixed length) drafts at most what the proposer offered and accepts what the
-model accepted. The cost of a verification is that of a 1 + k token chunk with logits at each
-row (`StepFeatures.of`).
+model accepted. A verification costs 1 + k rows with logits at each: decode rows in an
+iteration of decodes only (the C++ decode stack runs it so), a 1 + k token chunk beside a
+prefill (`StepFeatures.of`).
+
+`predict_ratio` predicts a measured batch run's on/off tok/s ratio: the off run's requests
+replayed off and on, with the drafts the on run's trace recorded, on one clock (e.g.
+`fit_trace_cost`: a fit on recorded runs' own iteration times, `trace_samples`).
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ def make_speculator(config: SpeculativeConfig | None, oracle: DraftOracle
 
 # ---------------------------------------------------------------------------------------
 # Predicting a benchmark's on/off ratio from its measured runs' traces
+# NOTE: these import the simulator, inputs and cost model inside the functions: those
+# modules import this one (the oracle, recorded_verifications).
 # ---------------------------------------------------------------------------------------
 
 def batch_requests(trace: dict):
