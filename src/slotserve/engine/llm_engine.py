@@ -52,6 +52,7 @@ from slotserve.engine.snapshot import build_snapshot
 from slotserve.engine.stats import EngineStats, finished_completion
 from slotserve.engine.subscribers import Subscribers
 from slotserve.engine.trace import TraceRecorder, policy_fields_of, trace_settings
+from slotserve.layer_windows import uniform_window
 from slotserve.model.kernels import (
     KernelSet,
     kernels_for,
@@ -113,7 +114,8 @@ class LLMEngine:
             self.runner.capture_decode_graphs(sched.max_num_seqs, sched.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 tenant_scoped=config.cache.tenant_scoped)
+                                 tenant_scoped=config.cache.tenant_scoped,
+                                 sliding_window=uniform_window(model_config.sliding_windows))
         speculative = config.speculative
         self.scheduler = Scheduler(sched, self.kv, speculator=None if speculative is None
                                    else Speculator(speculative))
