@@ -165,3 +165,15 @@ def test_the_benchmark_reports_the_predicted_ratio_beside_the_measured(tiny_llam
     row = next(line for line in format_summary(report).splitlines() if "| grounded |" in line)
     assert f"{replayed['predicted_ratio']:.2f}x" in row and f"{replayed['error']:+.0%}" in row
     assert "predicted" in format_summary(report)
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"kind": "linear", "version": 9}'])
+def test_a_bad_profile_is_a_usage_error_before_any_run(content, tmp_path, capsys):
+    from benchmarks.speculative import main
+
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--profile", str(path)])
+    assert exit_info.value.code == 2 and "--profile" in capsys.readouterr().err
