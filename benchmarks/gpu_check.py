@@ -7,9 +7,10 @@ Steps, each written to the JSON report as soon as it ends (a run cut short keeps
 3. the HBM copy bandwidth: a 2 GiB device-to-device copy, bytes read + written / median time;
 4. paged decode attention at Llama-3-8B's shape (32 query heads over 8 KV heads of 128,
    bf16, blocks of 16 scattered over the pool): the Triton kernel (num_warps 4 and 8; one
-   split against flash-decoding's splits for a long context) against the torch path
-   (gather + SDPA, torch_paged.decode_attention) and dense SDPA over contiguous K/V (no
-   paging); the KV bytes read / time against the copy bandwidth;
+   split against flash-decoding's splits for a long context; 2 and 4 cache blocks a loop
+   step instead of one) against the torch path (gather + SDPA,
+   torch_paged.decode_attention) and dense SDPA over contiguous K/V (no paging); the KV
+   bytes read / time against the copy bandwidth;
 5. RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul and the K/V write against the torch ops they
    replace, at 64 and 4096 tokens;
 6. paged prefill attention at Llama-3.2-1B's and Llama-3.1-8B's head shapes (32 query heads
@@ -211,6 +212,8 @@ def decode_attention_case(device, timer: Timer, seqs: int, context: int, window:
     row = {"seqs": seqs, "context": context, "window": window, "kv_bytes_read": kv_bytes,
            "splits": ops.num_decode_splits(blocks_per_seq, BLOCK_SIZE, window)[0]}
     variants = {f"triton_w{w}": dict(num_warps=w) for w in (4, 8)}
+    # several cache blocks a loop step (not yet the default: DEFAULT_BLOCKS_PER_ITER)
+    variants.update({f"triton_w8_b{b}": dict(num_warps=8, blocks_per_iter=b) for b in (2, 4)})
     if row["splits"] > 1:
         variants["triton_w4_one_split"] = dict(num_warps=4, partition_size=10**9)
     for name, kwargs in variants.items():
@@ -395,7 +398,8 @@ def summary(data: dict) -> str:
             data.get("decode_attention"), list) else []:
         lines.append(
             f"decode {row['seqs']:>3} x {row['context']:>5} window {row['window']}: triton "
-            f"w4 {row['triton_w4_ms']:.3f} ms, w8 {row['triton_w8_ms']:.3f} ms, "
+            f"w4 {row['triton_w4_ms']:.3f} ms, w8 {row['triton_w8_ms']:.3f} ms, w8 2 blocks "
+            f"{row['triton_w8_b2_ms']:.3f} ms, 4 blocks {row['triton_w8_b4_ms']:.3f} ms, "
             f"torch paged {row['torch_paged_ms']:.3f} ms, dense sdpa "
             f"{row.get('dense_sdpa_ms', float('nan')):.3f} ms; "
             f"{row['triton_best_gb_per_s']:.0f} GB/s, err {row['triton_w4_rel_error']:.1e}")

@@ -38,3 +38,16 @@ def test_the_gpu_runs_cases_cover_both_head_shapes_and_prefixes():
     assert {(c[2], c[3]) for c in cases if c[1] == 1} == {
         (t, p) for t in (256, 512, 2048) for p in (0, 2048)}
     assert ("llama-3.1-8b", 8, 256, 2048) in cases
+
+
+def test_the_decode_timings_check_several_blocks_a_step(device):
+    if device.type != "cpu":
+        pytest.skip("the dry run is the interpreter's")
+    from benchmarks import gpu_check
+
+    rows = gpu_check.decode_attention_cases(device, gpu_check.Timer(cuda=False),
+                                            gpu_check.DRY_DECODE_CASES, None)
+    for row in rows:
+        for name in ("triton_w4", "triton_w8", "triton_w8_b2", "triton_w8_b4"):
+            assert row[f"{name}_rel_error"] < 1e-2 and row[f"{name}_ms"] > 0  # bf16
+    assert "w8 2 blocks" in gpu_check.summary({"decode_attention": rows})

@@ -89,7 +89,8 @@ def variants():
                             stride_ts=64, stride_os=4096, stride_oh=128, stride_osplit=128,
                             stride_ls=256, stride_lh=8),
                        dict(GROUP=4, GROUP_P=4, HD=128, HD_P=128, BLOCK_SIZE=16, BLOCK_P=16,
-                            PARTITION_BLOCKS=32, WINDOWED=windowed, SPLIT=split), 4)
+                            PARTITION_BLOCKS=32, WINDOWED=windowed, SPLIT=split,
+                            BLOCKS_PER_ITER=ops.DEFAULT_BLOCKS_PER_ITER), 4)
         yield (ops._decode_reduce_kernel, name,
                dict(part_ptr=x.float(), lse_ptr=x.float(), out_ptr=x, num_splits=8,
                     stride_ps=32768, stride_ph=1024, stride_psplit=128, stride_ls=256,

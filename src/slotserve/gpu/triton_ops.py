@@ -41,14 +41,18 @@ import triton
 import triton.language as tl
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+"""True when the kernels were decorated under TRITON_INTERPRET=1: they run on CPU tensors."""
 # What KernelSet.describe_linears says of these kernels (the model's layer ops).
 DESCRIPTION = "Triton kernels (norms, RoPE, SiLU, K/V writes, decode attention)"
-"""True when the kernels were decorated under TRITON_INTERPRET=1: they run on CPU tensors."""
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_PARTITION_SIZE = 512
 """Context positions per split of the decode attention (vLLM's PARTITION_SIZE): a longer
 context is split over several programs and their partial softmaxes reduced (flash-decoding)."""
+# Cache blocks per step of the decode attention's loop. NOTE: 1 (16 positions a step) is what
+# was measured on an H200 (benchmarks/GPU.md: too little work per step, 630-650 GB/s);
+# benchmarks/gpu_check.py times 2, 4 and 8, not yet run on a GPU.
+DEFAULT_BLOCKS_PER_ITER = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,10 +155,11 @@ def _decode_attention_kernel(
         stride_os, stride_oh, stride_osplit, stride_ls, stride_lh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
-        WINDOWED: tl.constexpr, SPLIT: tl.constexpr):
+        WINDOWED: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
     """One program: one sequence, one KV head (its GROUP query heads as rows), one split
-    (PARTITION_BLOCKS cache blocks from the first block the query reads). SPLIT: write the
-    split's normalised output and log-sum-exp for _decode_reduce_kernel; else the output."""
+    (PARTITION_BLOCKS cache blocks from the first block the query reads), BLOCKS_PER_ITER
+    blocks a loop step (BLOCKS_PER_ITER x BLOCK_P positions). SPLIT: write the split's
+    normalised output and log-sum-exp for _decode_reduce_kernel; else the output."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,7 +176,9 @@ def _decode_attention_kernel(
 
     rows = tl.arange(0, GROUP_P)  # query heads kv_head * GROUP + rows (HF's GQA grouping)
     dims = tl.arange(0, HD_P)
-    offs = tl.arange(0, BLOCK_P)
+    offs = tl.arange(0, BLOCKS_PER_ITER * BLOCK_P)  # a step's positions: block offs // BLOCK_P
+    sub = offs // BLOCK_P
+    within = offs % BLOCK_P
     row_ok = rows < GROUP
     dim_ok = dims < HD
     q = tl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + rows)[:, None] * stride_qh
@@ -183,26 +190,41 @@ def _decode_attention_kernel(
     acc = tl.zeros([GROUP_P, HD_P], tl.float32)  # running sum of exp(score - m) * v
     # NOTE: a constant trip count, each block past the split's end skipped: Triton's
     # interpreter cannot loop over range(tensor, tensor) with numpy >= 2.4
-    for i in range(PARTITION_BLOCKS):
-        block = block_lo + i
-        if block < block_hi:
-            block_id = tl.load(tables_ptr + seq * stride_ts + block)
-            pos = block * BLOCK_SIZE + offs
+    for i in range(0, PARTITION_BLOCKS, BLOCKS_PER_ITER):
+        first = block_lo + i  # the step's first block
+        if first < block_hi:
+            block = first + sub  # (N,) each position's block
+            in_split = block < block_hi
+            if BLOCKS_PER_ITER == 1:
+                block_id = tl.load(tables_ptr + seq * stride_ts + first)
+            else:  # NOTE: table entries past the split's last block are not read
+                block_id = tl.load(tables_ptr + seq * stride_ts + block, mask=in_split, other=0)
+            pos = block * BLOCK_SIZE + within
             # NOTE: positions outside [first_pos, context_len) are not loaded (other=0) as well
             # as masked: they may hold NaN (stale or another layer's window), and 0 * NaN = NaN
-            valid = (offs < BLOCK_SIZE) & (pos >= first_pos) & (pos < context_len)
-            kv_off = (block_id * stride_cb + offs[:, None] * stride_cp + kv_head * stride_ch
-                      + dims[None, :])
+            valid = (in_split & (within < BLOCK_SIZE) & (pos >= first_pos)
+                     & (pos < context_len))
+            kv_row = block_id * stride_cb + within * stride_cp + kv_head * stride_ch  # (N,)
+            kv_off = kv_row[:, None] + dims[None, :]
             kv_mask = valid[:, None] & dim_ok[None, :]
             k = _to_f32(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0))
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (GROUP_P, BLOCK_P)
+            # NOTE: one block a step: a broadcast product (what was measured); more: fp32
+            # dots (the broadcast's (GROUP_P, N, HD_P) product would spill registers)
+            if BLOCKS_PER_ITER == 1:
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (GROUP_P, N)
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             scores = tl.where(valid[None, :], scores, float("-inf"))
-            # every block read holds a valid position: m_new is finite
+            # the step's first block holds a valid position: m_new is finite
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             v = _to_f32(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0))
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if BLOCKS_PER_ITER == 1:
+                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (GROUP_P, HD_P)
+            else:
+                pv = tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
             denom = denom * alpha + tl.sum(p, axis=1)
             m = m_new
 
@@ -295,7 +317,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int | None = None,
                            partition_size: int | None = None,
-                           num_warps: int = 4) -> torch.Tensor:
+                           num_warps: int = 4,
+                           blocks_per_iter: int = DEFAULT_BLOCKS_PER_ITER) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (the token's own K/V
     already written), as torch_paged.decode_attention.
 
@@ -306,6 +329,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     all -> (D, nh, hd) in q's dtype. GQA: head h reads KV head h // (nh / nkv), as HF.
     A context longer than partition_size positions (None: auto_partition_size's) is split
     over programs (flash-decoding) and the partial softmaxes are reduced by a second kernel.
+    blocks_per_iter: cache blocks per step of a program's loop (a power of two; at most the
+    split's blocks rounded up to one).
     """
     _check_cache_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -326,6 +351,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partition_size = auto_partition_size(q.shape[0], k_cache.shape[2],
                                              block_tables.shape[1], k_cache.shape[1], window)
     _check(partition_size >= 1, f"partition_size must be >= 1, got {partition_size}")
+    _check(blocks_per_iter >= 1 and blocks_per_iter & (blocks_per_iter - 1) == 0,
+           f"blocks_per_iter must be a power of two >= 1, got {blocks_per_iter}")
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                    context_lens=context_lens)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -344,14 +371,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         dest, lse = out, out  # lse unused
         dest_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     head_dim_p = triton.next_power_of_2(head_dim)
+    blocks_per_iter = min(blocks_per_iter, triton.next_power_of_2(partition_blocks))
+    block_p = triton.next_power_of_2(block_size)
+    if blocks_per_iter > 1:  # tl.dot's least K (head dim; positions a step): 16
+        head_dim_p = max(head_dim_p, 16)
+        blocks_per_iter = max(blocks_per_iter, 16 // block_p)  # past a split's end: masked
     _decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, dest, lse, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *dest_strides, *lse_strides,
         GROUP=group, GROUP_P=triton.next_power_of_2(group), HD=head_dim, HD_P=head_dim_p,
-        BLOCK_SIZE=block_size, BLOCK_P=triton.next_power_of_2(block_size),
+        BLOCK_SIZE=block_size, BLOCK_P=block_p,
         PARTITION_BLOCKS=partition_blocks, WINDOWED=bool(window), SPLIT=splits > 1,
-        num_warps=num_warps)
+        BLOCKS_PER_ITER=blocks_per_iter, num_warps=num_warps)
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             dest, lse, out, splits, *dest_strides, *lse_strides, out.stride(0), out.stride(1),

@@ -51,7 +51,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 128 x 64 at head dim 128 spills 152 bytes); their speed is not yet measured
 # (benchmarks/gpu_check.py times these and one other).
 DEFAULT_BLOCK_M = 128
-MIN_DOT = 16  # tl.dot's smallest M, N and K on a GPU
+MIN_DOT = 16  # tl.dot's least K on a GPU (head dim, keys a step); tiles of 16+ rows
 
 
 @triton.jit
@@ -168,8 +168,8 @@ class PrefillBatch:
 
 
 def tokens_per_tile(group: int, block_m: int = DEFAULT_BLOCK_M) -> int:
-    """A tile's tokens: block_m rows (a power of two >= 16) over the group's heads (padded
-    to a power of two); at least one token (then a tile is the group's heads: >= block_m)."""
+    """A tile's tokens: block_m rows (a power of two >= 16: fewer would idle the tensor
+    cores) over the group's heads (padded to a power of two); at least one token."""
     _check(block_m >= MIN_DOT and block_m & (block_m - 1) == 0,
            f"block_m must be a power of two >= {MIN_DOT}, got {block_m}")
     return max(1, block_m // triton.next_power_of_2(group))
@@ -262,8 +262,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     rows = batch.block_q * group_p
-    _check(rows >= MIN_DOT, f"a tile of {batch.block_q} tokens x {group_p} heads is under "
-                            f"{MIN_DOT} rows (tl.dot's least)")
     extra = {}
     if num_stages is not None:
         extra["num_stages"] = num_stages
