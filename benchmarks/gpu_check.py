@@ -25,7 +25,8 @@ result is also compared with its torch reference (relative error ||a - b|| / ||b
 
 The engine on the device (benchmarks/gpu_engine.py, run first: `--parts`): HF equality in
 fp32 and bf16, batch-1 TPOT against the bandwidth floor and full batches of 64 and 256 slots
-with 1B- and 8B-shaped models. Results: benchmarks/GPU.md.
+with 1B- and 8B-shaped models, and their prefills with SDPA against the Triton prefill
+attention. Results: benchmarks/GPU.md.
 
 The GPU machine lacks two of slotserve's imports (llguidance, gguf); they travel as wheels
 (the versions of the venv's). Here, once, from the repository root:
@@ -384,10 +385,12 @@ def engine_steps(report: Report, device, copy_gbps: float | None, dry: bool) -> 
     report.step("engine_hf_equality", gpu_engine.hf_equality, device, dry)
     if dry:
         report.step("engine_dry", gpu_engine.engine_speed, "dry", device, copy_gbps, (2, 4))
+        report.step("engine_prefill_dry", gpu_engine.prefill_speed, "dry", device)
         return
     for shape in ("llama-3.2-1b", "llama-3.1-8b"):
         report.step(f"engine_{shape}", gpu_engine.engine_speed, shape, device, copy_gbps,
                     (64, 256), True)
+        report.step(f"engine_prefill_{shape}", gpu_engine.prefill_speed, shape, device)
 
 
 def summary(data: dict) -> str:

@@ -9,6 +9,10 @@
   measured copy bandwidth); then full batches of 64 and 256 slots: output tokens/s, the
   decode step's median time and what it achieves of the copy bandwidth (weights + KV read)
   and of the bf16 matrix rate.
+- `prefill_speed`: the same shapes' prefills (prompts of 3072 tokens, chunks of 2048: some
+  after a cached chunk, two prompts' chunks in one iteration), prompt tokens/s with the
+  prefill attention through SDPA (the default) and through the Triton kernel
+  (SLOTSERVE_PREFILL_ATTENTION=triton), and how often the two agree on the first token.
 Random weights time like real ones (the same bytes and FLOPs); their tokens mean nothing.
 
 Dry run (`shape="dry"`): a tiny model on CPU tensors through Triton's interpreter.
@@ -16,6 +20,7 @@ Dry run (`shape="dry"`): a tiny model on CPU tensors through Triton's interprete
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -187,6 +192,57 @@ def engine_speed(shape: str, device: torch.device, copy_gbps: float | None,
         del engine
         _free(device)
     return result
+
+
+def prefill_speed(shape: str, device: torch.device, prompts: int = 8,
+                  prompt_len: int = 3072) -> dict:
+    """Prompt tokens/s of `prompts` prefills (max_tokens=1, eager) with each prefill
+    attention (model/kernels.PREFILL_ATTENTION_ENV), after one warm-up run of each."""
+    from slotserve.model.kernels import PREFILL_ATTENTION_ENV
+
+    if shape == "dry":
+        prompts, prompt_len = 2, 24
+    cfg = model_config(SHAPES[shape])
+    weights = random_weights(cfg, device, torch.bfloat16)
+    batch = random_prompts(prompts, prompt_len, cfg.vocab_size, seed=3)
+    result = {"shape": shape, "prompts": prompts, "prompt_len": prompt_len}
+    before = os.environ.get(PREFILL_ATTENTION_ENV)
+    first_tokens = {}
+    try:
+        for setting in ("sdpa", "triton"):
+            os.environ[PREFILL_ATTENTION_ENV] = setting
+            engine = build_engine(cfg, weights, device, "bfloat16", slots=prompts,
+                                  max_model_len=prompt_len + 16, eager=True)
+            _prefills(engine, batch[:2])  # compiles the kernels at these shapes
+            wall, first_tokens[setting] = _prefills(engine, batch)
+            result[setting] = {"kernels": engine.runner.kernels.describe(), "wall_s": wall,
+                               "prompt_tok_per_s": prompts * prompt_len / wall}
+            del engine
+            _free(device)
+    finally:
+        if before is None:
+            os.environ.pop(PREFILL_ATTENTION_ENV, None)
+        else:
+            os.environ[PREFILL_ATTENTION_ENV] = before
+    same = sum(a == b for a, b in zip(first_tokens["sdpa"], first_tokens["triton"]))
+    result["first_token_agreement"] = same / prompts  # bf16, random weights: near ties
+    result["triton_speedup"] = result["sdpa"]["wall_s"] / result["triton"]["wall_s"]
+    return result
+
+
+def _prefills(engine: LLMEngine, prompts: list[list[int]]) -> tuple[float, list[int]]:
+    """(wall seconds, each prompt's greedy first token) of running the prompts to one token."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ids = [f"prefill-{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    first = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                first[out.request_id] = out.token_ids[0]
+    return time.perf_counter() - start, [first[i] for i in ids]
 
 
 def profile_forward(graphs, repeats: int = 5) -> str:

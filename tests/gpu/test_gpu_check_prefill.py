@@ -4,6 +4,8 @@ against the torch path."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -51,3 +53,18 @@ def test_the_decode_timings_check_several_blocks_a_step(device):
         for name in ("triton_w4", "triton_w8", "triton_w8_b2", "triton_w8_b4"):
             assert row[f"{name}_rel_error"] < 1e-2 and row[f"{name}_ms"] > 0  # bf16
     assert "w8 2 blocks" in gpu_check.summary({"decode_attention": rows})
+
+
+def test_the_engine_prefill_comparison_runs_in_a_dry_run(device):
+    """gpu_engine.prefill_speed on the tiny model (on the CPU both settings run torch's
+    prefill attention: the setting is the CUDA path's; this checks the script)."""
+    if device.type != "cpu":
+        pytest.skip("the dry run is the interpreter's")
+    from benchmarks import gpu_engine
+    from slotserve.model.kernels import PREFILL_ATTENTION_ENV
+
+    before = os.environ.get(PREFILL_ATTENTION_ENV)
+    result = gpu_engine.prefill_speed("dry", device)
+    assert result["sdpa"]["prompt_tok_per_s"] > 0 and result["triton"]["prompt_tok_per_s"] > 0
+    assert result["first_token_agreement"] == 1.0  # the same computation on the CPU
+    assert os.environ.get(PREFILL_ATTENTION_ENV) == before  # put back as it was
