@@ -44,6 +44,7 @@ from slotserve.lab.replay.speculation import fit_trace_cost, predict_ratio
 from slotserve.percentile import percentile
 
 DEFAULT_OUT = "benchmarks/results/speculative.json"
+PREDICTION_BOUND = 0.15  # issue 35: the replay predicts the on/off ratio within 15%
 CODE = '''def parse_config(path):
     """Read a key=value file into a dict, skipping comments and blank lines."""
     result = {}
@@ -175,6 +176,20 @@ def add_predictions(report: dict, traces: dict, cost_model) -> None:
                     "rounds": rounds}
 
 
+def within(report: dict, bound: float) -> dict[str, list[int]]:
+    """Per on setting: [cells whose predicted ratio is within `bound` of the measured,
+    cells]."""
+    counts: dict[str, list[int]] = {}
+    for cells in report["results"].values():
+        for cell in cells.values():
+            for name, result in cell.items():
+                if "replay" in result:
+                    count = counts.setdefault(name, [0, 0])
+                    count[0] += abs(result["replay"]["error"]) <= bound
+                    count[1] += 1
+    return counts
+
+
 def format_summary(report: dict) -> str:
     """One row per cell: each on setting's median ratio (and, with the replay, its
     predicted ratio and that one's error), and whether every output equalled off's."""
@@ -256,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
             add_predictions(report, traces, cost_model)
             report["replay"] = {"clock": source, "profile": args.profile,
                                 "cost_model": cost_model.describe(),
-                                "fit": cost_model.meta.get("fit")}
+                                "fit": cost_model.meta.get("fit"),
+                                "within": within(report, PREDICTION_BOUND)}
         except ValueError as exc:  # NOTE: the measurements are reported all the same
             log(f"replay: no prediction: {exc}")
             report["replay_error"] = str(exc)
     print(format_summary(report))
+    for name, counts in report.get("replay", {}).get("within", {}).items():
+        print(f"replay: {name} / off predicted within {PREDICTION_BOUND:.0%} in "
+              f"{counts[0]} of {counts[1]} cells")
     if args.out:
         write_report(args.out, model=args.model or "embedded", **report)
         print(f"wrote {args.out}")

@@ -146,7 +146,7 @@ def test_drafts_are_decode_rows_among_decodes_and_chunk_rows_beside_a_prefill():
 
 
 def test_the_benchmark_reports_the_predicted_ratio_beside_the_measured(tiny_llama):
-    from benchmarks.speculative import add_predictions, format_summary, run_cell
+    from benchmarks.speculative import add_predictions, format_summary, run_cell, within
     from slotserve.engine.llm import LLM
 
     engines = {"off": LLM(engine=tiny_engine(tiny_llama, **RUN)),
@@ -165,6 +165,7 @@ def test_the_benchmark_reports_the_predicted_ratio_beside_the_measured(tiny_llam
     row = next(line for line in format_summary(report).splitlines() if "| grounded |" in line)
     assert f"{replayed['predicted_ratio']:.2f}x" in row and f"{replayed['error']:+.0%}" in row
     assert "predicted" in format_summary(report)
+    assert within(report, 0.15) == {"auto": [int(abs(replayed["error"]) <= 0.15), 1]}
 
 
 @pytest.mark.parametrize("content", [None, "not json", '{"kind": "linear", "version": 9}'])
