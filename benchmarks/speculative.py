@@ -23,6 +23,8 @@ replayed on tok/s / replayed off tok/s, median over the rounds; its error agains
 measured median. The clock: a LinearCost fit, as `slotserve calibrate` fits one, on every
 iteration of this benchmark's off runs (their trace times: the machine, model and kernels
 measured, no extra run), or `--profile PROFILE.json` (a `slotserve calibrate` profile).
+NOTE: the fit tells a decode row's cost from an iteration's fixed cost only across batch
+sizes (a verification's drafts are decode rows); with one `--batches` value, use --profile.
 
 `--out [PATH]` writes the JSON report (default: benchmarks/results/speculative.json).
 NOTE: the lead runs it on a quiet machine; a loaded 2-core box swings tok/s several-fold.
