@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,11 @@ from slotserve.engine.llm_engine import LLMEngine
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+# NOTE: `slotserve calibrate` run by a test must not replace this machine's calibration
+# (`slotserve replay`'s default clock): tests read and write their own.
+os.environ["SLOTSERVE_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="slotserve-tests-"),
+                                                   "calibration.json")
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):

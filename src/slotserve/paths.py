@@ -18,5 +18,7 @@ def cache_root() -> str:
 
 def last_calibration_path() -> Path:
     """The profile `slotserve calibrate` wrote last on this machine; `slotserve replay`'s
-    default clock."""
+    default clock. `$SLOTSERVE_CALIBRATION` names another file (the tests' own)."""
+    if path := os.environ.get("SLOTSERVE_CALIBRATION"):
+        return Path(path)
     return Path(cache_root()) / CALIBRATION_FILE

@@ -335,6 +335,7 @@ def test_replay_refuses_the_toy_clock_unless_asked(tiny_llama, tmp_path, monkeyp
     """No --profile and no calibration on this machine: an error naming the way out, never
     a prediction in iterations passed off as seconds (also for `simulate --trace`)."""
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SLOTSERVE_CALIBRATION")  # the cache dir's, not the tests' file
     trace = tmp_path / "t.json"
     _engine_trace(tiny_llama, trace)
     for argv in (["replay", str(trace)], ["simulate", "--trace", str(trace)]):
@@ -350,6 +351,7 @@ def test_replay_runs_on_the_last_calibration(tiny_llama, tmp_path, monkeypatch, 
     from slotserve.paths import last_calibration_path
 
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SLOTSERVE_CALIBRATION")  # the cache dir's, not the tests' file
     last_calibration_path().parent.mkdir(parents=True)
     coefficients = dict.fromkeys(FEATURES, 1e-4)
     LinearCost(base=0.01, coefficients=coefficients).save(last_calibration_path())
