@@ -74,7 +74,8 @@ def add_replay_flags(g) -> None:
                    help="re-time the requests as Poisson arrivals at R req/s (inf: all at 0)")
     g.add_argument("--profile", metavar="PROFILE.json",
                    help="cost model from `slotserve calibrate` (default: the profile "
-                        f"calibrate wrote last on this machine, {last_calibration_path()})")
+                        "calibrate wrote last on this machine: $SLOTSERVE_CALIBRATION, else "
+                        "calibration.json in the cache folder, ~/.cache/slotserve)")
     g.add_argument("--clock", choices=(SECONDS, ITERATIONS), default=None,
                    help="seconds (default): a calibrated profile; iterations: one unit per "
                         "iteration, the seed's toy clock (times are not seconds)")
