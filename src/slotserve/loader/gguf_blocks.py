@@ -1,7 +1,7 @@
 """GGUF linear weights kept quantized: each block format as unsigned codes, scales and mins.
 
 `to_blocks(tensor)` turns a GGUF tensor's raw blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
-Q3_K, Q4_K, Q5_K, Q6_K) into one form, `BlockWeights`: per output row, blocks of `block_len`
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL) into one form, `BlockWeights`: per output row, blocks of `block_len`
 unsigned codes u (uint8) with an fp32 scale d and min m per block, such that
 
     w = d * u + m
@@ -20,14 +20,21 @@ reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
 | Q4_K | 32 (sub-block) | 4-bit q | d * sc | -dmin * mn | 4 |
 | Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 8 |
 | Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 8 |
+| IQ4_NL | 32 | kvalues_iq4nl[q] + 128 | d | -128 d | 8 |
 
 The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
 takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: the codes (4-bit: 0.5,
 else 1) and a scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the K-quants'
-d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the file),
-Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes in
-4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2).
+Q5_0, Q5_1, Q8_0, IQ4_NL: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the
+K-quants' d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the
+file), Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes
+in 4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2), IQ4_NL 1.125.
+
+IQ4_NL (llama.cpp's non-linear 4-bit type: an fp16 d and 32 4-bit indices into the fixed
+table kvalues_iq4nl per block, w = d * table[q]) is Q8_0's path with the codes looked up once
+at load: u = table[q] + 128 in 1..241, m = -128 d (an fp16 value, as Q8_0's). NOTE: that is
+twice the file's 0.5625 bytes/weight (the indices would need a table lookup in the kernel to
+stay 4-bit); it is what makes the type cheap to support: no kernel of its own.
 
 `GGUFBlockTensor` carries BlockWeights through the model's weight loading
 (`LlamaForCausalLM.load_hf_weights`) without ever making fp32 values of a linear layer.
@@ -51,7 +58,7 @@ QK_K = 256
 BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int, int]] = {
     Q.Q4_0: (32, 4, 2), Q.Q4_1: (32, 4, 2), Q.Q5_0: (32, 8, 2), Q.Q5_1: (32, 8, 2),
     Q.Q8_0: (32, 8, 2), Q.Q2_K: (16, 4, 4), Q.Q3_K: (16, 4, 4), Q.Q4_K: (32, 4, 4),
-    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4),
+    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4), Q.IQ4_NL: (32, 8, 2),
 }
 # Tensor types kept as they are today (float): never converted to blocks.
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -256,16 +263,28 @@ def _q6_k(raw):
     return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale
 
 
+# IQ4_NL's 16 levels (ggml-common.h's kvalues_iq4nl; gguf-py's IQ4_NL.kvalues), as codes
+# u = level + 128: unsigned, for the u8 x s8 dot product
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_NL_CODES = np.array(IQ4_NL_LEVELS, dtype=np.int16) + 128
+
+
+def _iq4_nl(raw):
+    d = _f16(raw, 0)
+    return _IQ4_NL_CODES[_nibbles(raw[:, 2:])].astype(np.uint8), d, -128.0 * d
+
+
 _CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+            Q.IQ4_NL: _iq4_nl}
 
 
 def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
               ) -> BlockWeights:
     """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
 
-    A type without a block conversion, or a non-finite scale or min, raises ModelFileError
-    naming the tensor.
+    A type without a block conversion, rows that are not whole blocks, or a non-finite scale
+    or min, raises ModelFileError naming the tensor.
     """
     if qtype not in _CONVERT:
         raise ModelFileError(path, f"tensor {name!r} has type {qtype.name}, which is not kept "
@@ -278,6 +297,9 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
     type_block, type_size = GGML_QUANT_SIZES[qtype]
     if data.ndim != 2:
         raise ModelFileError(path, f"tensor {name!r}: a linear weight must be 2-D")
+    if data.shape[1] % type_size:
+        raise ModelFileError(path, f"tensor {name!r}: rows of {data.shape[1]} bytes are not "
+                                   f"whole {qtype.name} blocks of {type_size} bytes")
     rows = data.shape[0]
     raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
     codes, scales, mins = _CONVERT[qtype](raw)
