@@ -43,7 +43,8 @@ Q = GGMLQuantizationType
 # gguf-py quantizes these; the K-quants are built from random valid blocks.
 GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 # Byte offsets of the fp16 scales (and mins) inside each type's block.
-_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
+_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+               Q.IQ4_NL: (0,)}  # IQ4_NL: random indices, as tests/model/test_gguf_iq4nl.py
 
 
 def raw_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
