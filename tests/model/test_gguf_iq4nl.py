@@ -30,6 +30,7 @@ from slotserve.loader.gguf_blocks import (
     to_blocks,
 )
 from slotserve.loader.gguf_reader import read_gguf
+from slotserve.model.kernels import size_text
 from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import GGUFBlockLinear, gguf_block_kernel_available
 from tests.conftest import random_prompts
@@ -169,6 +170,27 @@ def test_an_iq4_nl_file_loads_in_blocks_and_decodes(ops, iq4_nl_file):
     prompts = random_prompts(4, seed=7)
     continuations = greedy_continuations(reference, prompts, 16)
     assert teacher_forced_agreement(engine, prompts, continuations) >= 0.9
+
+
+def test_the_start_up_line_names_types_kernels_and_bytes_per_decode_step(ops, iq4_nl_file):
+    """For a GGUF served in blocks: its types, the block kernel, and the bytes of linear
+    weights a decode step reads (each linear's packed codes and scales, or panels, once)."""
+    loaded = load_model(str(iq4_nl_file), keep_quantized=True, use_cache=False)
+    engine = LLMEngine(engine_config(quantization="gguf", max_model_len=256, block_size=16,
+                                     max_num_seqs=4), loaded.config, loaded.weights)
+    expected = 0
+    for module in engine.runner.model.modules():
+        if isinstance(module, Linear):
+            kernel = module.kernel
+            held = ((kernel.codes, kernel.scales_mins) if isinstance(kernel, GGUFBlockLinear)
+                    else (kernel.panels,)) + ((kernel.bias,) if kernel.bias is not None else ())
+            expected += sum(t.numel() * t.element_size() for t in held)
+    text = engine.runner.kernels.describe()
+    assert engine.runner.kernels.step_weight_bytes == expected
+    assert text.startswith(f"GGUF IQ4_NL weights as 4/8-bit code blocks (1.125 bytes/weight), "
+                           f"{size_text(expected)} read per decode step (")
+    assert "linears: GGUF blocks x int8 activations (" in text
+    assert engine.snapshot().kernels == text  # the start-up line's field (server/startup.py)
 
 
 def test_a_malformed_iq4_nl_block_in_a_file_is_the_loaders_clear_error(iq4_nl_file, tmp_path):

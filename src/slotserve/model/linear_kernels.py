@@ -276,6 +276,33 @@ def gguf_block_kernel_available(ops) -> bool:
     return ops is not None and hasattr(ops, "quant_block_linear") and ops.quant_blocks_vectorised()
 
 
+def held_bytes(kernel) -> int:
+    """Bytes of the tensors a linear kernel holds (its weights in their layout, scales,
+    bias): what one call reads, whatever its batch.
+
+    NOTE: a tensor's own elements, not its storage's: the panels are views of one arena
+    (place_panels_in_one_arena); a zero-stride view (MKLPackedLinear's `shape_only`) holds
+    nothing.
+    """
+    return sum(value.numel() * value.element_size() for value in vars(kernel).values()
+               if isinstance(value, torch.Tensor)
+               and (value.numel() <= 1 or 0 not in value.stride()))
+
+
+def decode_step_weight_bytes(model: nn.Module) -> int:
+    """The bytes of linear weights (with their scales and biases) a decode step reads: every
+    Linear of `model` once, as its kernel holds them (the layer's own weight without one).
+    NOTE: the embedding table is not counted (a step reads one row of it per sequence)."""
+    from slotserve.model.layers import Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += (held_bytes(module.kernel) if module.kernel is not None else
+                      sum(p.numel() * p.element_size() for p in module.parameters()))
+    return total
+
+
 def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
     """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py).
 
