@@ -1,5 +1,6 @@
-"""IQ4_NL GGUF weights kept in blocks (loader/gguf_blocks.py's `_iq4_nl`): the table's levels
-as 8-bit codes u = level + 128 with m = -128 d, run by Q8_0's kernel path.
+"""IQ4_NL GGUF weights kept in blocks (loader/gguf_blocks.py's `_iq4_nl`): the file's 4-bit
+indices, which the kernel (csrc/quant_blocks.cpp) looks up as the codes u = level + 128, with
+m = -128 d; fused with other types, the looked-up codes in bytes.
 
 The kernel's error against gguf-py's `dequantize` + an fp32 matmul is bounded as in
 tests/model/test_gguf_quant.py's docstring (`error_bound`): the activations' int8 rounding,
@@ -75,20 +76,25 @@ def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(ops):
     blocks = to_blocks(raw, Q.IQ4_NL, "blk.0.ffn_up.weight", "test.gguf")
     weights = reference_weights(raw, Q.IQ4_NL)
     assert torch.equal(blocks.dequantize(), weights)  # the conversion is exact
-    assert (blocks.block_len, blocks.bits, blocks.types) == (32, 8, ("IQ4_NL",))
-    assert int(blocks.codes.min()) >= 1 and int(blocks.codes.max()) <= 241
+    assert (blocks.block_len, blocks.bits, blocks.indexed) == (32, 4, True)
+    codes = blocks.unpacked_codes()
+    assert int(codes.min()) >= 1 and int(codes.max()) <= 241
+    assert set(blocks.stored_codes().unique().tolist()) == set(range(16))
     kernel = GGUFBlockLinear(blocks, None, ops)
+    assert kernel.bits == int(Q.IQ4_NL) == 20  # csrc/ops.h's QUANT_CODES_IQ4_NL
     assert kernel.scales_mins.dtype == torch.float16  # d and -128 d: fp16 values
     packed = kernel.codes.numel() + kernel.scales_mins.numel() * 2
-    assert packed / (48 * cols) == blocks.bytes_per_weight == 1.125  # 3 panels of 16 rows
+    assert packed / (48 * cols) == blocks.bytes_per_weight == 0.625  # 3 panels of 16 rows
     x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
     y = kernel(x)
     error = (y - x @ weights.T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
-    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, 32, 8,
+    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, 32, 20,
                                    force_plain=True)
     assert torch.equal(plain, y)
+    as_bytes = GGUFBlockLinear(blocks.with_8bit_codes(), None, ops)  # looked up at load
+    assert as_bytes.bits == 8 and torch.equal(as_bytes(x), y)  # the same integer sums
 
 
 def test_iq4_nl_rows_do_not_depend_on_their_batch(ops):
@@ -106,10 +112,56 @@ def test_iq4_nl_fused_with_other_types_keeps_its_values(ops):
              to_blocks(raw_tensor(Q.Q4_K, 32, 256, seed=5), Q.Q4_K, "w", "t.gguf")]
     fused = concat_rows(parts)
     assert (fused.block_len, fused.bits, fused.types) == (32, 8, ("IQ4_NL", "Q4_K"))
+    assert not fused.indexed  # the indices looked up: one format for the fused rows
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
     error = (GGUFBlockLinear(fused, None, ops)(x) - x @ fused.dequantize().T).abs()
     assert (error <= error_bound(x, fused)).all()
+
+
+def test_iq4_nl_fused_with_iq4_nl_keeps_its_indices(ops):
+    parts = [to_blocks(random_iq4_nl(rows, 256, seed=rows), Q.IQ4_NL, "w", "t.gguf")
+             for rows in (32, 16, 16)]  # q, k, v
+    fused = concat_rows(parts)
+    assert (fused.block_len, fused.bits, fused.indexed) == (32, 4, True)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    kernel = GGUFBlockLinear(fused, None, ops)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    expected = torch.cat([GGUFBlockLinear(p, None, ops)(x) for p in parts], dim=1)
+    assert torch.equal(kernel(x), expected)  # each row's sums as in its own tensor
+
+
+def test_the_kernel_refuses_an_unknown_codes_format(ops):
+    blocks = to_blocks(random_iq4_nl(16, 64), Q.IQ4_NL, "w", "t.gguf")
+    kernel = GGUFBlockLinear(blocks, None, ops)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"bits must be 4 or 8 \(or 20: IQ4_NL's indices\)"):
+        ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 16, 32, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales, blocks.mins, 21)
+    with pytest.raises(RuntimeError, match="a 4-bit code above 15"):  # indices are 4-bit
+        ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales, blocks.mins, 20)
+    with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4 or 8 \\(or 20"):
+        ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 16,
+                           block_len=32, bits=6)
+
+
+def test_stack_equals_python_layers_on_iq4_nl(ops, monkeypatch):
+    """A random Llama in IQ4_NL blocks (q/k/v and gate/up fused as indices; the LM head in
+    Q8_0) decodes through the C++ DecodeStack exactly as through the Python layers."""
+    from tests.model import test_gguf_stack
+    from tests.model.test_decode_stack import run_comparing_stack_and_python
+
+    layout = dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"), Q.IQ4_NL)
+    monkeypatch.setitem(test_gguf_stack.LAYOUTS, "iq4_nl", {**layout, "lm_head": Q.Q8_0})
+    monkeypatch.setitem(test_gguf_stack._K_SCALES, Q.IQ4_NL, ((0,), 1e-3))
+    engine = test_gguf_stack.gguf_engine("iq4_nl")
+    model = engine.runner.model
+    assert model.decode_stack is not None
+    assert model.layers[0].self_attn.qkv_proj.kernel.bits == int(Q.IQ4_NL)
+    assert model.layers[0].mlp.gate_up_proj.kernel.bits == int(Q.IQ4_NL)
+    assert run_comparing_stack_and_python(engine, random_prompts(4), max_tokens=16) >= 10
 
 
 def test_a_bad_iq4_nl_scale_or_length_is_a_clear_error():
@@ -160,9 +212,11 @@ def test_an_iq4_nl_file_loads_in_blocks_and_decodes(ops, iq4_nl_file):
     engine = LLMEngine(engine_config(quantization="gguf", **settings), kept.config,
                        kept.weights)
     assert engine.runner.kernels.describe().startswith("GGUF IQ4_NL weights as")
-    assert "1.125 bytes/weight" in engine.runner.kernels.describe()
+    assert "0.625 bytes/weight" in engine.runner.kernels.describe()
     linears = [m.kernel for m in engine.runner.model.modules() if isinstance(m, Linear)]
-    assert sum(isinstance(k, GGUFBlockLinear) for k in linears) == 2 * 4  # fused qkv, gate_up
+    blocks_kernels = [k for k in linears if isinstance(k, GGUFBlockLinear)]
+    assert len(blocks_kernels) == 2 * 4  # fused qkv and gate_up: still IQ4_NL's indices
+    assert {k.bits for k in blocks_kernels} == {int(Q.IQ4_NL)}
     reference = LLMEngine(engine_config(quantization="none", **settings), fp32.config,
                           fp32.weights)
     from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
@@ -187,7 +241,7 @@ def test_the_start_up_line_names_types_kernels_and_bytes_per_decode_step(ops, iq
             expected += sum(t.numel() * t.element_size() for t in held)
     text = engine.runner.kernels.describe()
     assert engine.runner.kernels.step_weight_bytes == expected
-    assert text.startswith(f"GGUF IQ4_NL weights as 4/8-bit code blocks (1.125 bytes/weight), "
+    assert text.startswith(f"GGUF IQ4_NL weights as 4/8-bit code blocks (0.625 bytes/weight), "
                            f"{size_text(expected)} read per decode step (")
     assert "linears: GGUF blocks x int8 activations (" in text
     assert engine.snapshot().kernels == text  # the start-up line's field (server/startup.py)

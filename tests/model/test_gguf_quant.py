@@ -98,7 +98,7 @@ def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, ops
     assert (error <= error_bound(x, blocks)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
     plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, blocks.block_len,
-                                   blocks.bits, force_plain=True)
+                                   kernel.bits, force_plain=True)  # bits: the codes' format
     assert torch.equal(plain, y)  # the fallback does the same float operations in order
 
 
