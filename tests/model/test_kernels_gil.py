@@ -72,11 +72,14 @@ def all_kernels(cpu_ops) -> dict[str, Kernel]:
 
 @pytest.fixture
 def long_switch_interval():
-    """The GIL changes hands only when its holder blocks (or ends) while the test runs."""
-    before = sys.getswitchinterval()
+    """The GIL changes hands only when its holder blocks (or ends) while the test runs; the
+    kernels run on one thread, leaving a core to the main thread (2 cores here)."""
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(60.0)
+    torch.set_num_threads(1)
     yield
-    sys.setswitchinterval(before)
+    sys.setswitchinterval(interval)
+    torch.set_num_threads(threads)
 
 
 def ran_python_during_the_call(kernel: Kernel, x: torch.Tensor) -> bool:
@@ -114,12 +117,13 @@ def ran_python_during_the_call(kernel: Kernel, x: torch.Tensor) -> bool:
 def test_the_kernel_releases_the_gil(all_kernels, long_switch_interval, name):
     if name not in all_kernels:
         pytest.skip(f"{name} does not run here")
-    # argmax_rows: 64 rows of 256 K logits (a ms or more: long enough to be seen)
+    # argmax_rows: 64 rows of 256 K logits; the linears 512 rows: calls of 5-50 ms on one
+    # thread, long enough for the main thread to be scheduled during them
     x = (torch.randn(64, 256 * 1024, generator=torch.Generator().manual_seed(2))
-         if name == "argmax_rows" else _inputs(256, seed=2))
-    # NOTE: 3 tries: a call whose whole duration passes before the OS wakes the main thread
+         if name == "argmax_rows" else _inputs(512, seed=2))
+    # NOTE: 8 tries: a call whose whole duration passes before the OS wakes the main thread
     # (a loaded machine) is not a failure; a kernel that keeps the GIL never succeeds.
-    assert any(ran_python_during_the_call(all_kernels[name], x) for _ in range(3))
+    assert any(ran_python_during_the_call(all_kernels[name], x) for _ in range(8))
 
 
 def test_the_test_sees_a_call_that_keeps_the_gil(long_switch_interval):
