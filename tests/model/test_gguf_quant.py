@@ -43,7 +43,8 @@ Q = GGMLQuantizationType
 # gguf-py quantizes these; the K-quants are built from random valid blocks.
 GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 # Byte offsets of the fp16 scales (and mins) inside each type's block.
-_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
+_F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+               Q.IQ4_NL: (0,)}  # IQ4_NL: random indices, as tests/model/test_gguf_iq4nl.py
 
 
 def raw_tensor(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -97,7 +98,7 @@ def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, ops
     assert (error <= error_bound(x, blocks)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
     plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, blocks.block_len,
-                                   blocks.bits, force_plain=True)
+                                   kernel.bits, force_plain=True)  # bits: the codes' format
     assert torch.equal(plain, y)  # the fallback does the same float operations in order
 
 

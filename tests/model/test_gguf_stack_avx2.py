@@ -43,7 +43,7 @@ def test_avx2_path_equals_the_plain_loops_and_vnni(qtype, avx2_ops, cpu_ops):
     x = torch.randn(11, cols, generator=torch.Generator().manual_seed(5))  # 4 + 4 + 3 rows
     y = kernel(x)
     plain = avx2_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows,
-                                        blocks.block_len, blocks.bits, force_plain=True)
+                                        blocks.block_len, kernel.bits, force_plain=True)
     assert torch.equal(y, plain)
     error = (y - x @ reference_weights(raw, qtype).T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()

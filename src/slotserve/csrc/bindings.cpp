@@ -8,19 +8,36 @@
 
 using namespace slotserve::kernels;
 
+// NOTE (the GIL): the long kernels below run with the GIL released (`release_gil`), so that
+// the server's other Python threads (its event loop, tokenizer pool) run while a matmul or
+// an argmax does. That is safe because, between the arguments' conversion and the result's
+// (pybind11 does both with the GIL held, outside the guard), these functions touch no Python
+// object: only torch tensors (libtorch, which needs no GIL: torch's own ops release it too),
+// kept alive by the caller's references for the whole call, and C++ state that is either
+// per thread (bf16_panels.cpp's thread_local activation buffer, AMX tile configuration) or
+// initialised once thread-safely (amx_bf16_usable's function-local static). Two Python
+// threads may call them at once (tests/model/test_kernels_gil.py); what they must not do is
+// write a tensor another call reads, or flip set_force_plain_loops (a test switch, kept
+// under the GIL) while a kernel runs. A failed check throws with the GIL released: the
+// guard's destructor takes it back while unwinding, before pybind11 turns the error into a
+// Python exception. Short calls (the fused norms, RoPE, packing at load) keep the GIL.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate-up output");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (first maximum, or first NaN)");
+  m.def("argmax_rows", &argmax_rows, release_gil(),
+        "each row's argmax (first maximum, or first NaN)");
   m.def("write_kv_", &write_kv_, "store new K/V at their cache slots");
-  m.def("int8_linear", &int8_linear, "x @ int8 weights (per-channel scales), int16 activations");
+  m.def("int8_linear", &int8_linear, release_gil(),
+        "x @ int8 weights (per-channel scales), int16 activations");
   m.def("pack_quant_blocks", &pack_quant_blocks,
         "GGUF blocks as codes (out, blocks, len) uint8, scales and mins (out, blocks) -> "
         "(packed codes, scales_mins) for quant_block_linear", py::arg("codes"),
         py::arg("scales"), py::arg("mins"), py::arg("bits"));
-  m.def("quant_block_linear", &quant_block_linear,
+  m.def("quant_block_linear", &quant_block_linear, release_gil(),
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
         py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
@@ -29,16 +46,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_blocks_isa", &quant_blocks_isa,
         "quant_block_linear's path in this build: avx512vnni, avx2 or plain");
   m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear");
-  m.def("panel_linear", &panel_linear, "x @ W^T, W as pack_panels(W) (fp32)");
+  m.def("panel_linear", &panel_linear, release_gil(), "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,
         "whether panel_linear runs vectorised (AVX-512)");
   m.def("pack_panels_bf16", &pack_panels_bf16,
         "fp32 weights (out, in) rounded to bf16, as panels for panel_linear_bf16");
-  m.def("panel_linear_bf16", &panel_linear_bf16,
+  m.def("panel_linear_bf16", &panel_linear_bf16, release_gil(),
         "x @ W^T, W as pack_panels_bf16(W), fp32 accumulation; activations fp32 or rounded "
         "to bf16", py::arg("x"), py::arg("panels"), py::arg("out_features"),
         py::arg("bf16_activations") = false);
-  m.def("panel_linear_bf16_amx", &panel_linear_bf16_amx,
+  m.def("panel_linear_bf16_amx", &panel_linear_bf16_amx, release_gil(),
         "x @ W^T on AMX-BF16, W as pack_panels_bf16(W), x rounded to bf16, fp32 sums");
   m.def("amx_bf16_usable", &amx_bf16_usable, "whether panel_linear_bf16_amx runs here");
   m.def("panel_bf16_vectorised", &panel_bf16_vectorised,
@@ -71,6 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the MLP's activation: silu, gelu or gelu_pytorch_tanh")
       .def("set_embedding_scale", &DecodeStack::set_embedding_scale,
            "the looked-up embeddings x this (Gemma's sqrt(H)); 0: none")
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
+      .def("forward", &DecodeStack::forward, release_gil(),
            "all decoder layers and the final norm of an all-decode iteration");
 }

@@ -44,8 +44,9 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
               "gguf_blocks), got ", kind);
   TORCH_CHECK(kind == "plain" || panel || b, kind, " linear needs its second tensor");
   TORCH_CHECK(!(panel || blocks) || out_features > 0, kind, " linear needs out_features");
-  TORCH_CHECK(!blocks || ((block_len == 16 || block_len == 32) && (bits == 4 || bits == 8)),
-              "gguf_blocks linear needs block_len 16 or 32 and bits 4 or 8");
+  TORCH_CHECK(!blocks || ((block_len == 16 || block_len == 32) && quant_codes_format_known(bits)),
+              "gguf_blocks linear needs block_len 16 or 32 and bits 4 or 8 (or ",
+              QUANT_CODES_IQ4_NL, ": IQ4_NL's indices)");
   const Kind parsed = kind == "plain"        ? Kind::kPlain
                       : kind == "mkl"        ? Kind::kMkl
                       : kind == "int8"       ? Kind::kInt8

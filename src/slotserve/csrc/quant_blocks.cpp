@@ -3,7 +3,10 @@
 // for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
 // a scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
 // m = -8 d; Q4_K: d = d * sc, m = -dmin * mn; ...). Codes of 4 bits (Q4_0, Q4_1, Q4_K) stay
-// 4 bits, two per byte; the others take a byte.
+// 4 bits, two per byte; the others take a byte. IQ4_NL's 4-bit indices q stay 4 bits too
+// (format QUANT_CODES_IQ4_NL, ops.h): the kernel looks them up as its codes
+// u = kvalues_iq4nl[q] + 128 (m = -128 d, as Q8_0), one byte shuffle (vpshufb) per step:
+// llama.cpp's iq4_nl dot product does the same lookup, to signed values.
 //
 // The activations are quantized per row and block of B to int8 (a = round(x / s),
 // s = max|x| / 127, as llama.cpp's q8_0), so that
@@ -42,15 +45,20 @@ namespace {
 constexpr int64_t QB_ROWS = 16;  // output rows per panel (one int32 lane each)
 constexpr int QB_TILE = 8;       // activation rows sharing one pass over a panel
 
+// IQ4_NL's levels + 128 (ggml-common.h's kvalues_iq4nl): the codes of its indices.
+alignas(16) constexpr uint8_t IQ4_NL_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                  129, 141, 153, 166, 181, 197, 217, 241};
+
 struct QuantBlockShape {
-  int64_t in, blocks, block_len, bits, panels, out;
-  int64_t block_bytes() const { return block_len * QB_ROWS * bits / 8; }
+  int64_t in, blocks, block_len, bits, panels, out;  // bits: the codes' format (ops.h)
+  int64_t block_bytes() const { return block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8; }
 };
 
 QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
                          int64_t out_features, int64_t block_len, int64_t bits) {
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4 or 8 (or ", QUANT_CODES_IQ4_NL,
+              ": IQ4_NL's indices)");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
   TORCH_CHECK(sm.device().is_cpu() && (sm.scalar_type() == torch::kFloat32 ||
@@ -119,7 +127,8 @@ inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
-// The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes).
+// The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes;
+// IQ4_NL: those indices looked up, the table in each 128-bit lane).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int BITS>
 inline __m512i load_step(const uint8_t* block, int64_t k) {
@@ -128,8 +137,15 @@ inline __m512i load_step(const uint8_t* block, int64_t k) {
   } else {
     const __m512i packed = _mm512_loadu_si512(block + 64 * (k / 2));
     const __m512i low = _mm512_set1_epi8(0x0F);
-    return (k & 1) ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low)
-                   : _mm512_and_si512(packed, low);
+    const __m512i q = (k & 1) ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low)
+                              : _mm512_and_si512(packed, low);
+    if constexpr (BITS == QUANT_CODES_IQ4_NL) {
+      const __m512i table = _mm512_broadcast_i32x4(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
+      return _mm512_shuffle_epi8(table, q);
+    } else {
+      return q;
+    }
   }
 }
 
@@ -177,10 +193,10 @@ constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums e
 
 template <int BITS>
 inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
-  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);
+  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);  // 4-bit or IQ4_NL: shared
   __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
-  if constexpr (BITS == 4) {
+  if constexpr (BITS != 8) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     if (k & 1) {
       lo = _mm256_srli_epi16(lo, 4);
@@ -188,6 +204,12 @@ inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
     }
     lo = _mm256_and_si256(lo, mask);
     hi = _mm256_and_si256(hi, mask);
+    if constexpr (BITS == QUANT_CODES_IQ4_NL) {
+      const __m256i table = _mm256_broadcastsi128_si256(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
+      lo = _mm256_shuffle_epi8(table, lo);
+      hi = _mm256_shuffle_epi8(table, hi);
+    }
   }
   w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // rows 0-3, 4 codes each
   w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));  // rows 4-7
@@ -262,6 +284,7 @@ void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q
           } else {
             const uint8_t packed = block[64 * (k / 2) + 4 * j + byte];
             u = (k & 1) ? packed >> 4 : packed & 0x0F;
+            if (s.bits == QUANT_CODES_IQ4_NL) u = IQ4_NL_CODES[u];
           }
           dots[j] += u * int32_t(a[i]);
         }
@@ -297,6 +320,7 @@ void panel_rows(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
       }
     };
     if (s.bits == 8) run(std::integral_constant<int, 8>());
+    else if (s.bits == QUANT_CODES_IQ4_NL) run(std::integral_constant<int, QUANT_CODES_IQ4_NL>());
     else run(std::integral_constant<int, 4>());
     return;
   }
@@ -313,9 +337,11 @@ void panel_rows(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
     };
     for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
       const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
-      if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows,
-                           acc_out + done * QB_ROWS);
-      else run(std::integral_constant<int, 4>(), t0 + done, rows, acc_out + done * QB_ROWS);
+      float* out = acc_out + done * QB_ROWS;
+      if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows, out);
+      else if (s.bits == QUANT_CODES_IQ4_NL)
+        run(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), t0 + done, rows, out);
+      else run(std::integral_constant<int, 4>(), t0 + done, rows, out);
     }
     return;
   }
@@ -337,9 +363,9 @@ std::string quant_blocks_isa() {
 
 bool quant_blocks_vectorised() { return quant_blocks_isa() != "plain"; }
 
-// codes (out, blocks, block_len) uint8 (< 16 when bits == 4), scales and mins (out, blocks)
-// fp32 -> (packed codes (panels, blocks, block bytes), scales_mins (panels, blocks, 2, 16),
-// fp16 where that holds every value exactly, else fp32).
+// codes (out, blocks, block_len) uint8 (< 16 when bits == 4; IQ4_NL: its indices, < 16),
+// scales and mins (out, blocks) fp32 -> (packed codes (panels, blocks, block bytes),
+// scales_mins (panels, blocks, 2, 16), fp16 where that holds every value exactly, else fp32).
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits) {
@@ -352,7 +378,9 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   mins = mins.contiguous();
   const int64_t out = codes.size(0), blocks = codes.size(1), block_len = codes.size(2);
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4 or 8 (or ", QUANT_CODES_IQ4_NL,
+              ": IQ4_NL's indices)");
+  bits = quant_codes_stored_bits(bits);  // NOTE: IQ4_NL's indices are packed as 4-bit codes
   TORCH_CHECK(scales.sizes() == mins.sizes() && scales.dim() == 2 && scales.size(0) == out &&
                   scales.size(1) == blocks,
               "scales and mins must be (out, blocks)");

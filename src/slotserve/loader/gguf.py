@@ -109,7 +109,8 @@ def load_gguf(path: str, keep_quantized: bool = False
 def blocks_kept(path: str) -> bool:
     """Whether `load_gguf(path, keep_quantized=True)` keeps blocks: the file has a linear
     weight in a quantized type, and every such weight's type has a block form. NOTE: a type
-    without one (IQ*, TQ*) is logged, and the whole file is then dequantized as before.
+    without one (the IQ types but IQ4_NL, TQ*) is logged, and the whole file is then
+    dequantized as before.
     """
     _, tensors = read_gguf(path)
     quantized = [t for t in tensors if t.tensor_type not in FLOAT_TYPES

@@ -1,7 +1,7 @@
 """GGUF linear weights kept quantized: each block format as unsigned codes, scales and mins.
 
 `to_blocks(tensor)` turns a GGUF tensor's raw blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
-Q3_K, Q4_K, Q5_K, Q6_K) into one form, `BlockWeights`: per output row, blocks of `block_len`
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL) into one form, `BlockWeights`: per output row, blocks of `block_len`
 unsigned codes u (uint8) with an fp32 scale d and min m per block, such that
 
     w = d * u + m
@@ -20,14 +20,22 @@ reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
 | Q4_K | 32 (sub-block) | 4-bit q | d * sc | -dmin * mn | 4 |
 | Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 8 |
 | Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 8 |
+| IQ4_NL | 32 | kvalues_iq4nl[q] + 128 (q kept: indexed) | d | -128 d | 4 |
 
 The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
 takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: the codes (4-bit: 0.5,
 else 1) and a scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the K-quants'
-d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the file),
-Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes in
-4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2).
+Q5_0, Q5_1, Q8_0, IQ4_NL: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the
+K-quants' d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the
+file), Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes
+in 4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2), IQ4_NL 0.625.
+
+IQ4_NL (llama.cpp's non-linear 4-bit type: an fp16 d and 32 4-bit indices q into the fixed
+table kvalues_iq4nl per block, w = d * table[q]) keeps its indices, 4 bits each
+(`BlockWeights.indexed`): its codes are u = table[q] + 128 (1..241, unsigned) with
+m = -128 d (an fp16 value, as Q8_0's), and the kernel looks them up itself (one byte shuffle
+per 64 codes: csrc/quant_blocks.cpp's format QUANT_CODES_IQ4_NL, ggml's type number 20).
+Fused with another type (q/k/v, gate/up), its looked-up codes take a byte.
 
 `GGUFBlockTensor` carries BlockWeights through the model's weight loading
 (`LlamaForCausalLM.load_hf_weights`) without ever making fp32 values of a linear layer.
@@ -51,8 +59,15 @@ QK_K = 256
 BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int, int]] = {
     Q.Q4_0: (32, 4, 2), Q.Q4_1: (32, 4, 2), Q.Q5_0: (32, 8, 2), Q.Q5_1: (32, 8, 2),
     Q.Q8_0: (32, 8, 2), Q.Q2_K: (16, 4, 4), Q.Q3_K: (16, 4, 4), Q.Q4_K: (32, 4, 4),
-    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4),
+    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4), Q.IQ4_NL: (32, 4, 2),
 }
+# IQ4_NL's 16 levels (ggml-common.h's kvalues_iq4nl; gguf-py's IQ4_NL.kvalues), and their
+# codes u = level + 128 (unsigned, for the u8 x s8 dot product: csrc/quant_blocks.cpp's
+# IQ4_NL_CODES), indexed by the file's 4-bit q.
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_NL_CODES = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int16).add(128).to(torch.uint8)
+# The kernel's `bits` for IQ4_NL's indices (csrc/ops.h's QUANT_CODES_IQ4_NL: ggml's number)
+IQ4_NL_KERNEL_BITS = int(Q.IQ4_NL)
 # Tensor types kept as they are today (float): never converted to blocks.
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
@@ -71,6 +86,8 @@ class BlockWeights:
         (rows, blocks, L / 2), byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
     scales, mins: fp32 (rows, blocks).
     types: the GGUF types it came from (several once q/k/v are fused).
+    indexed: the stored 4-bit values are IQ4_NL's indices q, whose codes are
+        IQ4_NL_CODES[q] (`unpacked_codes` looks them up; the kernel does too).
     NOTE: 4-bit codes stay packed while the model loads: the loading's transient copies (the
     weights dict and the fused q/k/v and gate/up) then take half the bytes.
     """
@@ -80,6 +97,7 @@ class BlockWeights:
     mins: torch.Tensor
     bits: int
     types: tuple[str, ...]
+    indexed: bool = False
 
     @property
     def block_len(self) -> int:
@@ -95,12 +113,24 @@ class BlockWeights:
         scale_bytes = max(BLOCK_FORMATS[Q[t]][2] for t in self.types)
         return bytes_per_weight(self.block_len, self.bits, scale_bytes)
 
-    def unpacked_codes(self) -> torch.Tensor:
-        """uint8 (rows, blocks, L): one code a byte whatever `bits`."""
+    @property
+    def kernel_bits(self) -> int:
+        """The codes' format as csrc/quant_blocks.cpp takes it (`bits`): 4, 8, or IQ4_NL's
+        indices (QUANT_CODES_IQ4_NL: ggml's number for the type)."""
+        return IQ4_NL_KERNEL_BITS if self.indexed else self.bits
+
+    def stored_codes(self) -> torch.Tensor:
+        """uint8 (rows, blocks, L): one stored value a byte whatever `bits` (indexed: the
+        indices), what pack_quant_blocks takes."""
         if self.bits == 8:
             return self.codes
         return torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(
             *self.codes.shape[:2], self.block_len)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """uint8 (rows, blocks, L): one code a byte whatever `bits` (indexed: looked up)."""
+        stored = self.stored_codes()
+        return IQ4_NL_CODES[stored.long()] if self.indexed else stored
 
     def with_8bit_codes(self) -> BlockWeights:
         return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types)
@@ -118,24 +148,29 @@ class BlockWeights:
         rows, blocks, size = self.codes.shape  # NOTE: packed 4-bit pairs never straddle blocks
         return BlockWeights(self.codes.reshape(rows, blocks * split, size // split),
                             self.scales.repeat_interleave(split, dim=1),
-                            self.mins.repeat_interleave(split, dim=1), self.bits, self.types)
+                            self.mins.repeat_interleave(split, dim=1), self.bits, self.types,
+                            self.indexed)
 
     def rows(self, order: np.ndarray) -> BlockWeights:
         """The rows in `order` (an index array)."""
         index = torch.from_numpy(np.ascontiguousarray(order))
         return BlockWeights(self.codes.index_select(0, index), self.scales.index_select(0, index),
-                            self.mins.index_select(0, index), self.bits, self.types)
+                            self.mins.index_select(0, index), self.bits, self.types,
+                            self.indexed)
 
 
 def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
-    """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the widest
-    codes of the parts (exact: a block of 32 is two of 16 with the same scale and min)."""
-    block_len, bits = min(p.block_len for p in parts), max(p.bits for p in parts)
+    """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the codes'
+    format of the parts where they share one, else 8-bit codes (exact: a block of 32 is two
+    of 16 with the same scale and min; IQ4_NL's indices looked up)."""
+    block_len = min(p.block_len for p in parts)
     parts = [p.with_block_len(block_len) for p in parts]
-    parts = [p.with_8bit_codes() if p.bits != bits else p for p in parts]
+    if len({(p.bits, p.indexed) for p in parts}) > 1:
+        parts = [p if (p.bits, p.indexed) == (8, False) else p.with_8bit_codes() for p in parts]
     types = tuple(dict.fromkeys(t for p in parts for t in p.types))
     return BlockWeights(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                        torch.cat([p.mins for p in parts]), bits, types)
+                        torch.cat([p.mins for p in parts]), parts[0].bits, types,
+                        parts[0].indexed)
 
 
 # -- conversions: raw GGUF blocks -> (codes (n, L'), scales (n, S), mins (n, S)) -------------
@@ -256,16 +291,22 @@ def _q6_k(raw):
     return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale
 
 
+def _iq4_nl(raw):
+    d = _f16(raw, 0)
+    return _nibbles(raw[:, 2:]), d, -128.0 * d  # the indices q: BlockWeights.indexed
+
+
 _CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+            Q.IQ4_NL: _iq4_nl}
 
 
 def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
               ) -> BlockWeights:
     """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
 
-    A type without a block conversion, or a non-finite scale or min, raises ModelFileError
-    naming the tensor.
+    A type without a block conversion, rows that are not whole blocks, or a non-finite scale
+    or min, raises ModelFileError naming the tensor.
     """
     if qtype not in _CONVERT:
         raise ModelFileError(path, f"tensor {name!r} has type {qtype.name}, which is not kept "
@@ -278,6 +319,9 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
     type_block, type_size = GGML_QUANT_SIZES[qtype]
     if data.ndim != 2:
         raise ModelFileError(path, f"tensor {name!r}: a linear weight must be 2-D")
+    if data.shape[1] % type_size:
+        raise ModelFileError(path, f"tensor {name!r}: rows of {data.shape[1]} bytes are not "
+                                   f"whole {qtype.name} blocks of {type_size} bytes")
     rows = data.shape[0]
     raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
     codes, scales, mins = _CONVERT[qtype](raw)
@@ -294,7 +338,7 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
         codes=torch.from_numpy(np.ascontiguousarray(codes)),
         scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1),
         mins=torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(rows, -1),
-        bits=bits, types=(qtype.name,))
+        bits=bits, types=(qtype.name,), indexed=qtype == Q.IQ4_NL)
 
 
 # -- carrying blocks through load_hf_weights -------------------------------------------------

@@ -199,6 +199,8 @@ class KernelSet:
     dot_min_rows: int = 0
     cpu_class: str = ""
     cpu_reason: str = ""
+    # the linear weights' bytes one decode step reads, once the model holds them (loaded)
+    step_weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -225,6 +227,12 @@ class KernelSet:
             return self
         return dataclasses.replace(self, decode_stack=self.decode_stack and not stack_gaps,
                                    model_note="; ".join(notes))
+
+    def loaded(self, model) -> KernelSet:
+        """This set, knowing the bytes of linear weights a decode step of `model` (its
+        weights loaded) reads, for the start-up line."""
+        return dataclasses.replace(
+            self, step_weight_bytes=linear_kernels.decode_step_weight_bytes(model))
 
     @property
     def layer_ops(self):
@@ -281,8 +289,10 @@ class KernelSet:
         why = f" ({self.reason})" if self.reason else ""
         cpu = f"; CPU class {self.cpu_class} ({self.cpu_reason})" if self.cpu_class else ""
         if self.gguf_types:
+            step = (f", {size_text(self.step_weight_bytes)} read per decode step"
+                    if self.step_weight_bytes else "")
             return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/8-bit code blocks "
-                    f"({gguf_bytes_text(self.gguf_types)}){why}; "
+                    f"({gguf_bytes_text(self.gguf_types)}){step}{why}; "
                     f"linears: {self.describe_linears()}{cpu}")
         return f"{self.weights} weights{why}; linears: {self.describe_linears()}{cpu}"
 
@@ -329,6 +339,17 @@ def gguf_bytes_text(types: tuple[str, ...]) -> str:
                     for t in types})
     low, high = sizes[0], sizes[-1]
     return f"{low:g} bytes/weight" if low == high else f"{low:g}-{high:g} bytes/weight"
+
+
+def size_text(size: int) -> str:
+    """Bytes in words: "512 KiB", "95.3 MiB", "4.21 GiB" (three significant digits, or
+    the units of 100 and more)."""
+    value, unit = float(size), "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
 
 
 def _with_gguf_blocks(factory, ops):

@@ -241,8 +241,9 @@ class Int8WeightOnlyLinear:
 class GGUFBlockLinear:
     """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
 
-    The blocks (4- or 8-bit unsigned codes, a scale and min per block of 16 or 32: fp16 where
-    they are fp16 values, as GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ones, else fp32) are packed into
+    The blocks (4- or 8-bit unsigned codes, or IQ4_NL's 4-bit indices that the kernel looks
+    up as codes; a scale and min per block of 16 or 32: fp16 where they are fp16 values, as
+    GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, else fp32) are packed into
     panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
     x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
     or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
@@ -253,9 +254,10 @@ class GGUFBlockLinear:
 
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
         self.out_features = blocks.shape[0]
-        self.block_len, self.bits, self.types = blocks.block_len, blocks.bits, blocks.types
-        self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales,
-                                                             blocks.mins, blocks.bits)
+        self.block_len, self.types = blocks.block_len, blocks.types
+        self.bits = blocks.kernel_bits  # 4, 8 or IQ4_NL's indices (csrc/ops.h)
+        self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales,
+                                                             blocks.mins, self.bits)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
 
@@ -274,6 +276,33 @@ def gguf_block_kernel_available(ops) -> bool:
     """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI, or AVX2: the build's
     path is `ops.quant_blocks_isa()`)."""
     return ops is not None and hasattr(ops, "quant_block_linear") and ops.quant_blocks_vectorised()
+
+
+def held_bytes(kernel) -> int:
+    """Bytes of the tensors a linear kernel holds (its weights in their layout, scales,
+    bias): what one call reads, whatever its batch.
+
+    NOTE: a tensor's own elements, not its storage's: the panels are views of one arena
+    (place_panels_in_one_arena); a zero-stride view (MKLPackedLinear's `shape_only`) holds
+    nothing.
+    """
+    return sum(value.numel() * value.element_size() for value in vars(kernel).values()
+               if isinstance(value, torch.Tensor)
+               and (value.numel() <= 1 or 0 not in value.stride()))
+
+
+def decode_step_weight_bytes(model: nn.Module) -> int:
+    """The bytes of linear weights (with their scales and biases) a decode step reads: every
+    Linear of `model` once, as its kernel holds them (the layer's own weight without one).
+    NOTE: the embedding table is not counted (a step reads one row of it per sequence)."""
+    from slotserve.model.layers import Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += (held_bytes(module.kernel) if module.kernel is not None else
+                      sum(p.numel() * p.element_size() for p in module.parameters()))
+    return total
 
 
 def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
