@@ -16,10 +16,11 @@ Steps, each written to the JSON report as soon as it ends (a run cut short keeps
 6. paged prefill attention at Llama-3.2-1B's and Llama-3.1-8B's head shapes (32 query heads
    over 8 KV heads of 64 / 128, bf16, blocks of 16 scattered over the pool): chunks of 256,
    512 and 2048 tokens after a cached prefix of 0 or 2048 positions, and 8 chunks of 256 in
-   one iteration: gpu/triton_prefill.py's kernel (three tile shapes; one launch for all
-   chunks) against the torch path (torch_paged.paged_attention: SDPA over each chunk's
-   gathered blocks with its mask, today's default) and dense causal SDPA over contiguous K/V
-   (prefix 0: no paging, flash attention); attention TFLOP/s of the best Triton tiles.
+   one iteration: gpu/triton_prefill.py's kernel (three tile shapes, and its key loop
+   unpipelined; one launch for all chunks) against the torch path
+   (torch_paged.paged_attention: SDPA over each chunk's gathered blocks with its mask,
+   today's default) and dense causal SDPA over contiguous K/V (prefix 0: no paging, flash
+   attention); attention TFLOP/s of the best Triton variant.
 Times: triton.testing.do_bench's median (it clears the L2 before each call). Each Triton
 result is also compared with its torch reference (relative error ||a - b|| / ||b||).
 
@@ -74,9 +75,11 @@ PREFILL_CASES = [  # (head shape, chunks, tokens per chunk, cached prefix)
       for chunk in (256, 512, 2048)),
     *((shape, 8, 256, 2048) for shape in PREFILL_HEAD_DIMS)]
 DRY_PREFILL_CASES = [("dry", 1, 5, 0), ("dry", 2, 3, 7)]
-# (block_m, block_n): the defaults (n: 64 at head dim 64, 32 at 128), then two others
-PREFILL_TILES = {"triton_default": (128, None), "triton_m128_n64": (128, 64),
-                 "triton_m64_n32": (64, 32)}
+# launcher keywords: the defaults (128 rows x 64 keys, the key loop pipelined), other tiles,
+# and the interpreter's unpipelined loop
+PREFILL_TILES = {"triton_default": {}, "triton_m128_n32": dict(block_m=128, block_n=32),
+                 "triton_m64_n64": dict(block_m=64, block_n=64),
+                 "triton_while": dict(pipeline=False)}
 TESTS_TIMEOUT_S = 270  # tests/gpu on CUDA (Triton compiles every kernel variant first)
 
 
@@ -355,13 +358,15 @@ def prefill_attention_case(device, timer: Timer, shape: str, chunks: int, tokens
     row = {"shape": shape, "heads": [heads, kv_heads, head_dim], "chunks": chunks,
            "tokens": tokens, "prefix": prefix, "attention_flops": 4 * head_dim * pairs}
     out = torch.empty_like(q)
-    for name, (block_m, block_n) in PREFILL_TILES.items():
-        block_q = triton_prefill.tokens_per_tile(heads // kv_heads, block_m)
+    for name, kwargs in PREFILL_TILES.items():
+        kwargs = dict(kwargs)
+        block_q = triton_prefill.tokens_per_tile(
+            heads // kv_heads, kwargs.pop("block_m", triton_prefill.DEFAULT_BLOCK_M))
         batch = triton_prefill.metadata_batch(meta, block_q, device)
 
-        def call(batch=batch, block_n=block_n):
+        def call(batch=batch, kwargs=kwargs):
             return triton_prefill.paged_prefill_attention(q, k_cache, v_cache, batch, scale,
-                                                          out=out, block_n=block_n)
+                                                          out=out, **kwargs)
         row[f"{name}_rel_error"] = rel_error(call(), expected)
         row[f"{name}_ms"] = timer(call)
     row["torch_paged_ms"] = timer(lambda: paged_attention(q, k_cache, v_cache, meta, scale))

@@ -5,17 +5,13 @@ position counted twice)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from slotserve.gpu import triton_ops as ops  # noqa: E402
+from tests.gpu.sm90_compile import compile_for_sm90, tensor  # noqa: E402
 from tests.gpu.test_triton_decode_attention import (  # noqa: E402
     FP32_TOL,
     make_case,
@@ -79,37 +75,31 @@ def test_blocks_per_iter_must_be_a_power_of_two(device):
         ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, blocks_per_iter=0)
 
 
-COMPILE = """
-import json, sys, torch
-from slotserve.gpu import aot, triton_ops as ops
-x = torch.empty(2, 4096, dtype=torch.bfloat16)
-cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
-table = torch.empty(2, 4, dtype=torch.int64)
-for blocks, warps, split in json.loads(sys.argv[1]):
-    args = dict(q_ptr=x, k_cache_ptr=cache, v_cache_ptr=cache, tables_ptr=table,
-                lens_ptr=table, out_ptr=x.float() if split else x, lse_ptr=x.float(),
-                scale=0.1, window=4096, stride_qs=6144, stride_qh=128, stride_cb=16384,
-                stride_cp=1024, stride_ch=128, stride_ts=64, stride_os=4096, stride_oh=128,
-                stride_osplit=128, stride_ls=256, stride_lh=8)
-    constexprs = dict(GROUP=4, GROUP_P=4, HD=128, HD_P=128, BLOCK_SIZE=16, BLOCK_P=16,
-                      PARTITION_BLOCKS=32, WINDOWED=False, SPLIT=split,
-                      BLOCKS_PER_ITER=blocks)
-    compiled = aot.compile_kernel(ops._decode_attention_kernel, args, constexprs, 90, warps)
-    registers, spills = aot.ptxas_report(compiled.asm["ptx"], 90)
-    print(json.dumps(dict(blocks=blocks, warps=warps, split=split, registers=registers,
-                          spill_bytes=spills)), flush=True)
-"""
+def decode_variant(blocks: int, warps: int, split: bool) -> dict:
+    """A launch at Llama-3-8B's shape (bf16, head dim 128, 4 query heads a KV head)."""
+    x = tensor(2, 4096)
+    cache = tensor(4, 16, 8, 128)
+    table = tensor(2, 4, dtype="int64")
+    return dict(
+        name=f"b{blocks}-w{warps}{'-split' if split else ''}", num_warps=warps,
+        args=dict(q_ptr=x, k_cache_ptr=cache, v_cache_ptr=cache, tables_ptr=table,
+                  lens_ptr=table, out_ptr=tensor(2, 4096, dtype="float32") if split else x,
+                  lse_ptr=tensor(2, 4096, dtype="float32"), scale=0.1, window=4096,
+                  stride_qs=6144, stride_qh=128, stride_cb=16384, stride_cp=1024,
+                  stride_ch=128, stride_ts=64, stride_os=4096, stride_oh=128,
+                  stride_osplit=128, stride_ls=256, stride_lh=8),
+        constexprs=dict(GROUP=4, GROUP_P=4, HD=128, HD_P=128, BLOCK_SIZE=16, BLOCK_P=16,
+                        PARTITION_BLOCKS=32, WINDOWED=False, SPLIT=split,
+                        BLOCKS_PER_ITER=blocks))
 
 
 @pytest.mark.slow  # ~10 s through LLVM and ptxas
 def test_several_blocks_a_step_compile_for_sm90_without_spills():
-    """At Llama-3-8B's shape (bf16, head dim 128, 4 query heads a KV head) with 8 warps, the
-    variants gpu_check times: 2 and 4 blocks a step spill no registers (8 would)."""
-    variants = [(blocks, 8, split) for blocks in (2, 4) for split in (False, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(variants)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    compiled = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(compiled) == len(variants)
-    assert all(c["registers"] and c["spill_bytes"] == 0 for c in compiled), compiled
+    """The variants gpu_check times (2 and 4 blocks a step, 8 warps) spill no registers,
+    specialised as the runtime does (8 blocks would spill)."""
+    variants = [decode_variant(blocks, 8, split) for blocks in (2, 4)
+                for split in (False, True)]
+    compiled = compile_for_sm90("slotserve.gpu.triton_ops", "_decode_attention_kernel",
+                                variants)
+    assert set(compiled) == {v["name"] for v in variants}
+    assert all(c["registers"] and c["spill_bytes"] == 0 for c in compiled.values()), compiled

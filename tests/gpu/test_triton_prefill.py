@@ -231,6 +231,9 @@ def test_prefill_attention_rejects_bad_arguments(device):
         call(q, k_cache, v_cache, batch, 1.0, window=-1)
     with pytest.raises(ValueError, match="block_n must be"):
         call(q, k_cache, v_cache, batch, 1.0, block_n=24)
+    if triton_ops.INTERPRETED:
+        with pytest.raises(ValueError, match="pipeline=True: Triton's interpreter"):
+            call(q, k_cache, v_cache, batch, 1.0, pipeline=True)
     with pytest.raises(ValueError, match="block_m must be"):
         tp.tokens_per_tile(4, 8)
     with pytest.raises(ValueError, match="num_queries >= 1"):
@@ -240,3 +243,20 @@ def test_prefill_attention_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="block_tables is on meta"):
         call(q, k_cache, v_cache, tp.PrefillBatch(batch.block_tables.to("meta"), batch.seqs,
                                                   batch.tiles, 4), 1.0)
+
+
+def test_the_pipelined_loop_equals_the_while_loop(device):
+    """Compiled, the key loop is a software-pipelined `for`; the interpreter runs the `while`
+    (the tests above): on a GPU both give the same bits."""
+    if triton_ops.INTERPRETED:
+        pytest.skip("the interpreter runs the while loop only")
+    q, k_cache, v_cache, seqs = make_case(device, [(0, 40), (50, 30)], q_dtype=torch.bfloat16,
+                                          kv_dtype=torch.bfloat16)
+    meta = build_metadata(seqs, k_cache.shape[1], device)
+    batch = tp.metadata_batch(meta, tp.tokens_per_tile(3, 16), device)
+    runs = [tp.paged_prefill_attention(q, k_cache, v_cache, batch, 0.25, window=window,
+                                       block_n=16, pipeline=pipeline)
+            for window in (None, 20) for pipeline in (True, False)]
+    rows = torch.cat([torch.arange(0, 40), torch.arange(40, 70)]).to(device)
+    assert torch.equal(runs[0][rows], runs[1][rows]) and torch.equal(runs[2][rows],
+                                                                      runs[3][rows])

@@ -25,9 +25,11 @@ NOTE: Triton's interpreter multiplies bf16 dots' operands as their raw 16-bit in
 there (IEEE) the operands, already rounded to q's dtype, are widened exactly to fp32 and
 multiplied in fp32: the same products, accumulated in fp32 as the tensor cores do.
 
-NOTE: the key loop is a `while` over runtime bounds, not `for ... in range(lo, hi)`: Triton's
-interpreter cannot run range() over tensor bounds with numpy >= 2.4 (triton_ops' decode
-kernel loops a constant number of times instead, which a prefill's context length cannot be).
+NOTE: compiled, the key loop is a `for` over runtime bounds, which Triton software-pipelines
+(the next steps' K/V loads in flight during this one's dots); in the interpreter it is a
+`while` over the same steps (`PIPELINE`): the interpreter cannot run range() over tensor
+bounds with numpy >= 2.4 (triton_ops' decode kernel loops a constant number of times
+instead, which a prefill's context length cannot be).
 """
 
 from __future__ import annotations
@@ -45,13 +47,59 @@ from slotserve.gpu import triton_ops
 from slotserve.gpu.triton_ops import _cast, _to_f32
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows of a program's query tile (tokens x the group's heads) and keys per loop step: 64
-# keys for head dims up to 64, else 32. NOTE: the largest tiles that compile for sm_90
-# without register spills at 8 warps (ptxas -v, tests/gpu/test_triton_prefill_compile.py:
-# 128 x 64 at head dim 128 spills 152 bytes); their speed is not yet measured
-# (benchmarks/gpu_check.py times these and one other).
+# Rows of a program's query tile (tokens x the group's heads) and keys per loop step:
+# Triton's flash-attention tutorial's Hopper tiles, which compile for sm_90 without register
+# spills at head dims 64 and 128 (tests/gpu/test_triton_prefill_compile.py). NOTE: their
+# speed is not yet measured (benchmarks/gpu_check.py times them and two others).
 DEFAULT_BLOCK_M = 128
+DEFAULT_BLOCK_N = 64
 MIN_DOT = 16  # tl.dot's least K on a GPU (head dim, keys a step); tiles of 16+ rows
+
+
+@triton.jit
+def _attend_step(q, m, denom, acc, start, key_hi, k_cache_ptr, v_cache_ptr, table_ptr,
+                 head_offset, stride_cb, stride_cp, dims, dim_ok, row_ok, query_pos, scale,
+                 window, dtype: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+    """One step of the online softmax: the keys at positions start .. start + BLOCK_N - 1
+    (those < key_hi) read through the sequence's table -> the new (m, denom, acc)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    # NOTE: positions outside [key_lo, key_hi) are neither loaded (other=0) nor their table
+    # entries read: they may be NaN, given back, or past the table's end
+    pos_ok = pos < key_hi
+    block_id = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cp + head_offset
+    kv_mask = pos_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if k.dtype != dtype:  # (BLOCK_N, HD_P) in q's dtype, as torch's gather
+        k = _cast(_to_f32(k), dtype)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(_to_f32(k)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * scale  # (M, BLOCK_N) fp32
+    seen = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= query_pos[:, None])
+    if WINDOWED:
+        seen = seen & (query_pos[:, None] - pos[None, :] < window)
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    # NOTE: a row that has seen no key yet (a window's first tile, a padding row) keeps
+    # m = -inf: subtract 0 there, not -inf (exp(-inf - -inf) would be NaN)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if v.dtype != dtype:
+        v = _cast(_to_f32(v), dtype)
+    # P in q's dtype, rounded to nearest even as flash attention's (on a GPU by the native
+    # conversion; the interpreter's truncates, so there by _cast)
+    if dtype == tl.float32:
+        pv = tl.dot(p, _to_f32(v), input_precision="ieee")
+    elif IEEE:
+        pv = tl.dot(_to_f32(_cast(p, dtype)), _to_f32(v), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(dtype), v)
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -62,7 +110,7 @@ def _prefill_attention_kernel(
         stride_ts,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+        WINDOWED: tl.constexpr, IEEE: tl.constexpr, PIPELINE: tl.constexpr):
     """One program: query tile `tile` (its sequence and first query from tiles_ptr), one KV
     head. seqs_ptr holds (query_start, num_queries, start_pos) per sequence."""
     tile = tl.program_id(0)
@@ -96,50 +144,24 @@ def _prefill_attention_kernel(
     m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)  # running max of each row
     denom = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HD_P], tl.float32)  # running sum of exp(...) * v
-    offs = tl.arange(0, BLOCK_N)
-    start = key_lo
-    while start < key_hi:
-        pos = start + offs
-        # NOTE: positions outside [key_lo, key_hi) are neither loaded (other=0) nor their
-        # table entries read: they may be NaN, given back, or past the table's end
-        pos_ok = pos < key_hi
-        block_id = tl.load(tables_ptr + seq * stride_ts + pos // BLOCK_SIZE, mask=pos_ok,
-                           other=0)
-        kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cp + kv_head * stride_ch
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if k.dtype != dtype:  # (BLOCK_N, HD_P) in q's dtype, as torch's gather
-            k = _cast(_to_f32(k), dtype)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(_to_f32(k)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale  # (M, BLOCK_N) fp32
-        seen = row_ok[:, None] & pos_ok[None, :] & (pos[None, :] <= query_pos[:, None])
-        if WINDOWED:
-            seen = seen & (query_pos[:, None] - pos[None, :] < window)
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        # NOTE: a row that has seen no key yet (a window's first tile, a padding row) keeps
-        # m = -inf: subtract 0 there, not -inf (exp(-inf - -inf) would be NaN)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if v.dtype != dtype:
-            v = _cast(_to_f32(v), dtype)
-        # P in q's dtype, rounded to nearest even as flash attention's (on a GPU by the
-        # native conversion; the interpreter's truncates, so there by _cast)
-        if dtype == tl.float32:
-            pv = tl.dot(p, _to_f32(v), input_precision="ieee")
-        elif IEEE:
-            pv = tl.dot(_to_f32(_cast(p, dtype)), _to_f32(v), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(dtype), v)
-        acc = acc * alpha[:, None] + pv
-        denom = denom * alpha + tl.sum(p, axis=1)
-        m = m_new
-        start += BLOCK_N
+    # NOTE: on a GPU a for loop over runtime bounds (software-pipelined, num_stages); in
+    # the interpreter a while loop (see the module's NOTE); the same step either way
+    if PIPELINE:
+        for start in range(key_lo, key_hi, BLOCK_N):
+            m, denom, acc = _attend_step(
+                q, m, denom, acc, start, key_hi, k_cache_ptr, v_cache_ptr,
+                tables_ptr + seq * stride_ts, kv_head * stride_ch, stride_cb, stride_cp,
+                dims, dim_ok, row_ok, query_pos, scale, window, dtype, BLOCK_SIZE, BLOCK_N,
+                WINDOWED, IEEE)
+    else:
+        start = key_lo
+        while start < key_hi:
+            m, denom, acc = _attend_step(
+                q, m, denom, acc, start, key_hi, k_cache_ptr, v_cache_ptr,
+                tables_ptr + seq * stride_ts, kv_head * stride_ch, stride_cb, stride_cp,
+                dims, dim_ok, row_ok, query_pos, scale, window, dtype, BLOCK_SIZE, BLOCK_N,
+                WINDOWED, IEEE)
+            start += BLOCK_N
 
     # every real row saw at least its own position: denom > 0; padding rows are not stored
     out = acc / tl.where(row_ok, denom, 1.0)[:, None]
@@ -173,11 +195,6 @@ def tokens_per_tile(group: int, block_m: int = DEFAULT_BLOCK_M) -> int:
     _check(block_m >= MIN_DOT and block_m & (block_m - 1) == 0,
            f"block_m must be a power of two >= {MIN_DOT}, got {block_m}")
     return max(1, block_m // triton.next_power_of_2(group))
-
-
-def default_block_n(head_dim: int) -> int:
-    """Keys per loop step: 64 up to head dim 64, else 32 (see DEFAULT_BLOCK_M)."""
-    return 64 if head_dim <= 64 else 32
 
 
 def prefill_batch(query_starts, num_queries, start_positions, block_tables, block_q: int,
@@ -218,9 +235,9 @@ def prefill_batch(query_starts, num_queries, start_positions, block_tables, bloc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: PrefillBatch, scale: float, window: int | None = None,
-                            out: torch.Tensor | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None
-                            ) -> torch.Tensor:
+                            out: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N,
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            pipeline: bool | None = None) -> torch.Tensor:
     """Causal attention of each chunk's new tokens over its paged context.
 
     q: (T, nh, hd) (rows may be views into a wider row), the chunks' rows as batch.seqs
@@ -229,8 +246,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunks' rows of `out` (T, nh, hd) in q's dtype (a new tensor when None; its other rows are
     left as they are) and returns it. batch.block_q must be tokens_per_tile(nh // nkv, m) for
     some m: the tile's rows are block_q x the group's heads padded to a power of two.
-    block_n: keys per loop step (None: default_block_n's); num_warps: None for 8 at tiles
-    of 128 rows or more, else 4.
+    block_n: keys per loop step (a power of two >= 16); num_warps: None for 8 at tiles
+    of 128 rows or more, else 4; pipeline: the key loop a `for` (software-pipelined over
+    num_stages) or a `while`; None: `for` when compiled, `while` in the interpreter (which
+    cannot run the `for`).
     """
     triton_ops._check_cache_pair(k_cache, v_cache, SUPPORTED_DTYPES)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -247,11 +266,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check(out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1,
            f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dimension")
     _check(window is None or window >= 0, f"window must be >= 0 or None, got {window}")
+    _check(not (pipeline and triton_ops.INTERPRETED),
+           "pipeline=True: Triton's interpreter cannot run the pipelined loop")
     tables = batch.block_tables
     _check(tables.dim() == 2 and tables.dtype == torch.int64 and tables.stride(1) == 1,
            "batch.block_tables must be (P, maxb) int64 with contiguous rows")
-    if block_n is None:
-        block_n = default_block_n(head_dim)
     _check(block_n >= MIN_DOT and block_n & (block_n - 1) == 0,
            f"block_n must be a power of two >= {MIN_DOT}, got {block_n}")
     triton_ops._check_devices(q=q, k_cache=k_cache, v_cache=v_cache, out=out,
@@ -273,6 +292,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         HD_P=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         BLOCK_Q=batch.block_q, BLOCK_N=block_n, WINDOWED=bool(window),
         IEEE=q.dtype == torch.float32 or triton_ops.INTERPRETED,
+        PIPELINE=not triton_ops.INTERPRETED if pipeline is None else pipeline,
         num_warps=num_warps or (8 if rows >= 128 else 4), **extra)
     return out
 
