@@ -51,7 +51,7 @@ DEFAULT_PARTITION_SIZE = 512
 context is split over several programs and their partial softmaxes reduced (flash-decoding)."""
 # Cache blocks per step of the decode attention's loop. NOTE: 1 (16 positions a step) is what
 # was measured on an H200 (benchmarks/GPU.md: too little work per step, 630-650 GB/s);
-# benchmarks/gpu_check.py times 2, 4 and 8, not yet run on a GPU.
+# benchmarks/gpu_check.py times 2 and 4 (8 spills registers), not yet run on a GPU.
 DEFAULT_BLOCKS_PER_ITER = 1
 
 
