@@ -4,7 +4,8 @@ hits (chunks after a cached prefix), and how the setting selects the kernel.
 
 On a GPU: the engine as a user gets it (device="cuda", the setting in the environment). In CI
 (no GPU): the same engine on CPU tensors with the kernels in Triton's interpreter, its
-KernelSet given by hand as model/kernels.cuda_kernels builds it (capture=False: no graphs).
+KernelSet given by hand as model/kernels.cuda_kernels builds it, decode iterations through
+DecodeGraphs replaying eagerly (capture=False), as tests/gpu/test_engine_on_device.py runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from slotserve import SamplingParams  # noqa: E402
 from slotserve.gpu import triton_ops, triton_prefill  # noqa: E402
 from slotserve.model import kernels  # noqa: E402
 from slotserve.model.kernels import KernelSet  # noqa: E402
+from slotserve.runner.decode_graphs import DecodeGraphs  # noqa: E402
 from tests.conftest import random_prompts, tiny_hf_model, tiny_llm  # noqa: E402
 
 BLOCK_SIZE = 8
@@ -31,7 +33,7 @@ def hf_greedy(model, prompt: list[int], max_new: int, device: torch.device) -> l
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.slow  # ~15 s of CPU in the interpreter
+@pytest.mark.slow  # ~30 s of CPU in the interpreter
 def test_greedy_with_the_triton_prefill_matches_hf(device, monkeypatch):
     hf = tiny_hf_model("llama")
     settings = dict(block_size=BLOCK_SIZE, num_blocks=128, max_num_seqs=4,
@@ -39,9 +41,13 @@ def test_greedy_with_the_triton_prefill_matches_hf(device, monkeypatch):
     if device.type == "cuda":
         monkeypatch.setenv(kernels.PREFILL_ATTENTION_ENV, "triton")
         llm = tiny_llm(hf, device="cuda", dtype="float32", **settings)
-    else:
+    else:  # as test_engine_on_device's: decodes through DecodeGraphs replaying eagerly
         llm = tiny_llm(hf, kernel_set=KernelSet(ops=triton_prefill.WITH_PREFILL,
                                                 fused_layers=True), **settings)
+        runner = llm.engine.runner
+        runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, BLOCK_SIZE,
+                                            settings["max_num_seqs"], 512 // BLOCK_SIZE,
+                                            runner.device, capture=False)
     assert llm.engine.runner.kernels.ops is triton_prefill.WITH_PREFILL
     launches = []
     kernel = triton_prefill.paged_prefill_attention
