@@ -1,10 +1,12 @@
 """Helpers of more than one command: the chart flags of `simulate` and `timeline` (and
 writing the charts), their error line, the replay's cost model and tokenizer (`simulate
---trace`, `plan`) and the list flags of `calibrate` and `plan`."""
+--trace`, `plan`), the list flags of `calibrate` and `plan`, and the chat template flags of
+`chat` and `generate`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -90,3 +92,50 @@ def int_tuple(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
+
+
+def add_chat_template_args(p: argparse.ArgumentParser) -> None:
+    """--chat-template and --chat-template-kwargs (`chat`, `generate`): the template read as
+    `slotserve serve --chat-template` reads it, the variables checked as a request's
+    `chat_template_kwargs` are (a bad value exits 2, naming the flag)."""
+    p.add_argument("--chat-template", type=chat_template_arg, default=None,
+                   metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template instead of the model's: a file, or the "
+                        "template itself (as `slotserve serve --chat-template`; a value with "
+                        "{, } or a newline that is no file is the template) (default: the "
+                        "model's, from its tokenizer config or GGUF metadata)")
+    p.add_argument("--chat-template-kwargs", type=chat_template_kwargs_arg, default=None,
+                   metavar="JSON",
+                   help="extra variables for the chat template, a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3 (as a request's "
+                        "chat_template_kwargs) (default: none)")
+
+
+def chat_template_arg(text: str) -> str:
+    """argparse type: a chat template file or inline template -> the template's text
+    (loader.chat_template.load_chat_template: read and compiled, or an error)."""
+    from slotserve.loader.chat_template import load_chat_template
+
+    try:
+        return load_chat_template(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chat_template_kwargs_arg(text: str) -> dict:
+    """argparse type: a JSON object of template variables, checked as the server checks a
+    request's chat_template_kwargs (names, reserved variables, size and depth)."""
+    from slotserve.server.protocol.errors import APIError
+    from slotserve.server.protocol.requests import check_chat_template_kwargs
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    try:
+        check_chat_template_kwargs(value)
+    except APIError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value

@@ -19,18 +19,29 @@ REPLY = "bot> "
 
 
 class LocalChat:
-    """Replies from an in-process engine (nothing else runs on it)."""
+    """Replies from an in-process engine (nothing else runs on it).
 
-    def __init__(self, engine) -> None:
+    chat_template: a Jinja template used instead of the model's; chat_template_kwargs: extra
+    template variables (e.g. Qwen3's enable_thinking), as LLM.chat takes them.
+    """
+
+    def __init__(self, engine, chat_template: str | None = None,
+                 chat_template_kwargs: dict | None = None) -> None:
         if engine.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
+        if chat_template is None and engine.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template: give one with --chat-template")
         self.engine = engine
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.model_name = engine.model_config.name
         self._ids = itertools.count()
 
     def stream(self, messages: list[dict], max_tokens: int, temperature: float
                ) -> Iterator[str]:
-        prompt = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        prompt = self.engine.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                                   chat_template=self.chat_template,
+                                                   **self.chat_template_kwargs)
         request_id = f"chat-{next(self._ids)}"
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         self.engine.add_request(request_id, prompt, params)
@@ -45,22 +56,25 @@ class LocalChat:
 
 
 class RemoteChat:
-    """Replies from a server's /v1/chat/completions, streamed."""
+    """Replies from a server's /v1/chat/completions, streamed (the server's chat template;
+    chat_template_kwargs go with every request)."""
 
     def __init__(self, url: str, model_name: str | None = None, client=None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, chat_template_kwargs: dict | None = None) -> None:
         if client is None:
             from openai import OpenAI
 
             client = OpenAI(base_url=api_base(url), api_key=api_key or "slotserve")
         self.client = client
         self.model_name = model_name or client.models.list().data[0].id
+        self.extra = ({"extra_body": {"chat_template_kwargs": chat_template_kwargs}}
+                      if chat_template_kwargs else {})
 
     def stream(self, messages: list[dict], max_tokens: int, temperature: float
                ) -> Iterator[str]:
         chunks = self.client.chat.completions.create(
             model=self.model_name, messages=messages, max_tokens=max_tokens,
-            temperature=temperature, stream=True)
+            temperature=temperature, stream=True, **self.extra)
         try:
             for chunk in chunks:
                 for choice in chunk.choices:
