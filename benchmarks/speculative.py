@@ -42,7 +42,7 @@ from slotserve import SamplingParams
 from slotserve.engine.llm import LLM
 from slotserve.lab.bench.report import write_report
 from slotserve.lab.replay.cost_model import load_profile
-from slotserve.lab.replay.speculation import fit_trace_cost, predict_ratio
+from slotserve.lab.replay.spec_prediction import fit_trace_cost, predict_ratio
 from slotserve.percentile import percentile
 
 DEFAULT_OUT = "benchmarks/results/speculative.json"

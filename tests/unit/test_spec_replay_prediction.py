@@ -1,5 +1,5 @@
 """The replay predicts a speculative run's on/off ratio from the measured runs' traces
-(issue 35; `lab/replay/speculation.predict_ratio`, benchmarks/speculative.py's column).
+(issue 35; `lab/replay/spec_prediction.predict_ratio`, benchmarks/speculative.py's column).
 
 One tiny engine records a batch with speculation off and one with ngram drafts; the tests
 rebuild their plans from the traces, fit a clock on the off trace's own iteration times and
@@ -17,14 +17,14 @@ import pytest
 from slotserve.config import SlotKind
 from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
 from slotserve.lab.replay import LinearCost, StepFeatures, UnitCost, replay
-from slotserve.lab.replay.speculation import (
+from slotserve.lab.replay.spec_prediction import (
     batch_requests,
     fit_trace_cost,
     iteration_seconds,
     predict_ratio,
-    recorded_verifications,
     trace_plans,
 )
+from slotserve.lab.replay.speculation import recorded_verifications
 from slotserve.sampling import SamplingParams
 from tests.conftest import tiny_engine
 from tests.unit.test_spec_engine import repetitive_prompts
