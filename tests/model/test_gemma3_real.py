@@ -247,11 +247,11 @@ def test_greedy_matches_hf(gguf_path, prompts, hf_tokens, kernels):
     gc.collect()
 
 
-# Teacher-forced agreement with fp32 each quantization must keep on this model. bf16: the
-# project's bar (97%). NOTE: int8 (per-channel weights) measured 95.8% here (313 tokens),
-# below the 97% the tiny random models meet: a 640-wide model whose weights are already
-# 4-5 bit loses more to a second rounding; held at 95% so it cannot get worse unnoticed.
-AGREEMENT_BAR = {"bf16": 0.97, "int8": 0.95}
+# Teacher-forced agreement with fp32 each quantization must keep on this model: the
+# project's bar (97%) for both. NOTE: int8 measured 97.4% here (305 of 313 tokens) with the
+# lm_head left in bf16 (model/kernels.py's HEAD_UNDER_INT8); with an int8 lm_head it was
+# 95.5%, the 262k tied rows rounded to one scale each.
+AGREEMENT_BAR = {"bf16": 0.97, "int8": 0.97}
 
 
 @pytest.mark.parametrize("quantization", ["bf16", "int8"])

@@ -82,6 +82,14 @@ LINEAR_KERNELS = {
 }
 # Kernels that call the fused CPU kernels' module (KernelSet.ops must be set).
 LINEARS_ON_OPS = ("panel", "bf16_panel", "int8")
+# The lm_head's weights under quantization="int8": bf16, not int8, as vLLM's quantization
+# methods leave the lm_head unquantized and llama.cpp keeps output.weight at higher
+# precision. NOTE: teacher-forced agreement with fp32, int8 lm_head -> bf16 lm_head: the
+# real Gemma 3 270M (262k tied rows, 62% of its weights) 95.5% -> 97.4% (313 tokens; below
+# the 97% bar before), SmolLM2-135M 97.1% -> 97.4% (2048 tokens); the price: the head's
+# bytes double (a decode step reads ~436 MB of linear weights instead of ~268 on Gemma,
+# ~163 instead of ~135 on SmolLM2; benchmarks/MODELS.md).
+HEAD_UNDER_INT8 = "bf16"
 
 
 def resolve_dtype(device: str, dtype: str | None) -> torch.dtype:
@@ -201,11 +209,17 @@ class KernelSet:
     cpu_reason: str = ""
     # the linear weights' bytes one decode step reads, once the model holds them (loaded)
     step_weight_bytes: int = 0
+    # the lm_head's kernel where it is not `linear`'s (a key of LINEAR_KERNELS; "": the
+    # same): int8 weights leave it in bf16 (resolve_kernels, HEAD_UNDER_INT8)
+    head_linear: str = ""
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {sorted(LINEAR_KERNELS)}, "
                              f"got {self.linear!r}")
+        if self.head_linear and self.head_linear not in LINEAR_KERNELS:
+            raise ValueError(f"head_linear must be one of {sorted(LINEAR_KERNELS)}, "
+                             f"got {self.head_linear!r}")
         if self.ops is None and (self.fused_layers or self.linear in LINEARS_ON_OPS):
             raise ValueError(f"linear={self.linear!r} / fused_layers need the fused kernels")
         if self.decode_stack and not self.fused_layers:
@@ -239,8 +253,9 @@ class KernelSet:
         """The ops the norms, MLPs and attention call; None: torch's."""
         return self.ops if self.fused_layers else None
 
-    def linear_factory(self):
-        """(weight (in, out), bias) -> the linear kernel; None for plain torch."""
+    def linear_factory(self, kind: str | None = None):
+        """(weight (in, out), bias) -> the linear kernel `kind` (a key of LINEAR_KERNELS;
+        None: `linear`); None for plain torch."""
         lk, ops = linear_kernels, self.ops
         factory = {
             "reference": None,
@@ -252,25 +267,36 @@ class KernelSet:
             "bf16_rounded": lk.Bf16RoundedLinear,
             "int8": functools.partial(lk.Int8WeightOnlyLinear, ops=ops),
             "int8_torch": lk.Int8WeightOnlyLinear,
-        }[self.linear]
+        }[kind or self.linear]
         return _with_gguf_blocks(factory, ops) if self.gguf_types else factory
+
+    def head_factory(self):
+        """The lm_head's kernel factory: head_linear's where set, else linear_factory()."""
+        return self.linear_factory(self.head_linear or None)
 
     def prepare_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights as this KernelSet's linears take them: GGUF block weights as they are
         when it runs them, else dequantized to fp32 (what quantization none/bf16/int8 do)."""
         return weights if self.gguf_types else gguf_blocks.dequantize_all(weights)
 
-    def describe_linears(self) -> str:
-        """The linear kernel, the fused ops and the decode stack, in words."""
-        text = LINEAR_KERNELS[self.linear]
-        if self.linear == "bf16_panel" and self.amx_min_rows:
+    def _kernel_text(self, kind: str) -> str:
+        """Linear kernel `kind` (a key of LINEAR_KERNELS) in words, with its bf16 mode."""
+        text = LINEAR_KERNELS[kind]
+        if kind == "bf16_panel" and self.amx_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.amx_min_rows} rows, "
                     "AMX from there (fused CPU kernels)")
-        if self.linear == "bf16_panel" and self.dot_min_rows == 1:
+        if kind == "bf16_panel" and self.dot_min_rows == 1:
             text = "bf16 weight panels, x rounded to bf16, vdpbf16ps (fused CPU kernel)"
-        elif self.linear == "bf16_panel" and self.dot_min_rows:
+        elif kind == "bf16_panel" and self.dot_min_rows:
             text = (f"bf16 weight panels, fp32 activations below {self.dot_min_rows} rows, "
                     "x rounded to bf16 and vdpbf16ps from there (fused CPU kernel)")
+        return text
+
+    def describe_linears(self) -> str:
+        """The linear kernel, the fused ops and the decode stack, in words."""
+        text = self._kernel_text(self.linear)
+        if self.head_linear:
+            text += f"; lm_head: {self._kernel_text(self.head_linear)}"
         if self.gguf_types:  # NOTE: after the bf16 modes' texts, which replace `text`
             path = {"avx512vnni": "VNNI", "avx2": "AVX2"}.get(self.ops.quant_blocks_isa(),
                                                                "plain loops")
@@ -397,10 +423,14 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
         weights = str(model_dtype).removeprefix("torch.")
     fused = ops is not None
     linear = _linear_kernel(weights, kernels, cpu_fp32, ops, cpu)
+    head = (_linear_kernel(HEAD_UNDER_INT8, kernels, cpu_fp32, ops, cpu)
+            if weights == "int8" else "")
+    # NOTE: an int8 set's bf16 lm_head widens its weights (fp32 activations, no AMX or
+    # vdpbf16ps rows): its rows are the sampled ones only
     amx_rows, dot_rows = _bf16_many_rows(linear, ops, cpu)
     return KernelSet(linear, ops, fused_layers=fused, decode_stack=fused, amx_min_rows=amx_rows,
                      weights=weights, reason=reason, dot_min_rows=dot_rows,
-                     cpu_class=cpu.name, cpu_reason=cpu.reason)
+                     cpu_class=cpu.name, cpu_reason=cpu.reason, head_linear=head)
 
 
 def cuda_kernels(kernels: str, quantization: str | None, model_dtype: torch.dtype

@@ -309,19 +309,21 @@ def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
     """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py).
 
     Called once, by the model as its weights are loaded (LlamaForCausalLM.load_hf_weights).
+    The Linear named `lm_head` takes the set's head_factory() (int8 leaves it in bf16).
     """
     from slotserve.model.layers import Linear
 
-    factory = kernel_set.linear_factory()
+    factory, head_factory = kernel_set.linear_factory(), kernel_set.head_factory()
     if factory is None:
         return
     if not on_cpu_fp32(model):
         raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the CPU "
                          "in float32")
     kernels = []
-    for module in model.modules():  # in the order a forward reads them
+    for name, module in model.named_modules():  # in the order a forward reads them
         if isinstance(module, Linear):
-            kernels.append(factory(module.weight, module.bias))
+            make = head_factory if name == "lm_head" and head_factory else factory
+            kernels.append(make(module.weight, module.bias))
             module.use_kernel(kernels[-1])
     place_panels_in_one_arena([k for k in kernels if isinstance(k, PANEL_KERNELS)])
 
