@@ -9,6 +9,7 @@ import sys
 
 import uvicorn
 
+from slotserve.commands.common import chat_template_arg
 from slotserve.config import resolve_prefix_cache_scope
 from slotserve.engine_args import add_engine_args, build_engine, parse_size
 from slotserve.server.startup import (
@@ -78,7 +79,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-prompts", type=_positive_int, default=1024, metavar="N",
                    help="/v1/completions requests with a list of more than N prompts get 400 "
                         "(default: 1024)")
-    p.add_argument("--chat-template", type=_chat_template, default=None,
+    p.add_argument("--chat-template", type=chat_template_arg, default=None,
                    metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template of /v1/chat/completions and /tokenize, "
                         "instead of the model's: a file, or the template itself (as vLLM's; "
@@ -167,14 +168,6 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
-
-def _chat_template(text: str) -> str:
-    from slotserve.loader.chat_template import load_chat_template
-
-    try:
-        return load_chat_template(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_size(text: str) -> int:
