@@ -17,8 +17,10 @@ a user's `--model` would load it, and measured:
 - agreement: teacher-forced (`slotserve.lab.quality`): the bf16 and int8 engines' argmax
   after each of the fp32 engine's greedy tokens;
 - speed with the default settings (`quantization="auto"`, default kernels), in process
-  (`slotserve bench`'s EngineTarget): batch 1 (one request alone: median ms per output token)
-  and W (32 requests at once, 64-token prompts, 32 output tokens each: output tok/s).
+  (`slotserve bench`'s EngineTarget): batch 1 (one request alone, a 64-token prompt, 32
+  tokens: its TPOT, ms per output token after the first) and W (32 requests at once,
+  64-token prompts, 32 output tokens each: output tok/s).
+- equality and agreement: 3 prompts of 40-64 random token ids, 16 greedy tokens each.
 
 NOTE: random weights, made larger than HF's init (matrices N(0, 0.08), 1-D parameters moved
 by N(0, 0.1), as tests/model/test_families.py's tiny models) so greedy choices are separated;
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -380,6 +383,7 @@ def measure_family(name: str, shape: dict, settings: Settings, formats: tuple[st
         model.save_pretrained(folder / name)  # safetensors + config.json
         report["formats"]["hf"] = measure_format(str(folder / name), hf_tokens, prompts,
                                                  settings)
+        shutil.rmtree(folder / name)
     if "gguf" in formats:
         if family.gguf_arch is None:
             report["formats"]["gguf"] = {"skipped": family.gguf_note}
