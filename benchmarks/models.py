@@ -6,10 +6,10 @@ batch-1 and W speed, on random-weight models of a realistic small shape. One com
 
 For each family (Llama 3.x with llama3 RoPE scaling, Mistral with a sliding window, Qwen2,
 Qwen3, Gemma 2, Gemma 3 text, Phi-3 with LongRoPE) a random model of ~100M parameters (hidden
-768, 12 layers, vocabulary 32000, tied embeddings) is built with HF transformers, saved as a
-safetensors directory and, where the GGUF loader reads the family's architecture, written as
-an F32 GGUF file the way llama.cpp's convert_hf_to_gguf writes it. Each format is loaded as
-a user's `--model` would load it, and measured:
+768, 12 layers, vocabulary 32000, tied embeddings but Gemma's: see FAMILIES) is built with HF
+transformers, saved as a safetensors directory and, where the GGUF loader reads the family's
+architecture, written as an F32 GGUF file the way llama.cpp's convert_hf_to_gguf writes it.
+Each format is loaded as a user's `--model` would load it, and measured:
 
 - fp32 equality: greedy tokens of `quantization="none"` (default kernels) against HF
   transformers' `generate` on the same prompts: token-identical or not, and the first
@@ -19,8 +19,8 @@ a user's `--model` would load it, and measured:
 - speed with the default settings (`quantization="auto"`, default kernels), in process
   (`slotserve bench`'s EngineTarget): batch 1 (one request alone, a 64-token prompt, 32
   tokens: its TPOT, ms per output token after the first) and W (32 requests at once,
-  64-token prompts, 32 output tokens each: output tok/s).
-- equality and agreement: 3 prompts of 40-64 random token ids, 16 greedy tokens each.
+  64-token prompts, 32 output tokens each: output tok/s);
+- equality and agreement: 6 prompts of 40-64 random token ids, 24 greedy tokens each.
 
 NOTE: random weights, made larger than HF's init (matrices N(0, 0.08), 1-D parameters moved
 by N(0, 0.1), as tests/model/test_families.py's tiny models) so greedy choices are separated;
@@ -95,12 +95,17 @@ FAMILIES = {
                       gguf_note="no GGUF architecture: written as llama without the window"),
     "qwen2": Family("Qwen2 (qkv bias)", "qwen2", dict(rope_theta=1e6), gguf_arch="qwen2"),
     "qwen3": Family("Qwen3 (q/k norms)", "qwen3", dict(rope_theta=1e6), gguf_arch="qwen3"),
-    # NOTE: Gemma 2's converter writes no RoPE base: the HF default (10000) is kept.
+    # NOTE: Gemma 2's converter writes no RoPE base: the HF default (10000) is kept. Gemma's
+    # embeddings are scaled by sqrt(hidden): tied to random weights, the last token's own
+    # logit dominates and greedy decoding repeats one token (equality and agreement then
+    # mean nothing), so the Gemmas here have their own random lm_head (`output.weight`).
     "gemma2": Family(f"Gemma 2 (soft-caps, window {WINDOW})", "gemma2",
                      dict(sliding_window=WINDOW, attn_logit_softcapping=50.0,
-                          final_logit_softcapping=30.0), gguf_arch="gemma2"),
+                          final_logit_softcapping=30.0, tie_word_embeddings=False),
+                     gguf_arch="gemma2"),
     "gemma3": Family(f"Gemma 3 text (window {WINDOW}, 5:1)", "gemma3_text",
-                     dict(sliding_window=WINDOW, rope_theta=1e6, rope_local_base_freq=10000.0),
+                     dict(sliding_window=WINDOW, rope_theta=1e6, rope_local_base_freq=10000.0,
+                          tie_word_embeddings=False),
                      gguf_arch="gemma3"),
     "phi3": Family("Phi-3 (LongRoPE)", "phi3",
                    dict(original_max_position_embeddings=4096, max_position_embeddings=131072),
@@ -279,9 +284,9 @@ def write_gguf(path: Path, model, arch: str) -> None:
 class Settings:
     """What is measured: the equality prompts and tokens, the speed workloads."""
 
-    prompts: int = 3
+    prompts: int = 6
     prompt_len: tuple[int, int] = (40, 64)
-    new_tokens: int = 16
+    new_tokens: int = 24
     batch1_prompt: int = 64
     batch1_tokens: int = 32
     w_requests: int = 32
@@ -357,7 +362,9 @@ def measure_format(path: str, hf_tokens: list[list[int]], prompts: list[list[int
     diff = first_difference(ours, hf_tokens)
     result = {"fp32_equal": diff is None, "first_difference": diff,
               "prompts_equal": sum(int(a == b) for a, b in zip(ours, hf_tokens)),
-              "prompts": len(prompts), "tokens": sum(len(t) for t in ours)}
+              "prompts": len(prompts), "tokens": sum(len(t) for t in ours),
+              # NOTE: a model that repeats one token agrees trivially: shown beside the rest
+              "distinct_tokens": len({t for tokens in ours for t in tokens})}
     for quantization in ("bf16", "int8"):
         engine = quality_engine(loaded, quantization)
         result[f"{quantization}_agreement"] = teacher_forced_agreement(engine, prompts, ours)
@@ -421,20 +428,22 @@ def _equality_cell(result: dict) -> str:
 
 def markdown_table(families: list[dict]) -> str:
     """One row per family and format."""
-    lines = ["| family | format | params | fp32 vs HF (greedy) | bf16 / int8 vs fp32 "
-             "(teacher-forced) | batch 1: ms / token | W: output tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| family | format | params | fp32 vs HF (greedy) | distinct / greedy tokens "
+             "| bf16 / int8 vs fp32 (teacher-forced) | batch 1: ms / token | W: output tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for family in families:
         for fmt, result in family["formats"].items():
             head = (f"| {family['label']} | {FORMAT_LABELS[fmt]}"
                     f"{' (' + result['arch'] + ')' if 'arch' in result else ''} | "
                     f"{_millions(family['parameters'])} |")
             if "skipped" in result:
-                lines.append(f"{head} - ({result['skipped']}) | - | - | - |")
+                lines.append(f"{head} - ({result['skipped']}) | - | - | - | - |")
                 continue
             b1 = result.get("batch1_ms_per_token")
             w = result.get("w_output_tok_s")
-            lines.append(f"{head} {_equality_cell(result)} | {_pct(result['bf16_agreement'])} /"
+            lines.append(f"{head} {_equality_cell(result)} | "
+                         f"{result['distinct_tokens']} / {result['tokens']} | "
+                         f"{_pct(result['bf16_agreement'])} /"
                          f" {_pct(result['int8_agreement'])} | "
                          f"{'-' if b1 is None else f'{b1:.1f}'} | "
                          f"{'-' if w is None else f'{w:.0f}'} |")

@@ -26,6 +26,7 @@ def test_quick_report_fields(tmp_path, capsys):
         assert result["fp32_equal"] is True and result["first_difference"] is None
         assert result["prompts_equal"] == result["prompts"] == 1
         assert result["tokens"] == models.QUICK_SETTINGS.new_tokens
+        assert 1 <= result["distinct_tokens"] <= result["tokens"]
         for key in ("bf16_agreement", "int8_agreement"):
             assert 0.0 <= result[key] <= 1.0
         assert result["batch1_ms_per_token"] > 0 and result["w_output_tok_s"] > 0
