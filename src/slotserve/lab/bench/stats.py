@@ -126,9 +126,28 @@ def machine_info() -> dict:
             "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__}
+    info.update(cpu_identity())
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+# The /proc/cpuinfo flags that choose slotserve's CPU kernels (model/kernels.py's classes).
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_identity(path: str = "/proc/cpuinfo") -> dict:
+    """The CPU's model name and which of KERNEL_FLAGS it has ({} where `path` cannot be
+    read): a result holds for the class it was measured on."""
+    try:
+        with open(path) as cpuinfo:
+            fields = {key.strip(): value for key, _, value in
+                      (line.partition(":") for line in cpuinfo) if value}
+    except OSError:
+        return {}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", "").strip(),
+            "cpu_flags": [flag for flag in KERNEL_FLAGS if flag in flags]}
 
 
 @dataclass(frozen=True)
