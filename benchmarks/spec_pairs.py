@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-from benchmarks.speculative import WORKLOADS, chat_prompts
-from slotserve import SamplingParams
+from benchmarks.speculative import WORKLOADS, chat_prompts, run_once
 from slotserve.engine.llm import LLM
 from slotserve.lab.bench.report import write_report
 
@@ -26,22 +24,16 @@ DEFAULT_OUT = "benchmarks/results/spec-pairs.json"
 AUTO = '{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
 
-def tok_s(llm: LLM, prompt: list[int], params: SamplingParams) -> float:
-    start = time.perf_counter()
-    output = llm.generate([prompt], params, use_tqdm=False)[0]
-    return len(output.outputs[0].token_ids) / (time.perf_counter() - start)
-
-
 def run_pairs(engines: dict[str, LLM], prompts: list[list[int]], pairs: int,
               max_tokens: int, log) -> dict:
     """`pairs` pairs (off, auto), order alternating, prompts in turn: each pair's tok/s and
     ratio, and the median ratio."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rows = []
     for number in range(pairs):
         prompt = prompts[number % len(prompts)]
         order = ["off", "auto"] if number % 2 == 0 else ["auto", "off"]
-        speed = {name: tok_s(engines[name], prompt, params) for name in order}
+        speed = {name: run_once(engines[name], [prompt], max_tokens)["output_tok_s"]
+                 for name in order}
         rows.append({"prompt": number % len(prompts), "first": order[0], **speed,
                      "ratio": speed["auto"] / speed["off"]})
         log(f"  pair {number + 1}: off {speed['off']:.1f} tok/s, auto {speed['auto']:.1f}, "
@@ -67,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         prompts = chat_prompts(engines["off"], WORKLOADS[workload], len(WORKLOADS[workload]))
         for llm in engines.values():
-            tok_s(llm, prompts[0], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+            run_once(llm, prompts[:1], 8)  # warm-up
         log(f"{workload}, batch 1:")
         report["results"][workload] = run_pairs(engines, prompts, args.pairs,
                                                 args.max_tokens, log)

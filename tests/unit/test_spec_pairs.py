@@ -15,11 +15,15 @@ class FakeLLM:
 
     def __init__(self, name: str, seconds: float, calls: list, tokens: int = 4) -> None:
         self.name, self.seconds, self.calls, self.tokens = name, seconds, calls, tokens
+        # NOTE: what benchmarks.speculative.run_once reads of an LLM's engine
+        self.engine = SimpleNamespace(scheduler=SimpleNamespace(speculator=None),
+                                      trace=SimpleNamespace(clear=lambda: None),
+                                      export_trace=lambda: {})
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append((self.name, prompts[0][0]))
         time.sleep(self.seconds)
-        completion = SimpleNamespace(token_ids=list(range(self.tokens)))
+        completion = SimpleNamespace(token_ids=list(range(self.tokens)), metrics=None)
         return [SimpleNamespace(outputs=[completion])]
 
 
