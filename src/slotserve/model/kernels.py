@@ -168,13 +168,26 @@ def cpu_class(forced: str | None = None) -> CpuClass:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (model name, flags...), {} where it
+    cannot be read."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        with open(path) as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip():
+                    break  # NOTE: the first processor's block ends here
+                key, colon, value = line.partition(":")
+                if colon:
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        return {}
+    return fields
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(cpuinfo_fields().get("flags", "").split())
 
 
 @dataclass(frozen=True)

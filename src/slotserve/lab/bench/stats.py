@@ -139,14 +139,13 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf1
 def cpu_identity(path: str = "/proc/cpuinfo") -> dict:
     """The CPU's model name and which of KERNEL_FLAGS it has ({} where `path` cannot be
     read): a result holds for the class it was measured on."""
-    try:
-        with open(path) as cpuinfo:
-            fields = {key.strip(): value for key, _, value in
-                      (line.partition(":") for line in cpuinfo) if value}
-    except OSError:
+    from slotserve.model.kernels import cpuinfo_fields
+
+    fields = cpuinfo_fields(path)
+    if not fields:
         return {}
     flags = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name", "").strip(),
+    return {"cpu_model": fields.get("model name", ""),
             "cpu_flags": [flag for flag in KERNEL_FLAGS if flag in flags]}
 
 
