@@ -481,17 +481,18 @@ class EngineConfig:
         the CPU: the fused kernels, fp32 linears over weight panels with AVX-512, else
         MKL's packed GEMM); mkl: the same but fp32 linears through MKL's packed GEMM;
         reference: plain torch ops everywhere.
-    quantization: the linear layers' weights. auto: the fastest choice of the CPU's class
-        that passes the 97% agreement bar
-        (amx, avx512bf16, avx512: bf16; avx2, generic: fp32; docs/kernels.md), when no dtype
-        is named (a named dtype keeps its weights: dtype=float32 computes in fp32); none:
-        fp32 weights, the
-        reference the tests compare against; bf16: weights stored in bfloat16, activations,
-        norms, attention and KV cache fp32 (CPU; NOTE: not dtype=bfloat16, which runs the
-        whole model in bf16); int8: int8 weight-only linear layers on the CPU; gguf: a GGUF's
-        quantized linear weights in the file's own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/
-        Q4_K/Q5_K/Q6_K, int8 activations, AVX512-VNNI or AVX2; no fp32 copy of the model; a
-        file with another quantized type is dequantized, with a warning). Greedy agreement
+    quantization: the linear layers' weights. auto: for a GGUF file named by `model` whose
+        linears are quantized, the file's own types (as gguf below, llama.cpp's meaning);
+        else the fastest choice of the CPU's class that passes the 97% agreement bar
+        (amx, avx512bf16, avx512: bf16; avx2, generic: fp32; docs/kernels.md); both only
+        when no dtype is named (a named dtype keeps its weights: dtype=float32 computes in
+        fp32); none: fp32 weights, the reference the tests compare against; bf16: weights
+        stored in bfloat16, activations, norms, attention and KV cache fp32 (CPU; NOTE: not
+        dtype=bfloat16, which runs the whole model in bf16); int8: int8 weight-only linear
+        layers on the CPU; gguf: a GGUF's quantized linear weights in the file's own blocks
+        (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL, int8 activations,
+        AVX512-VNNI or AVX2; no fp32 copy of the model; a file with another quantized type
+        is dequantized, with a warning). Greedy agreement
         with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.

@@ -55,6 +55,7 @@ from slotserve.engine.trace import TraceRecorder, policy_fields_of, trace_settin
 from slotserve.layer_windows import uniform_window
 from slotserve.model.kernels import (
     KernelSet,
+    keeps_gguf_blocks,
     kernels_for,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -137,8 +138,9 @@ class LLMEngine:
         from slotserve.loader import load_model
 
         set_torch_threads()
-        # NOTE: quantization="gguf" serves a GGUF's quantized linears in their own blocks.
-        loaded = load_model(config.model, keep_quantized=config.quantization == "gguf")
+        # NOTE: quantization="gguf" (and "auto" for a named GGUF file: keeps_gguf_blocks)
+        # serves a GGUF's quantized linears in their own blocks.
+        loaded = load_model(config.model, keep_quantized=keeps_gguf_blocks(config))
         return cls(config, loaded.config, loaded.weights, loaded.tokenizer)
 
     # ------------------------------------------------------------------ requests

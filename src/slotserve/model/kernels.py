@@ -339,22 +339,41 @@ class KernelSet:
 REFERENCE = KernelSet()
 
 
+def keeps_gguf_blocks(config) -> bool:
+    """Whether an EngineConfig serves a GGUF's quantized linears in their own blocks (the
+    engine then loads them with `load_model(keep_quantized=True)`): quantization="gguf", or
+    "auto" for a model file the user names, as llama.cpp means it (a Q4_K_M file is served
+    as Q4_K_M, at its own size), on the CPU with no dtype named and the fused kernels
+    allowed. A GGUF without quantized linears (F32/F16/BF16) or an HF directory gets auto's
+    class default all the same (no blocks to keep).
+
+    NOTE: the embedded default model (model=None) keeps its class's default under auto: its
+    Q4_1 blocks agree 97.1% with fp32 against bf16's 99.5%, and bf16 is what the benchmarks
+    compare with other engines; `--quantization gguf` serves its blocks.
+    """
+    if config.quantization == "gguf":
+        return True
+    named_file = config.model is not None and not os.path.isdir(config.model)
+    return (config.quantization == "auto" and named_file
+            and torch.device(config.device).type == "cpu"
+            and config.dtype in (None, "auto") and config.kernels != "reference")
+
+
 def kernels_for(config, weights: dict[str, torch.Tensor] | None = None) -> KernelSet:
-    """The KernelSet of an EngineConfig (see resolve_kernels); with quantization="gguf" and
-    `weights` holding GGUF block weights (`load_model(keep_quantized=True)`), one that runs
-    them (see gguf_kernels), the rest as "auto" chooses. NOTE: opt-in, not auto's: on the
-    embedded SmolLM2 they agree 97.1% with fp32 against bf16's 99.5% (the quality bar is
-    97%, and bf16 is the better answer there; benchmarks/results/gguf-stack-zen4.json for
-    the speed)."""
-    gguf = config.quantization == "gguf"
+    """The KernelSet of an EngineConfig (see resolve_kernels); where `keeps_gguf_blocks`
+    and `weights` hold GGUF block weights (`load_model(keep_quantized=True)`), one that runs
+    them (see gguf_kernels), the rest as "auto" chooses."""
+    gguf = keeps_gguf_blocks(config)
     kernels = resolve_kernels(config.kernels, "auto" if gguf else config.quantization,
                               config.device, config.dtype)
     if gguf and weights is not None:
-        return gguf_kernels(kernels, gguf_blocks.block_types(weights))
+        why = f"quantization={config.quantization}: the file's own types"
+        return gguf_kernels(kernels, gguf_blocks.block_types(weights), why)
     return kernels
 
 
-def gguf_kernels(kernels: KernelSet, types: tuple[str, ...]) -> KernelSet:
+def gguf_kernels(kernels: KernelSet, types: tuple[str, ...],
+                 why: str = "quantization=gguf: the file's own types") -> KernelSet:
     """`kernels` with the linears of GGUF types `types` kept in their blocks
     (linear_kernels.GGUFBlockLinear), where the fused kernels have it vectorised; else
     `kernels` unchanged (the blocks are then dequantized: KernelSet.prepare_weights).
@@ -364,8 +383,7 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...]) -> KernelSet:
     """
     if not types or not linear_kernels.gguf_block_kernel_available(kernels.ops):
         return kernels
-    return dataclasses.replace(kernels, weights="gguf", gguf_types=types,
-                               reason="quantization=gguf: the file's own types")
+    return dataclasses.replace(kernels, weights="gguf", gguf_types=types, reason=why)
 
 
 def gguf_bytes_text(types: tuple[str, ...]) -> str:
