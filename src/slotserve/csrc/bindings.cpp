@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
         py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
+  m.def("quant_block_rows", &quant_block_rows,
+        "rows `ids` of W in pack_quant_blocks' blocks, dequantized to fp32 (an embedding lookup)",
+        py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"), py::arg("block_len"),
+        py::arg("bits"), py::arg("ids"));
   m.def("quant_blocks_vectorised", &quant_blocks_vectorised,
         "whether quant_block_linear runs vectorised (AVX512-VNNI or AVX2)");
   m.def("quant_blocks_isa", &quant_blocks_isa,
@@ -84,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_lookup_tables", &DecodeStack::set_lookup_tables, py::arg("embedding"),
            py::arg("cos"), py::arg("sin"), py::arg("cos_local") = py::none(),
            py::arg("sin_local") = py::none())
+      .def("set_block_embedding", &DecodeStack::set_block_embedding, py::arg("codes"),
+           py::arg("scales_mins"), py::arg("block_len"), py::arg("bits"),
+           "look the tokens up in these GGUF blocks (pack_quant_blocks') instead of the "
+           "fp32 embedding table")
       .def("set_activation", &DecodeStack::set_activation,
            "the MLP's activation: silu, gelu or gelu_pytorch_tanh")
       .def("set_embedding_scale", &DecodeStack::set_embedding_scale,

@@ -206,6 +206,17 @@ void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
   sin_local_ = sin_local ? *sin_local : torch::Tensor();
 }
 
+void DecodeStack::set_block_embedding(torch::Tensor codes, torch::Tensor scales_mins,
+                                      int64_t block_len, int64_t bits) {
+  TORCH_CHECK(embedding_.defined(), "set_lookup_tables first");
+  check_quant_blocks(codes, scales_mins, embedding_.size(1), embedding_.size(0), block_len,
+                     bits);
+  embedding_codes_ = codes;
+  embedding_scales_mins_ = scales_mins;
+  embedding_block_len_ = block_len;
+  embedding_bits_ = bits;
+}
+
 namespace {
 
 // The step's inputs, checked, and the caches' pointers (one view per layer).
@@ -316,7 +327,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
   float* sin_local_rows = cos_local_rows + D * half;  // (D, hd/2)
   const int64_t* ids = in.ids.data_ptr<int64_t>();
   const int64_t* token_positions = in.positions.data_ptr<int64_t>();
-  gather_rows(embedding_.data_ptr<float>(), hidden, ids, D, residual);
+  if (embedding_codes_.defined())
+    quant_block_rows_into(embedding_codes_.data_ptr<uint8_t>(), embedding_scales_mins_.data_ptr(),
+                          embedding_scales_mins_.scalar_type() == torch::kFloat16,
+                          embedding_.size(0), hidden, embedding_block_len_, embedding_bits_, ids,
+                          D, residual);
+  else
+    gather_rows(embedding_.data_ptr<float>(), hidden, ids, D, residual);
   gather_rows(cos_.data_ptr<float>(), half, token_positions, D, cos_rows);
   gather_rows(sin_.data_ptr<float>(), half, token_positions, D, sin_rows);
   if (local_tables) {

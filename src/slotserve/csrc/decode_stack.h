@@ -97,6 +97,11 @@ class DecodeStack {
   void set_lookup_tables(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin,
                          c10::optional<torch::Tensor> cos_local = c10::nullopt,
                          c10::optional<torch::Tensor> sin_local = c10::nullopt);
+  // The token embedding in GGUF blocks (pack_quant_blocks' codes and scales_mins of the
+  // (V, H) table): forward looks the tokens up there. NOTE: after set_lookup_tables, whose
+  // embedding is then a placeholder of the table's shape (never read: not resident).
+  void set_block_embedding(torch::Tensor codes, torch::Tensor scales_mins, int64_t block_len,
+                           int64_t bits);
 
   // input_ids, positions (D,): D decode tokens, one per sequence; caches: k and v of each
   // layer in turn; slot_mapping (D,); block_tables (D, maxb); context_lens (D,) -> the
@@ -114,6 +119,9 @@ class DecodeStack {
   torch::Tensor final_norm_;
   torch::Tensor embedding_, cos_, sin_;  // set_lookup_tables
   torch::Tensor cos_local_, sin_local_;  // set_lookup_tables' local tables; undefined: none
+  // set_block_embedding's blocks; codes undefined: the fp32 table
+  torch::Tensor embedding_codes_, embedding_scales_mins_;
+  int64_t embedding_block_len_ = 0, embedding_bits_ = 0;
   Activation activation_ = Activation::kSilu;
   double embed_scale_ = 0.0;
   std::vector<DecoderLayerWeights> layers_;

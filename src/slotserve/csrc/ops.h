@@ -94,6 +94,13 @@ void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uin
                              const void* scales_mins, bool half_scales, int64_t out_features,
                              int64_t block_len, int64_t bits, float* y,
                              bool force_plain = false);
+// Rows `ids` (n,) of the (out_features, in) weight as pack_quant_blocks packed it -> out
+// (n, in) fp32, each w = u * d + m (BlockWeights.dequantize's values, to the bit).
+void quant_block_rows_into(const uint8_t* codes, const void* scales_mins, bool half_scales,
+                           int64_t out_features, int64_t in, int64_t block_len, int64_t bits,
+                           const int64_t* ids, int64_t n, float* out);
+torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t out_features,
+                               int64_t block_len, int64_t bits, torch::Tensor ids);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

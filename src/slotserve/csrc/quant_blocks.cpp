@@ -460,6 +460,60 @@ void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uin
                              block_len, bits, y, force_plain);
 }
 
+// Rows `ids` of the weight (as pack_quant_blocks packed it) in fp32: the token embedding
+// looked up from the tied LM head's blocks (or its own), so a GGUF's table is never held in
+// fp32. NOTE: w = u * d + m with two roundings, as BlockWeights.dequantize computes it (no
+// fused multiply-add: the attribute keeps the compiler from contracting it), so a row is
+// bit-equal to the fp32 table the model would otherwise hold.
+__attribute__((optimize("fp-contract=off"))) void quant_block_rows_into(
+    const uint8_t* codes, const void* scales_mins, bool half_scales, int64_t out_features,
+    int64_t in, int64_t block_len, int64_t bits, const int64_t* ids, int64_t n, float* out) {
+  const int64_t blocks = in / block_len;
+  const int64_t block_bytes = block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8;
+  auto scale_at = [&](int64_t at) {
+    return half_scales ? float(static_cast<const c10::Half*>(scales_mins)[at])
+                       : static_cast<const float*>(scales_mins)[at];
+  };
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t o = ids[r], p = o / QB_ROWS, j = o % QB_ROWS;
+    TORCH_CHECK(o >= 0 && o < out_features, "row ", o, " outside [0, ", out_features, ")");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = codes + (p * blocks + b) * block_bytes;
+      const int64_t at = (p * blocks + b) * 2 * QB_ROWS + j;
+      const float d = scale_at(at), m = scale_at(at + QB_ROWS);
+      float* y = out + r * in + b * block_len;
+      for (int64_t i = 0; i < block_len; ++i) {
+        const int64_t k = i / 4, byte = i % 4;
+        uint32_t u;
+        if (bits == 8) {
+          u = block[64 * k + 4 * j + byte];
+        } else {
+          const uint8_t packed = block[64 * (k / 2) + 4 * j + byte];
+          u = (k & 1) ? packed >> 4 : packed & 0x0F;
+          if (bits == QUANT_CODES_IQ4_NL) u = IQ4_NL_CODES[u];
+        }
+        const float scaled = float(u) * d;
+        y[i] = scaled + m;
+      }
+    }
+  }
+}
+
+// (n, in) fp32: rows `ids` of the (out_features, in) weight in pack_quant_blocks' blocks.
+torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t out_features,
+                               int64_t block_len, int64_t bits, torch::Tensor ids) {
+  TORCH_CHECK(codes.dim() == 3, "codes must come from pack_quant_blocks");
+  const int64_t in = codes.size(1) * block_len;
+  check_quant_blocks(codes, sm, in, out_features, block_len, bits);
+  ids = ids.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ids.dim() == 1, "ids must be (n,)");
+  auto out = torch::empty({ids.numel(), in}, torch::dtype(torch::kFloat32));
+  quant_block_rows_into(codes.data_ptr<uint8_t>(), sm.data_ptr(),
+                        sm.scalar_type() == torch::kFloat16, out_features, in, block_len, bits,
+                        ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<float>());
+  return out;
+}
+
 // y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,

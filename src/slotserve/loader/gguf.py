@@ -84,9 +84,9 @@ def load_gguf(path: str, keep_quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
 
-    keep_quantized: the linear layers' weights in quantized types (and the embedding table
-    when the LM head is tied to it) stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s:
-    no fp32 copy of them is made. A type without a block form is then a ModelFileError.
+    keep_quantized: the linear layers' weights and the embedding table in quantized types
+    stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s: no fp32 copy of them is made.
+    A type without a block form is then a ModelFileError.
     A malformed file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = os.fspath(path)
@@ -235,10 +235,9 @@ def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama") -> to
 
 def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
     """Whether a tensor stays in its blocks under keep_quantized: a quantized linear weight
-    (the embedding table too when the LM head is tied to it: it is that head's weight)."""
-    linear = hf.endswith("_proj.weight") or hf == "lm_head.weight" or (
-        hf == "model.embed_tokens.weight" and config.tie_word_embeddings)
-    return linear and tensor.tensor_type not in FLOAT_TYPES
+    or embedding table (the model looks its tokens up in the blocks: BlockEmbedding)."""
+    kept = hf.endswith("_proj.weight") or hf in ("lm_head.weight", "model.embed_tokens.weight")
+    return kept and tensor.tensor_type not in FLOAT_TYPES
 
 
 def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlockTensor:

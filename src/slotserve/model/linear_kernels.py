@@ -271,6 +271,36 @@ class GGUFBlockLinear:
         return ops.linear_weights("gguf_blocks", self.codes, self.scales_mins, self.bias,
                                   self.out_features, block_len=self.block_len, bits=self.bits)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # (n,) -> (n, in)
+        """Rows `ids` of W (out, in) in fp32, each BlockWeights.dequantize's values to the bit:
+        an embedding lookup in the blocks (BlockEmbedding)."""
+        return self.ops.quant_block_rows(self.codes, self.scales_mins, self.out_features,
+                                         self.block_len, self.bits, ids)
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up in GGUF blocks: (T,) ids -> (T, H) fp32.
+
+    `kernel` is a GGUFBlockLinear over the (V, H) table: the tied LM head's own (the table
+    then costs no memory of its own) or one for the table alone. A row is what the fp32
+    table would hold (BlockWeights.dequantize), so the model computes as with that table,
+    which is never made. `placeholder`: a (V, H) fp32 tensor never written or read (so
+    never resident), the table argument of DecodeStack.set_lookup_tables; the stack then
+    takes the blocks (set_block_embedding).
+    """
+
+    def __init__(self, kernel: GGUFBlockLinear, placeholder: torch.Tensor) -> None:
+        super().__init__()
+        self.kernel, self.placeholder = kernel, placeholder
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
+        return self.kernel.rows(ids)
+
+    def set_in_stack(self, stack) -> None:
+        """Give the decode stack `stack` these blocks to look its tokens up in."""
+        k = self.kernel
+        stack.set_block_embedding(k.codes, k.scales_mins, block_len=k.block_len, bits=k.bits)
+
 
 def gguf_block_kernel_available(ops) -> bool:
     """Whether `ops` has the GGUF block kernel vectorised (AVX512-VNNI, or AVX2: the build's

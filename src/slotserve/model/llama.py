@@ -17,10 +17,16 @@ from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
 from slotserve.layer_windows import layer_window
+from slotserve.loader.gguf_blocks import GGUFBlockTensor
 from slotserve.model.families import Family, decode_stack_gaps, family_of, torch_ops
 from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from slotserve.model.linear_kernels import swap_linear_kernels
+from slotserve.model.linear_kernels import (
+    BlockEmbedding,
+    GGUFBlockLinear,
+    gguf_block_kernel_available,
+    swap_linear_kernels,
+)
 from slotserve.model.softcap_attention import softcapped_paged_attention
 
 
@@ -183,7 +189,11 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.rotary  # Gemma 3: the sliding layers' tables too
         local = ({"cos_local": rotary.cos_local, "sin_local": rotary.sin_local}
                  if cfg.local_rope_theta is not None else {})
-        stack.set_lookup_tables(self.embed_tokens.weight, rotary.cos, rotary.sin, **local)
+        blocks = isinstance(self.embed_tokens, BlockEmbedding)
+        table = self.embed_tokens.placeholder if blocks else self.embed_tokens.weight
+        stack.set_lookup_tables(table, rotary.cos, rotary.sin, **local)
+        if blocks:
+            self.embed_tokens.set_in_stack(stack)
         stack.set_activation(cfg.hidden_act)  # Gemma's GeGLU: ATen's gelu, as GatedMLP
         if self.embed_scale is not None:
             stack.set_embedding_scale(self.embed_scale)
@@ -221,8 +231,12 @@ class LlamaForCausalLM(nn.Module):
         weights) and the decode stack is built. NOTE: once only, and after any `.to()`: a
         layer with a kernel holds no weight parameter to load or move again.
         """
-        loaded = set()
+        loaded, embedding_blocks = set(), None
         for name, tensor in fuse_hf_weights(weights, self.config).items():
+            if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
+                embedding_blocks = tensor.blocks  # NOTE: never made fp32 (BlockEmbedding)
+                loaded.add(name)
+                continue
             module_name, kind = name.rsplit(".", 1)
             module = _submodule(self, module_name)
             target = getattr(module, kind, None)
@@ -242,8 +256,25 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing: {sorted(missing)[:5]}")
         swap_linear_kernels(self, self.kernels)
+        if embedding_blocks is not None:
+            self.embed_tokens = BlockEmbedding(self._embedding_kernel(embedding_blocks),
+                                               self.embed_tokens.weight.detach())
         if self.kernels.decode_stack:
             self.decode_stack = self.build_decode_stack(self.kernels.ops)
+
+    def _looks_up_in_blocks(self, embedding: torch.Tensor) -> bool:
+        """Whether the embedding (GGUF blocks under quantization=gguf) stays in its blocks:
+        where this model's kernels run GGUF blocks (else it is dequantized to fp32)."""
+        return (isinstance(embedding, GGUFBlockTensor) and self.kernels.weights == "gguf"
+                and gguf_block_kernel_available(self.kernels.ops))
+
+    def _embedding_kernel(self, blocks) -> GGUFBlockLinear:
+        """The tied LM head's block kernel (the same blocks: no second copy), else one of
+        the table's own."""
+        head = self.lm_head.kernel
+        if self.config.tie_word_embeddings and isinstance(head, GGUFBlockLinear):
+            return head
+        return GGUFBlockLinear(blocks, None, self.kernels.ops)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
