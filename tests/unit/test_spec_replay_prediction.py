@@ -17,6 +17,7 @@ import pytest
 from slotserve.config import SlotKind
 from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
 from slotserve.lab.replay import LinearCost, StepFeatures, UnitCost, replay
+from slotserve.lab.replay.cost_model import KNEE_COEFFICIENT
 from slotserve.lab.replay.spec_prediction import (
     batch_requests,
     fit_trace_cost,
@@ -36,6 +37,11 @@ RUN = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512)
 # A clock with every feature priced, so a fit has something to recover.
 KNOWN = LinearCost(0.004, {"prefill_tokens": 2e-5, "decode_seqs": 3e-4,
                            "attention_pairs": 1e-7, "sampled_rows": 5e-5})
+# The decode stack's shape: up to 6 rows a step costs the same but for small per-row terms
+# (the weights are read once), past them every row its multiplies (compute-bound).
+KNEE = LinearCost(0.004, {"prefill_tokens": 1e-5, "decode_seqs": 2e-5,
+                          "attention_pairs": 1e-7, "sampled_rows": 1e-5,
+                          "rows_past_knee": 4e-4}, knee=6)
 
 
 def _record(hf_model, speculative_config: str | None) -> dict:
@@ -94,6 +100,48 @@ def test_a_fit_on_a_trace_s_times_replays_its_tok_s(traces):
     again = replay(requests, settings, fitted)
     tokens = sum(r.output_tokens for r in requests)
     assert tokens / again.duration == pytest.approx(_tok_s(timed), rel=0.01)
+
+
+def _timed(trace: dict, clock) -> dict:
+    """The run of a recorded trace again, its iterations timed by `clock` (no noise)."""
+    requests, settings = batch_requests(trace)
+    verifications = recorded_verifications(trace["iterations"])
+    drafted = [replace(r, verifications=tuple(verifications.get(r.id, ()))) for r in requests]
+    spec = SPEC if verifications else None
+    return replay(drafted, replace(settings, speculative_config=spec), clock).trace
+
+
+def test_a_trace_timed_by_a_knee_clock_replays_within_1_percent(traces):
+    """The fit finds a knee clock's bend from an off run's own iterations (decodes below
+    it, prefill chunks past it), and the on/off ratio predicted on the fit is the one the
+    known clock gives, which a line misses (it prices the drafted rows at an average)."""
+    off = _timed(traces["off"], KNEE)
+    fitted = fit_trace_cost([off])
+    assert fitted.knee == pytest.approx(KNEE.knee, abs=0.5)
+    assert fitted.meta["fit"]["max_rel_error"] < 0.01
+    requests, settings = batch_requests(off)
+    again = replay(requests, settings, fitted)
+    tokens = sum(r.output_tokens for r in requests)
+    assert tokens / again.duration == pytest.approx(_tok_s(off), rel=0.01)
+    on = _timed(traces["on"], KNEE)
+    truth = predict_ratio(off, on, SPEC, KNEE)
+    assert predict_ratio(off, on, SPEC, fitted)["ratio"] == pytest.approx(truth["ratio"],
+                                                                          rel=0.01)
+    line = fit_trace_cost([off], knee=None)
+    assert line.knee is None and line.meta["fit"]["max_rel_error"] > 0.05
+    missed = predict_ratio(off, on, SPEC, line)["ratio"] / truth["ratio"] - 1
+    assert abs(missed) > 0.05
+
+
+def test_a_line_clock_still_fits_as_a_line(traces):
+    """A trace timed by a linear clock: the knee search keeps the line (no knee), and the
+    predicted ratio is the known clock's."""
+    off, on = _timed(traces["off"], KNOWN), _timed(traces["on"], KNOWN)
+    fitted = fit_trace_cost([off])
+    assert fitted.knee is None and KNEE_COEFFICIENT not in fitted.coefficients
+    assert fitted.meta["fit"]["max_rel_error"] < 0.01
+    assert predict_ratio(off, on, SPEC, fitted)["ratio"] == pytest.approx(
+        predict_ratio(off, on, SPEC, KNOWN)["ratio"], rel=0.01)
 
 
 def test_a_recorded_off_run_replays_its_own_iterations_on_a_fit_of_its_times(traces):

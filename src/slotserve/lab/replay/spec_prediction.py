@@ -96,12 +96,17 @@ def trace_samples(trace: dict) -> list[tuple]:
             zip(trace_plans(trace), iteration_seconds(trace)) if plan.seqs and seconds > 0]
 
 
-def fit_trace_cost(traces: Sequence[dict], meta: dict | None = None):
+def fit_trace_cost(traces: Sequence[dict], meta: dict | None = None,
+                   knee: float | str | None = "auto"):
     """A `LinearCost` fit (as `slotserve calibrate` fits its grid) on the iterations of
     recorded batch runs (`trace_samples`): the clock of the machine, model and kernels that
-    ran them, at the batch sizes and contexts they reached."""
+    ran them, at the batch sizes and contexts they reached.
+
+    knee: as `LinearCost.fit`'s; "auto" (default): the rows past which a step turns
+    compute-bound, if a knee fits the iterations better than a line (the decode stack reads
+    the weights once per step, so a batch-1 verification's drafts cost little)."""
     samples = [sample for trace in traces for sample in trace_samples(trace)]
-    model = LinearCost.fit(samples, meta={"source": "trace fit", **(meta or {})})
+    model = LinearCost.fit(samples, meta={"source": "trace fit", **(meta or {})}, knee=knee)
     model.meta["fit"] = model.residuals(samples)
     return model
 
