@@ -121,9 +121,10 @@ class Speculator:
              producing: int, cost: StepCost | None = None) -> dict[str, list[int]]:
         """Draft tokens per sequence id (only those with some), within `budget` tokens.
 
-        planned_tokens: tokens the iteration holds already; producing: sequences that will
-        sample a token in it (decodes and last prefill chunks); cost: the scheduler's step
-        cost model (used when this speculator has none of its own).
+        planned_tokens: tokens of the step the drafts are priced against (the scheduler
+        passes its decodes': a prefill chunk beside them is work done anyway); producing:
+        sequences that will sample a token in it (decodes and last prefill chunks); cost:
+        the scheduler's step cost model (used when this speculator has none of its own).
         """
         if budget <= 0 or not candidates:
             return {}
