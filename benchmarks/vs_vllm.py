@@ -14,9 +14,12 @@ llama1b, whose four servers do not fit in memory together) each server is starte
 own turn in a round and stopped after it. The same streaming client
 (`slotserve.lab.bench.OpenAITarget`) measures every server.
 
-A slotserve system can be run with a CPU class forced (model/kernels.py's SLOTSERVE_CPU_ISA,
-in the server's environment): "slotserve bf16@avx2" is `slotserve serve --quantization bf16`
-with SLOTSERVE_CPU_ISA=avx2, and the server's start-up line must name that class.
+A system can be run with a CPU class forced: "slotserve bf16@avx2" is `slotserve serve
+--quantization bf16` with SLOTSERVE_CPU_ISA=avx2 (model/kernels.py) in its environment, its
+start-up line must name that class; "vLLM bf16@avx2" is serve.sh with FORCE_CPU_ISA=avx2
+(vLLM's _C_AVX2 kernels, torch's and oneDNN's AVX2 code: peers/vllm_cpu/force_isa), its
+processes must have _C_AVX2 loaded. Each class's slotserve rows are compared with vLLM's rows
+of the same class, or, where the run has none, with vLLM's own.
 
 Models (--model): smollm2, the embedded SmolLM2-135M-Instruct (vLLM loads
 install.sh's fp32 HF conversion of it); llama1b, a random-weight HF directory shaped as
@@ -97,6 +100,8 @@ SYSTEMS = {
     "vLLM bf16": ("vllm", "bfloat16"),
 }
 WORKLOADS = {"W": math.inf, "W 2/s": 2.0, "W 4/s": 4.0, "batch-1": None}
+# the classes serve.sh can force on vLLM (FORCE_CPU_ISA)
+VLLM_CLASSES = ("avx2",)
 # slotserve systems' weight bytes per parameter (their batch-1 floor: each read once a token)
 WEIGHT_BYTES = {"slotserve fp32": 4, "slotserve bf16": 2}
 
@@ -110,7 +115,7 @@ class SystemSpec:
     base: str  # its SYSTEMS key, e.g. "slotserve bf16"
     kind: str  # "slotserve" or "vllm"
     how: dict | str  # serve flags (slotserve) or the dtype (vLLM)
-    cpu_isa: str | None = None  # SLOTSERVE_CPU_ISA for the server; None: the CPU's own
+    cpu_isa: str | None = None  # the class forced on the server; None: the CPU's own
 
 
 def _normalized(text: str) -> str:
@@ -120,10 +125,12 @@ def _normalized(text: str) -> str:
 def parse_system(text: str) -> SystemSpec:
     """A system as --systems names it: a SYSTEMS key (any case; '-' or '_' for spaces), for
     slotserve optionally followed by @CLASS, a CPU class to force (kernels.CPU_CLASSES):
-    "slotserve-bf16@avx2" -> SystemSpec("slotserve bf16@avx2", ..., cpu_isa="avx2").
+    "slotserve-bf16@avx2" -> SystemSpec("slotserve bf16@avx2", ..., cpu_isa="avx2"); vLLM
+    optionally followed by one of VLLM_CLASSES.
 
-    Raises ValueError naming the text for an unknown system or class, or a class on vLLM.
-    NOTE: whether this CPU can run the class is checked in main (cpu_class), not here.
+    Raises ValueError naming the text for an unknown system or class, or a class vLLM's
+    peer cannot force. NOTE: whether this CPU can run the class is checked in main
+    (cpu_class), not here.
     """
     base_text, at, isa = text.partition("@")
     by_normalized = {_normalized(name): name for name in SYSTEMS}
@@ -135,9 +142,9 @@ def parse_system(text: str) -> SystemSpec:
     if not at:
         return SystemSpec(base, base, kind, how)
     isa = isa.strip().lower()
-    if kind != "slotserve":
-        raise ValueError(f"{text!r}: a CPU class can be forced on slotserve only "
-                         f"({CPU_ISA_ENV} is slotserve's setting)")
+    if kind == "vllm" and isa not in VLLM_CLASSES:
+        raise ValueError(f"{text!r}: vLLM's peer can be forced to {', '.join(VLLM_CLASSES)} "
+                         "only (serve.sh's FORCE_CPU_ISA)")
     if isa not in CPU_CLASSES:
         raise ValueError(f"{text!r}: unknown CPU class {isa!r}: one of {', '.join(CPU_CLASSES)}")
     return SystemSpec(f"{base}@{isa}", base, kind, how, isa)
@@ -348,8 +355,10 @@ def startup_class_line(log: str) -> str:
 
 
 def start_vllm(name: str, dtype: str, model_dir: Path | None = None,
-               served_name: str | None = None) -> Server:
-    """serve.sh's vLLM (model_dir: serve.sh's default, the converted SmolLM2)."""
+               served_name: str | None = None, cpu_isa: str | None = None) -> Server:
+    """serve.sh's vLLM (model_dir: serve.sh's default, the converted SmolLM2); cpu_isa: its
+    FORCE_CPU_ISA, and its processes must have vLLM's kernels for that class loaded
+    (RuntimeError otherwise)."""
     if not (VLLM_DIR / "venv/bin/python").exists():
         raise RuntimeError(f"vLLM CPU is not installed: run bash {PEER_DIR}/install.sh")
     port = free_port()
@@ -359,6 +368,8 @@ def start_vllm(name: str, dtype: str, model_dir: Path | None = None,
         env["MODEL_DIR"] = str(model_dir)
     if served_name is not None:
         env["SERVED_NAME"] = served_name
+    if cpu_isa is not None:
+        env["FORCE_CPU_ISA"] = cpu_isa
     pid = int(subprocess.check_output(
         ["bash", str(PEER_DIR / "serve.sh"), str(port), "--max-num-seqs", str(SLOTS)],
         env=env, text=True).strip())
@@ -367,7 +378,32 @@ def start_vllm(name: str, dtype: str, model_dir: Path | None = None,
     wait_healthy(url, 900, lambda: not psutil.pid_exists(pid), lambda: f"see {log}", poll_s=1)
     stop = lambda: subprocess.run(["bash", str(PEER_DIR / "stop.sh"), str(pid)],  # noqa: E731
                                   check=False, capture_output=True)
-    return Server(name, url, pid, time.perf_counter() - t0, stop)
+    server = Server(name, url, pid, time.perf_counter() - t0, stop)
+    if cpu_isa is not None:
+        library = f"_C_{cpu_isa.upper()}."
+        loaded = [lib for lib in mapped_files(pid) if "/vllm/_C" in lib]
+        print(f"{name}: vLLM kernels loaded: {loaded}", file=sys.stderr)
+        if not any(library in lib for lib in loaded):
+            stop()
+            raise RuntimeError(f"{name}: vLLM did not load its {library}* kernels "
+                               f"(loaded: {loaded}; see {log})")
+    return server
+
+
+def mapped_files(pid: int) -> set[str]:
+    """The files mapped into a process and its descendants (/proc/PID/maps)."""
+    try:
+        root = psutil.Process(pid)
+        pids = [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return set()
+    files = set()
+    for each in pids:
+        with contextlib.suppress(OSError):
+            files |= {line.split(maxsplit=5)[5] for line in
+                      Path(f"/proc/{each}/maps").read_text().splitlines()
+                      if len(line.split(maxsplit=5)) == 6}
+    return files
 
 
 def start(spec: SystemSpec, model: ModelChoice = MODELS["smollm2"]) -> Server:
@@ -381,7 +417,7 @@ def start(spec: SystemSpec, model: ModelChoice = MODELS["smollm2"]) -> Server:
     else:
         default = model.name == "smollm2"
         server = start_vllm(spec.name, spec.how, None if default else model.hf_dir,
-                            None if default else model.served_name)
+                            None if default else model.served_name, spec.cpu_isa)
     print(f"{spec.name}: healthy after {server.start_s:.1f} s at {server.url}", file=sys.stderr)
     return server
 
@@ -621,15 +657,25 @@ def class_of(system: str) -> str | None:
 
 def targets_by_class(rows: list[dict]) -> dict:
     """targets() for the slotserve systems on the CPU's own class (at the top level, as
-    before) and, under "CPU class X (forced)", for those forced to X, each against every
-    vLLM row (their names without the @X for the comparison)."""
-    vllm = [r for r in rows if not r["system"].startswith("slotserve")]
-    ours = [r for r in rows if r["system"].startswith("slotserve")]
-    out = targets([r for r in ours if class_of(r["system"]) is None] + vllm)
-    for isa in sorted({class_of(r["system"]) for r in ours} - {None}):
-        forced = [dict(r, system=r["system"].partition("@")[0]) for r in ours
-                  if class_of(r["system"]) == isa]
-        out[f"CPU class {isa} (forced)"] = targets(forced + vllm)
+    before) and, under "CPU class X (forced)", for those forced to X; each class against
+    vLLM's rows of the same class, or vLLM's own class's where the run has none of it
+    ("vLLM rows" says which). Names lose their @X for the comparison."""
+    def of(kind: str, isa: str | None) -> list[dict]:
+        return [dict(r, system=r["system"].partition("@")[0]) for r in rows
+                if r["system"].startswith(kind) and class_of(r["system"]) == isa]
+
+    def compared(isa: str | None) -> dict:
+        theirs = of("vLLM", isa) or of("vLLM", None)
+        out = targets(of("slotserve", isa) + theirs)
+        if isa is not None:
+            out["vLLM rows"] = [r["system"] + (f"@{isa}" if of("vLLM", isa) else "")
+                                for r in theirs]
+        return out
+
+    out = compared(None)
+    forced = {class_of(r["system"]) for r in rows if r["system"].startswith("slotserve")}
+    for isa in sorted(forced - {None}):
+        out[f"CPU class {isa} (forced)"] = compared(isa)
     return out
 
 

@@ -33,13 +33,16 @@ def test_a_forced_class_names_the_row_and_sets_the_class():
     assert spec.cpu_isa == "avx2" and spec.how == SYSTEMS["slotserve bf16"][1]
     assert parse_system("slotserve fp32@AVX512BF16").cpu_isa == "avx512bf16"
     assert {parse_system(f"slotserve int8@{c}").cpu_isa for c in CPU_CLASSES} == set(CPU_CLASSES)
+    vllm = parse_system("vllm-bf16@avx2")  # serve.sh's FORCE_CPU_ISA
+    assert (vllm.name, vllm.kind, vllm.how, vllm.cpu_isa) == (
+        "vLLM bf16@avx2", "vllm", "bfloat16", "avx2")
 
 
 @pytest.mark.parametrize("text, words", [
     ("slotserve bf17", "unknown system"),
     ("llama.cpp", "unknown system"),
     ("slotserve bf16@avx3", "unknown CPU class"),
-    ("vLLM bf16@avx2", "slotserve only"),
+    ("vLLM bf16@avx512bf16", "avx2 only"),
 ])
 def test_bad_systems_are_refused_naming_them(text, words):
     with pytest.raises(ValueError, match=words):
@@ -75,7 +78,7 @@ def test_llama1b_skips_quality_and_starts_servers_in_turn():
 
 @pytest.mark.parametrize("argv", [["--systems", "vLLM int8"], ["--workloads", "W,W 8/s"],
                                   ["--model", "llama7b"], ["--rounds", "0"],
-                                  ["--systems", "vLLM bf16@avx2"]])
+                                  ["--systems", "vLLM bf16@generic"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv)
@@ -114,4 +117,16 @@ def test_targets_are_grouped_by_cpu_class():
     assert forced["W output_tok_s"]["slotserve"] == ("slotserve fp32", 60.0)
     assert forced["W output_tok_s"]["x_better"] == 0.6
     assert forced["W TPOT p99/p50"]["slotserve bf16"] == 2.0
+    assert forced["vLLM rows"] == ["vLLM bf16", "vLLM fp32"]  # none forced: vLLM's own
     assert "slotserve bf16@avx2" not in out["W TPOT p99/p50"]
+
+
+def test_a_forced_class_is_compared_with_vllm_forced_to_it():
+    rows = [_row("slotserve bf16", 130.0), _row("slotserve fp32@avx2", 60.0),
+            _row("vLLM bf16", 100.0), _row("vLLM bf16@avx2", 40.0), _row("vLLM fp32@avx2", 30.0)]
+    out = targets_by_class(rows)
+    assert out["W output_tok_s"]["vLLM"] == ("vLLM bf16", 100.0)  # the CPU's own class
+    forced = out["CPU class avx2 (forced)"]
+    assert forced["vLLM rows"] == ["vLLM bf16@avx2", "vLLM fp32@avx2"]
+    assert forced["W output_tok_s"]["x_better"] == 1.5
+    assert forced["fp32 W tok/s"] == {"slotserve fp32": 60.0, "vLLM fp32": 30.0}

@@ -4,6 +4,8 @@
 # answers 200 (50-100 s warm, 2-4 min the first time: torch.compile). Log:
 # $VLLM_DIR/serve-PORT.log. DTYPE=float32|bfloat16 (default float32). Both cores compute
 # (VLLM_CPU_OMP_THREADS_BIND=0-1; its "auto" keeps one core for the API process).
+# FORCE_CPU_ISA=avx2: run as on a CPU with AVX2 and no AVX-512 (force_isa/sitecustomize.py:
+# vLLM's _C_AVX2 kernels; torch's and oneDNN's AVX2 code; its own compile caches).
 set -euo pipefail
 PORT=${1:?usage: serve.sh PORT [more vllm serve args]}; shift
 VLLM_DIR=${VLLM_DIR:-/tmp/vllm-peer}
@@ -19,6 +21,14 @@ export VLLM_HOST_IP=127.0.0.1 VLLM_LOOPBACK_IP=127.0.0.1   # its internal socket
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export VLLM_USE_AOT_COMPILE=${VLLM_USE_AOT_COMPILE:-0}     # its AOT cache fails to load on CPU
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$VLLM_DIR/vllm-cache}
+case "${FORCE_CPU_ISA:-}" in
+  "") ;;
+  avx2)
+    export FORCE_CPU_ISA PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/force_isa${PYTHONPATH:+:$PYTHONPATH}"
+    export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    export VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT-avx2 TORCHINDUCTOR_CACHE_DIR=$VLLM_DIR/inductor-avx2 ;;
+  *) echo "FORCE_CPU_ISA=$FORCE_CPU_ISA: only avx2 can be forced" >&2; exit 2 ;;
+esac
 nohup "$VLLM_DIR/venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$MODEL_DIR" \
   --served-model-name "${SERVED_NAME:-smollm2}" --host 127.0.0.1 --port "$PORT" \
   --dtype "${DTYPE:-float32}" --max-model-len "${MAX_MODEL_LEN:-4096}" "$@" \
