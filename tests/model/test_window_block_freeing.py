@@ -205,3 +205,13 @@ def test_mixed_windows_free_nothing_and_match_hf():
     assert watch.freed == 0
     longest = max(len(p) for p in prompts) + NEW_TOKENS - 1
     assert watch.decode_peak == math.ceil(longest / BLOCK_SIZE)  # every block kept
+
+
+def test_the_trace_records_the_uniform_window_for_the_replay(mistral):
+    """The engine's trace header names the window (the replay frees by it too:
+    tests/unit/test_replay_window.py); a model with mixed windows records none."""
+    model, _ = mistral
+    engine = tiny_engine(model, block_size=BLOCK_SIZE, num_blocks=64)
+    assert engine.trace.export()["settings"]["sliding_window"] == WINDOW
+    mixed = tiny_engine(tiny_model("gemma3_text", seed=45), block_size=BLOCK_SIZE, num_blocks=64)
+    assert "sliding_window" not in mixed.trace.export()["settings"]

@@ -34,6 +34,8 @@ SETTINGS_FLAGS = ("max_num_seqs", "max_num_batched_tokens",
                   "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
                   "max_model_len", "enable_prefix_caching", "scheduling_policy",
                   "slo_ttft_ms", "slo_tpot_ms", "slo_reject", "speculative_config")
+# The model's settings a trace records that no flag changes (the replay keeps them).
+RECORDED_ONLY = ("sliding_window",)
 SECONDS, ITERATIONS = "seconds", "iterations"
 
 
@@ -189,7 +191,7 @@ def settings_from_args(args: argparse.Namespace, info: dict) -> ReplaySettings:
     admission rule: --batching, else the trace header's `policy` (the trace format's name
     for it), else continuous."""
     recorded = {k: v for k, v in info.get("trace_settings", {}).items()
-                if k in SETTINGS_FLAGS and v is not None}
+                if k in SETTINGS_FLAGS + RECORDED_ONLY and v is not None}
     header = {"max_num_seqs": info.get("trace_num_slots"),
               "num_blocks": info.get("trace_kv_blocks"), "batching": info.get("trace_policy")}
     recorded |= {k: v for k, v in header.items() if v is not None}

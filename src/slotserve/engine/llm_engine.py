@@ -113,17 +113,17 @@ class LLMEngine:
                                   lookups=self._runner_lookups())
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(sched.max_num_seqs, sched.max_model_len)
+        window = uniform_window(model_config.sliding_windows)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 tenant_scoped=config.cache.tenant_scoped,
-                                 sliding_window=uniform_window(model_config.sliding_windows))
+                                 tenant_scoped=config.cache.tenant_scoped, sliding_window=window)
         speculative = config.speculative
         self.scheduler = Scheduler(sched, self.kv, speculator=None if speculative is None
                                    else Speculator(speculative))
         self.scheduler.filter_drafts = self._filter_drafts
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
-                                   settings=trace_settings(sched, config.cache))
+                                   settings=trace_settings(sched, config.cache, window))
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []

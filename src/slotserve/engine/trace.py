@@ -188,10 +188,12 @@ TRACE_SETTINGS = ("max_num_batched_tokens", "max_prefill_tokens_while_decoding",
                   "slo_reject")
 
 
-def trace_settings(scheduler_config, cache_config) -> dict:
+def trace_settings(scheduler_config, cache_config, sliding_window: int | None = None) -> dict:
     """The settings a trace records beyond its slots, policy and KV pool (names as
-    `slotserve.lab.replay.ReplaySettings`'s)."""
+    `slotserve.lab.replay.ReplaySettings`'s); sliding_window: the model's one window on
+    every layer (recorded only when there is one: its blocks before it are freed)."""
     settings = {name: getattr(scheduler_config, name) for name in TRACE_SETTINGS}
     settings["scheduling_policy"] = str(settings["scheduling_policy"])
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
     return {**settings, "block_size": cache_config.block_size,
-            "enable_prefix_caching": cache_config.enable_prefix_caching}
+            "enable_prefix_caching": cache_config.enable_prefix_caching, **window}

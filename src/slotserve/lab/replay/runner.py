@@ -77,18 +77,22 @@ class VirtualEngineCore:
     share.
 
     cache.num_blocks None: `default_num_blocks`.
+    sliding_window: the model's one window on every layer (as the engine's KVCacheManager:
+    the blocks before each request's window are freed); None: every block is kept.
     speculator: the scheduler's (spec/planner.Speculator; None: no speculation);
     acceptance: the fake runner's (see `FakeRunner`).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache: CacheConfig,
-                 cost_model, speculator=None, acceptance=None) -> None:
+                 cost_model, speculator=None, acceptance=None,
+                 sliding_window: int | None = None) -> None:
         blocks = cache.num_blocks or default_num_blocks(
             scheduler_config.max_num_seqs, scheduler_config.max_model_len, cache.block_size)
         self.clock = VirtualClock()
         # NOTE: the engine's block hashes (tenant-scoped or global) for the same requests.
         self.kv = KVCacheManager(blocks, cache.block_size, cache.enable_prefix_caching,
-                                 tenant_scoped=cache.tenant_scoped)
+                                 tenant_scoped=cache.tenant_scoped,
+                                 sliding_window=sliding_window)
         # NOTE: the scheduler reads the virtual clock, never the wall clock: request times,
         # SLO deadlines and slack, fair-share and the deadline policy's learnt iteration time
         # are all in simulated seconds, the clock of the requests' (virtual) arrival times.

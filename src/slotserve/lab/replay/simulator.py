@@ -100,6 +100,9 @@ class ReplaySettings:
     queue order, the requests' default SLOs, and the deadline policy's rejection).
     speculative_config: speculative decoding as `--speculative-config`'s JSON (None: off);
     drafts go to the requests with recorded `verifications` (see `speculation`).
+    sliding_window: the model's one window on every layer (Mistral-style; a trace records
+    it): the blocks before a request's window are freed, as the engine frees them; None:
+    none (a model without one, or with mixed windows, keeps every block).
     """
 
     batching: str = Policy.CONTINUOUS
@@ -116,6 +119,7 @@ class ReplaySettings:
     enable_prefix_caching: bool = True
     prefix_cache_scope: str = "auto"  # as CacheConfig's ("auto": global, as offline)
     speculative_config: str | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: kept as its canonical JSON text (hashable, and asdict writes it as given).
@@ -226,7 +230,7 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     oracle = DraftOracle({r.id: r.verifications for r in requests if r.verifications})
     core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model,
                              speculator=make_speculator(settings.speculation(), oracle),
-                             acceptance=oracle)
+                             acceptance=oracle, sliding_window=settings.sliding_window)
     trace = TraceRecorder(settings.max_num_seqs, settings.batching, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
