@@ -102,6 +102,19 @@ SYSTEMS = {
 WORKLOADS = {"W": math.inf, "W 2/s": 2.0, "W 4/s": 4.0, "batch-1": None}
 # the classes serve.sh can force on vLLM (FORCE_CPU_ISA)
 VLLM_CLASSES = ("avx2",)
+# A forced class's limits on the libraries under slotserve (torch's own kernels, oneDNN, MKL),
+# in the server's environment beside SLOTSERVE_CPU_ISA, as serve.sh sets them for vLLM.
+# NOTE: without them torch's matmuls (the bf16-rounded reference linears, MKL's packed GEMM)
+# would still run AVX-512 / AVX512_BF16 code under a class forced to AVX2.
+LIBRARY_ISA_ENV = {
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
 # slotserve systems' weight bytes per parameter (their batch-1 floor: each read once a token)
 WEIGHT_BYTES = {"slotserve fp32": 4, "slotserve bf16": 2}
 
@@ -330,12 +343,13 @@ def environment(**values: str | None):
 
 
 def start_slotserve(name: str, flags: dict, cpu_isa: str | None = None) -> Server:
-    """`slotserve serve` with `flags`; cpu_isa: SLOTSERVE_CPU_ISA in its environment, and its
-    start-up line must say it runs that CPU class (RuntimeError otherwise)."""
+    """`slotserve serve` with `flags`; cpu_isa: SLOTSERVE_CPU_ISA (and LIBRARY_ISA_ENV) in its
+    environment, and its start-up line must say it runs that CPU class (RuntimeError
+    otherwise)."""
     t0 = time.perf_counter()
     log = Path(f"/tmp/vs-vllm-{re.sub(r'[^A-Za-z0-9.]+', '-', name)}.log")
     flags = {k: v for k, v in flags.items() if v is not None}
-    isa_env = {CPU_ISA_ENV: cpu_isa} if cpu_isa else {}
+    isa_env = {CPU_ISA_ENV: cpu_isa, **LIBRARY_ISA_ENV.get(cpu_isa, {})} if cpu_isa else {}
     with environment(**isa_env):
         proc = ServerProcess.launch(log, *cli_flags(max_num_seqs=SLOTS, **flags))
     proc.wait_ready()
@@ -576,7 +590,8 @@ def slotserve_quality(target: EngineTarget, specs: list[SystemSpec]) -> tuple[li
     """The quality prompts, slotserve fp32's greedy continuations of them (the reference),
     and the teacher-forced agreement with them of the reference itself (1.0 unless scoring
     differs from generating: the check that the measure lines up position by position)
-    and of each other slotserve system among `specs` (a forced class: its kernels)."""
+    and of each other slotserve system among `specs` (a forced class: its kernels; torch's
+    own stay this process's, LIBRARY_ISA_ENV being read when torch starts)."""
     loaded = SimpleNamespace(config=target.model_config, weights=target.weights,
                              tokenizer=target.tokenizer)
     prompts = chat_prompts(loaded.tokenizer, QUALITY_PROMPTS)

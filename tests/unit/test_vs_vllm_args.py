@@ -130,3 +130,18 @@ def test_a_forced_class_is_compared_with_vllm_forced_to_it():
     assert forced["vLLM rows"] == ["vLLM bf16@avx2", "vLLM fp32@avx2"]
     assert forced["W output_tok_s"]["x_better"] == 1.5
     assert forced["fp32 W tok/s"] == {"slotserve fp32": 60.0, "vLLM fp32": 30.0}
+
+
+def test_a_forced_class_limits_the_libraries_as_the_vllm_peer_does():
+    """slotserve@avx2 runs torch's, oneDNN's and MKL's AVX2 code, as serve.sh's
+    FORCE_CPU_ISA=avx2 makes vLLM's (the same three variables)."""
+    from pathlib import Path
+
+    from benchmarks.vs_vllm import LIBRARY_ISA_ENV, PEER_DIR
+
+    avx2 = LIBRARY_ISA_ENV["avx2"]
+    assert avx2 == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    serve = Path(PEER_DIR / "serve.sh").read_text()
+    assert all(f"{key}={value}" in serve for key, value in avx2.items())
+    assert set(LIBRARY_ISA_ENV) < set(CPU_CLASSES)

@@ -5,7 +5,7 @@
 # $VLLM_DIR/serve-PORT.log. DTYPE=float32|bfloat16 (default float32). Both cores compute
 # (VLLM_CPU_OMP_THREADS_BIND=0-1; its "auto" keeps one core for the API process).
 # FORCE_CPU_ISA=avx2: run as on a CPU with AVX2 and no AVX-512 (force_isa/sitecustomize.py:
-# vLLM's _C_AVX2 kernels; torch's and oneDNN's AVX2 code; its own compile caches).
+# vLLM's _C_AVX2 kernels; torch's, oneDNN's and MKL's AVX2 code; its own compile caches).
 set -euo pipefail
 PORT=${1:?usage: serve.sh PORT [more vllm serve args]}; shift
 VLLM_DIR=${VLLM_DIR:-/tmp/vllm-peer}
@@ -25,7 +25,7 @@ case "${FORCE_CPU_ISA:-}" in
   "") ;;
   avx2)
     export FORCE_CPU_ISA PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/force_isa${PYTHONPATH:+:$PYTHONPATH}"
-    export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
     export VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT-avx2 TORCHINDUCTOR_CACHE_DIR=$VLLM_DIR/inductor-avx2 ;;
   *) echo "FORCE_CPU_ISA=$FORCE_CPU_ISA: only avx2 can be forced" >&2; exit 2 ;;
 esac
