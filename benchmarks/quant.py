@@ -6,7 +6,8 @@ files (issue 31, "Show"). One command:
 
 Files (benchmarks.peers.quant_files, prepared under --workdir and reused): the embedded
 SmolLM2-135M as an F32 GGUF quantized by llama.cpp's `llama-quantize` to Q8_0, Q4_0,
-Q4_K_M, Q5_K_M and Q6_K; the real Gemma 3 270M Q4_K_M (`make models`); a random-weight
+Q4_K_M, Q5_K_M and Q6_K; the real Gemma 3 270M Q4_K_M (`make models`; a copy with Gemma 3's
+chat template added, the base model's file has none); a random-weight
 Llama-3.2-1B-shaped model quantized to Q4_K_M (`--sizes 1b,3b` adds the 3B one).
 
 Systems, one after the other on each file, the order rotated every round: slotserve
@@ -29,9 +30,9 @@ continuations of 32 chat prompts, 64 tokens each). Through each server's API, in
 after the workloads: slotserve's by `prompt_logprobs` (the rank-1 token after each teacher-
 forced prefix, as benchmarks.vs_vllm measures vLLM); llama.cpp's server returns no prompt
 logprobs (`echo` is refused), so one greedy token per prefix (`/completion`, token-id
-prompt, `n_probs: 1`: the top token before sampling, with its prompt cache reusing the
-prefix). Both are the argmax after the same prefixes. slotserve's engine in process gives
-the same figure as a check of the API path.
+prompt, top_k 1, the sampled token's id; its prompt cache reuses the prefix). Both are
+the argmax after the same prefixes. slotserve's engine in process gives the same figure as
+a check of the API path.
 
 Targets (issue 31), per file: batch-1 tok/s >= llama.cpp's; W output tok/s >= 1.5x
 llama.cpp's; peak RSS <= llama.cpp's + 20%; agreement >= llama.cpp's.
@@ -239,12 +240,20 @@ def slotserve_hits(url: str, prompts, continuations) -> list[list[bool]]:
 
 
 def llamacpp_top_token(client: httpx.Client, ids: list[int]) -> int:
-    """llama.cpp's top token (before sampling) after the token ids `ids`."""
-    body = {"prompt": ids, "n_predict": 1, "n_probs": 1, "temperature": 0.0, "top_k": 1,
-            "cache_prompt": True}
+    """llama.cpp's greedy token after the token ids `ids` (top_k 1: its argmax).
+
+    NOTE: the sampled token's id (`return_tokens`), not `n_probs`' top token: llama.cpp
+    leaves the probabilities out when the token ends in an incomplete UTF-8 character.
+    """
+    body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "top_k": 1,
+            "cache_prompt": True, "return_tokens": True}
     response = client.post("/completion", json=body)
     response.raise_for_status()
-    return int(response.json()["completion_probabilities"][0]["top_logprobs"][0]["id"])
+    answer = response.json()
+    if len(answer.get("tokens") or []) != 1:
+        answer.pop("generation_settings", None)
+        raise RuntimeError(f"llama.cpp answered no single token: {answer}")
+    return int(answer["tokens"][0])
 
 
 def llamacpp_hits(url: str, prompts, continuations) -> list[list[bool]]:
@@ -433,8 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start_time = time.perf_counter()
-    files = planned_files(Path(args.workdir), args.files, find_gemma())
-    prepare(files, Path(args.workdir), LLAMA_BIN / "llama-quantize")
+    gemma = find_gemma()
+    files = planned_files(Path(args.workdir), args.files, gemma)
+    prepare(files, Path(args.workdir), LLAMA_BIN / "llama-quantize", gemma_path=gemma)
     prompts, tokens = (4, 8) if args.smoke else (QUALITY_PROMPTS, QUALITY_TOKENS)
     references = {}
     if not args.no_quality:

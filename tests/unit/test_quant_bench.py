@@ -59,7 +59,8 @@ def test_file_keys_and_paths(tmp_path):
     files = qf.planned_files(tmp_path, keys, gemma)
     assert [f.path.name for f in files] == [
         "smollm2-135m-q8_0.gguf", "smollm2-135m-q4_0.gguf", "smollm2-135m-q4_k_m.gguf",
-        "smollm2-135m-q5_k_m.gguf", "smollm2-135m-q6_k.gguf", "gemma.gguf",
+        "smollm2-135m-q5_k_m.gguf", "smollm2-135m-q6_k.gguf",
+        "gemma-3-270m-q4_k_m-chat-template.gguf",
         "llama-3.2-1b-shaped-random-q4_k_m.gguf"]
     assert [f.size_class for f in files] == ["small"] * 6 + ["1b"]
     assert [f.quality for f in files] == [True] * 6 + [False]  # random weights: no agreement
@@ -167,3 +168,24 @@ def test_both_servers_get_the_same_context():
                              ctx_per_slot=quant.CTX_PER_SLOT).cmd
     assert cmd[cmd.index("-c") + 1] == "32768" and cmd[cmd.index("--parallel") + 1] == "64"
     assert cmd[cmd.index("--threads") + 1] == "2"
+
+
+def test_chat_template_copy_keeps_the_tensors(tmp_path):
+    """Gemma's base-model file gets Gemma 3's template in a copy; its tensors are unchanged."""
+    import gguf
+    import numpy as np
+
+    src, dst = tmp_path / "base.gguf", tmp_path / "chat.gguf"
+    writer = gguf.GGUFWriter(str(src), "gemma3")
+    weights = np.arange(64, dtype=np.float32).reshape(2, 32)
+    writer.add_tensor("token_embd.weight", weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    qf.with_chat_template(src, dst, qf.GEMMA3_TEMPLATE)
+    copy = gguf.GGUFReader(str(dst))
+    template = copy.fields["tokenizer.chat_template"].contents()
+    assert template == qf.GEMMA3_TEMPLATE.read_text() and "<start_of_turn>" in template
+    assert (copy.tensors[0].data == weights).all()
+    assert not dst.with_suffix(".part").exists()
