@@ -8,6 +8,7 @@ greedy tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import numpy as np
@@ -220,31 +221,34 @@ def test_stack_rejects_bad_gguf_block_weights(ops):
                     o_or_down)  # the same layer, right: accepted
 
 
-@pytest.mark.parametrize("qtype,half", [(Q.Q4_0, True), (Q.Q4_1, True), (Q.Q5_0, True),
-                                        (Q.Q5_1, True), (Q.Q8_0, True), (Q.Q4_K, False),
-                                        (Q.Q5_K, False), (Q.Q6_K, False), (Q.Q2_K, False),
-                                        (Q.Q3_K, False)],
-                         ids=lambda v: getattr(v, "name", str(v)))
-def test_fp16_scales_where_they_are_fp16_values(ops, qtype, half):
+@pytest.mark.parametrize("qtype,dtype", [
+    (Q.Q4_0, torch.float16), (Q.Q4_1, torch.float16), (Q.Q5_0, torch.float16),
+    (Q.Q5_1, torch.float16), (Q.Q8_0, torch.float16), (Q.Q4_K, torch.uint8),
+    (Q.Q5_K, torch.uint8), (Q.Q6_K, torch.uint8), (Q.Q2_K, torch.uint8),
+    (Q.Q3_K, torch.uint8)], ids=lambda v: getattr(v, "name", str(v)))
+def test_compact_scales_compute_as_fp32_ones(ops, qtype, dtype):
     """The legacy types' scales and mins (GGUF's fp16 d, m, -8d, -16d, -128d) are packed
-    in fp16, the K-quants' (d * sc) in fp32; fp16 ones widen exactly: the same bits as the
-    same values given in fp32, through the kernel and through the stack's kind."""
+    in fp16, the K-quants' (d * sc) factored (int8 factors, fp32 per super-block: a uint8
+    tensor); both give the same bits as the same values in fp32, through the kernel and its
+    plain loops (tests/model/test_gguf_factored_scales.py has the factors' own tests)."""
     values = 0.05 * torch.randn(40, 512, generator=torch.Generator().manual_seed(8))
     blocks = to_blocks(raw_blocks(qtype, values, 9), qtype, "w", "t.gguf")
     kernel = GGUFBlockLinear(blocks, None, ops)
-    assert kernel.scales_mins.dtype == (torch.float16 if half else torch.float32)
+    assert kernel.scales_mins.dtype == dtype
     scale_bytes = kernel.scales_mins.element_size()
     packed_bytes = kernel.codes.numel() + kernel.scales_mins.numel() * scale_bytes
     assert packed_bytes / (40 + 8) / 512 == blocks.bytes_per_weight  # 48 rows: 3 panels
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(10))
     y = kernel(x)
-    as_fp32 = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.float(), 40,
-                                     blocks.block_len, blocks.bits)
+    fp32 = (kernel.scales_mins.float() if dtype == torch.float16 else
+            GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops).scales_mins)
+    assert fp32.dtype == torch.float32
+    as_fp32 = ops.quant_block_linear(x, kernel.codes, fp32, 40, blocks.block_len, blocks.bits)
     assert torch.equal(y, as_fp32)
     assert torch.equal(y, ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 40,
                                                  blocks.block_len, blocks.bits,
                                                  force_plain=True))
-    with pytest.raises(RuntimeError, match="scales_mins must be float32 or float16"):
+    with pytest.raises(RuntimeError, match="scales_mins must be float32, float16 or"):
         ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
                                blocks.block_len, blocks.bits)
 

@@ -37,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "GGUF blocks as codes (out, blocks, len) uint8, scales and mins (out, blocks) -> "
         "(packed codes, scales_mins) for quant_block_linear", py::arg("codes"),
         py::arg("scales"), py::arg("mins"), py::arg("bits"));
+  m.def("pack_factored_scales", &pack_factored_scales,
+        "the K-quants' int8 scale and min factors (out, blocks) and fp32 super-block scales "
+        "(out, supers, 2) -> the factored scales_mins of quant_block_linear's panels",
+        py::arg("scale_factors"), py::arg("min_factors"), py::arg("supers"));
   m.def("quant_block_linear", &quant_block_linear, release_gil(),
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),

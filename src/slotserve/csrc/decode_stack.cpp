@@ -109,7 +109,7 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
                            a.size(0), outs, y, dot_rows(rows));
   } else if (kind == Kind::kQuantBlocks) {
     quant_block_linear_into(x, rows, in, a.data_ptr<uint8_t>(), b.data_ptr(),
-                            b.scalar_type() == torch::kFloat16, outs, block_len, bits, y);
+                            quant_scale_format(b), outs, block_len, bits, y);
   } else {  // operator() adds the bias
     const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
     std::copy_n(out.data_ptr<float>(), rows * outs, y);
@@ -329,7 +329,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
   const int64_t* token_positions = in.positions.data_ptr<int64_t>();
   if (embedding_codes_.defined())
     quant_block_rows_into(embedding_codes_.data_ptr<uint8_t>(), embedding_scales_mins_.data_ptr(),
-                          embedding_scales_mins_.scalar_type() == torch::kFloat16,
+                          quant_scale_format(embedding_scales_mins_),
                           embedding_.size(0), hidden, embedding_block_len_, embedding_bits_, ids,
                           D, residual);
   else

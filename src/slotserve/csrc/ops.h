@@ -77,11 +77,27 @@ inline bool quant_codes_format_known(int64_t bits) {
 inline int64_t quant_codes_stored_bits(int64_t bits) {
   return bits == QUANT_CODES_IQ4_NL ? 4 : bits;
 }
+// The formats of a panel's block scales and mins (scales_mins), by its dtype: fp32 or fp16
+// (pack_quant_blocks: (panels, blocks, 2, 16)), or the K-quants' factors (uint8 bytes:
+// pack_factored_scales: int8 factors per block and fp32 scales per super-block of
+// QK_K_WEIGHTS weights, multiplied in the kernel).
+constexpr int64_t QUANT_SCALES_F32 = 0, QUANT_SCALES_F16 = 1, QUANT_SCALES_FACTORED = 2;
+constexpr int64_t QK_K_WEIGHTS = 256;
+inline int64_t quant_scale_format(const torch::Tensor& scales_mins) {
+  const auto dtype = scales_mins.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kUInt8,
+              "scales_mins must be float32, float16 or (factored) uint8");
+  return dtype == torch::kFloat32 ? QUANT_SCALES_F32
+         : dtype == torch::kFloat16 ? QUANT_SCALES_F16
+                                    : QUANT_SCALES_FACTORED;
+}
 bool quant_blocks_vectorised();
 std::string quant_blocks_isa();  // "avx512vnni", "avx2" or "plain" (this build's path)
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits);
+torch::Tensor pack_factored_scales(torch::Tensor scale_factors, torch::Tensor min_factors,
+                                   torch::Tensor supers);
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
                                  bool force_plain);
@@ -89,14 +105,14 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
 // of block_len with `bits`-bit codes.
 void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_mins,
                         int64_t in, int64_t out_features, int64_t block_len, int64_t bits);
-// scales_mins: fp16 (half_scales) or fp32, as pack_quant_blocks chose.
+// scales_mins in format scale_format (quant_scale_format of its tensor).
 void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
-                             const void* scales_mins, bool half_scales, int64_t out_features,
+                             const void* scales_mins, int64_t scale_format, int64_t out_features,
                              int64_t block_len, int64_t bits, float* y,
                              bool force_plain = false);
 // Rows `ids` (n,) of the (out_features, in) weight as pack_quant_blocks packed it -> out
 // (n, in) fp32, each w = u * d + m (BlockWeights.dequantize's values, to the bit).
-void quant_block_rows_into(const uint8_t* codes, const void* scales_mins, bool half_scales,
+void quant_block_rows_into(const uint8_t* codes, const void* scales_mins, int64_t scale_format,
                            int64_t out_features, int64_t in, int64_t block_len, int64_t bits,
                            const int64_t* ids, int64_t n, float* out);
 torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t out_features,

@@ -20,9 +20,12 @@
 // 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles). One vpdpbusd per
 // step adds 4 products to each of the 16 rows' lanes, with one broadcast of 4 activations:
 // the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 each per block,
-// fp16 where every value of the tensor is one (the legacy types' d, m, -8d, -16d, -128d:
-// GGUF's own fp16 scales, widened exactly), else fp32 (the K-quants' d * sc). Rows of a
-// tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
+// in one of three formats (ops.h's QuantScaleFormat): fp16 where every value of the tensor
+// is one (the legacy types' d, m, -8d, -16d, -128d: GGUF's own fp16 scales, widened
+// exactly); for the K-quants, factored as the file stores them: an int8 factor per block
+// and row (sc, mn) and an fp32 d and m per 256-weight super-block and row (d, -dmin; Q6_K's
+// m -32 d), multiplied in the kernel (exact: an fp16 times an integer of at most 8 bits);
+// else fp32. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
 // the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
 // the plain-loop fallback get the same exact integer sums and do the same float operations
@@ -54,6 +57,12 @@ struct QuantBlockShape {
   int64_t block_bytes() const { return block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8; }
 };
 
+// Bytes of one panel's factored scales (FactoredScales) for `blocks` blocks of block_len.
+inline int64_t factored_panel_bytes(int64_t blocks, int64_t block_len) {
+  const int64_t supers = blocks * block_len / QK_K_WEIGHTS;
+  return blocks * 2 * QB_ROWS + supers * 2 * QB_ROWS * int64_t(sizeof(float));
+}
+
 QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
                          int64_t out_features, int64_t block_len, int64_t bits) {
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
@@ -61,16 +70,23 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
               ": IQ4_NL's indices)");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
-  TORCH_CHECK(sm.device().is_cpu() && (sm.scalar_type() == torch::kFloat32 ||
-                                        sm.scalar_type() == torch::kFloat16),
-              "scales_mins must be float32 or float16 on the CPU");
+  TORCH_CHECK(sm.device().is_cpu() && sm.is_contiguous(), "scales_mins must be on the CPU");
+  const int64_t format = quant_scale_format(sm);  // throws for another dtype
   QuantBlockShape s{in, codes.size(1), block_len, bits, codes.size(0), out_features};
   TORCH_CHECK(s.blocks * block_len == in, "the blocks cover ", s.blocks * block_len,
               " inputs, not ", in);
   TORCH_CHECK(codes.size(2) == s.block_bytes(), "codes do not match block_len and bits");
-  TORCH_CHECK(sm.is_contiguous() && sm.dim() == 4 && sm.size(0) == s.panels &&
-                  sm.size(1) == s.blocks && sm.size(2) == 2 && sm.size(3) == QB_ROWS,
-              "scales_mins must come from pack_quant_blocks");
+  if (format == QUANT_SCALES_FACTORED) {
+    TORCH_CHECK(in % QK_K_WEIGHTS == 0, "factored scales need whole super-blocks of ",
+                QK_K_WEIGHTS, " inputs");
+    TORCH_CHECK(sm.dim() == 2 && sm.size(0) == s.panels &&
+                    sm.size(1) == factored_panel_bytes(s.blocks, block_len),
+                "scales_mins must come from pack_factored_scales");
+  } else {
+    TORCH_CHECK(sm.dim() == 4 && sm.size(0) == s.panels && sm.size(1) == s.blocks &&
+                    sm.size(2) == 2 && sm.size(3) == QB_ROWS,
+                "scales_mins must come from pack_quant_blocks");
+  }
   TORCH_CHECK(out_features > (s.panels - 1) * QB_ROWS && out_features <= s.panels * QB_ROWS,
               "out_features does not fit the panels");
   return s;
@@ -127,6 +143,65 @@ inline __m256 load8(const c10::Half* p) {
 }
 #endif
 
+// A panel's d and m per block and row, whatever their stored format: d(b, j), m(b, j) for
+// row j of block b, and (vectorised) all 16 rows' (d16, m16), or 8 of them (d8, m8: h = 0, 1).
+template <typename T>  // float or c10::Half: (blocks, 2, 16) per panel
+struct PlainScales {
+  const T* p;
+  float d(int64_t b, int64_t j) const { return float(p[b * 2 * QB_ROWS + j]); }
+  float m(int64_t b, int64_t j) const { return float(p[b * 2 * QB_ROWS + QB_ROWS + j]); }
+#if defined(__AVX512F__)
+  __m512 d16(int64_t b) const { return load16(p + b * 2 * QB_ROWS); }
+  __m512 m16(int64_t b) const { return load16(p + b * 2 * QB_ROWS + QB_ROWS); }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 d8(int64_t b, int h) const { return load8(p + b * 2 * QB_ROWS + 8 * h); }
+  __m256 m8(int64_t b, int h) const { return load8(p + b * 2 * QB_ROWS + QB_ROWS + 8 * h); }
+#endif
+};
+
+// The K-quants' factored scales: per panel, int8 factors (blocks, 2, 16), then fp32
+// super-block scales (blocks / per_super, 2, 16); d = scale x factor, m likewise.
+struct FactoredScales {
+  const int8_t* f;
+  const float* s;
+  int64_t per_super;  // blocks per 256-weight super-block
+  const float* super_of(int64_t b) const { return s + (b / per_super) * 2 * QB_ROWS; }
+  float d(int64_t b, int64_t j) const {
+    return super_of(b)[j] * float(f[b * 2 * QB_ROWS + j]);
+  }
+  float m(int64_t b, int64_t j) const {
+    return super_of(b)[QB_ROWS + j] * float(f[b * 2 * QB_ROWS + QB_ROWS + j]);
+  }
+#if defined(__AVX512F__)
+  static __m512 widen16(const int8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q))));
+  }
+  __m512 d16(int64_t b) const {
+    return _mm512_mul_ps(_mm512_loadu_ps(super_of(b)), widen16(f + b * 2 * QB_ROWS));
+  }
+  __m512 m16(int64_t b) const {
+    return _mm512_mul_ps(_mm512_loadu_ps(super_of(b) + QB_ROWS),
+                         widen16(f + b * 2 * QB_ROWS + QB_ROWS));
+  }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  static __m256 widen8(const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(q))));
+  }
+  __m256 d8(int64_t b, int h) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(super_of(b) + 8 * h),
+                         widen8(f + b * 2 * QB_ROWS + 8 * h));
+  }
+  __m256 m8(int64_t b, int h) const {
+    return _mm256_mul_ps(_mm256_loadu_ps(super_of(b) + QB_ROWS + 8 * h),
+                         widen8(f + b * 2 * QB_ROWS + QB_ROWS + 8 * h));
+  }
+#endif
+};
+
 // The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes;
 // IQ4_NL: those indices looked up, the table in each 128-bit lane).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -151,7 +226,7 @@ inline __m512i load_step(const uint8_t* block, int64_t k) {
 
 // Rows t0..t0+N of y over one panel, vectorised.
 template <int N, int BITS, typename SM>
-void panel_rows_vnni(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
+void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m512 acc[N];
   for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
@@ -169,8 +244,8 @@ void panel_rows_vnni(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
         dots[t] = _mm512_dpbusd_epi32(dots[t], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 d = load16(sm + b * 2 * QB_ROWS);
-    const __m512 m = load16(sm + b * 2 * QB_ROWS + QB_ROWS);
+    const __m512 d = sm.d16(b);
+    const __m512 m = sm.m16(b);
     for (int t = 0; t < N; ++t) {
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[t]), d,
@@ -219,7 +294,7 @@ inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
 
 // Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2), AVX2.
 template <int N, int BITS, typename SM>
-void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
+void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m256 acc[N][2];
   for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -243,7 +318,6 @@ void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
           dots[t][g] = _mm256_add_epi32(dots[t][g], _mm256_madd_epi16(w[g], a));
       }
     }
-    const SM* smb = sm + b * 2 * QB_ROWS;
     for (int t = 0; t < N; ++t) {
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
@@ -251,8 +325,8 @@ void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
         // vphaddd within 128-bit lanes gives rows (0 1 4 5 2 3 6 7) of the 8
         const __m256i rows = _mm256_permutevar8x32_epi32(
             _mm256_hadd_epi32(dots[t][2 * h], dots[t][2 * h + 1]), row_order);
-        const __m256 d = load8(smb + 8 * h);
-        const __m256 m = load8(smb + QB_ROWS + 8 * h);
+        const __m256 d = sm.d8(b, h);
+        const __m256 m = sm.m8(b, h);
         const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, _mm256_mul_ps(m, sum));
         acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
       }
@@ -267,7 +341,7 @@ void panel_rows_avx2(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
 
 // The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
 template <typename SM>
-void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
+void panel_rows_plain(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                       const QuantBlockShape& s, int64_t t0, int64_t n, float* acc_out) {
   for (int64_t t = 0; t < n; ++t) {
     float acc[QB_ROWS] = {};
@@ -291,8 +365,8 @@ void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q
       }
       const int64_t at = (t0 + t) * s.blocks + b;
       for (int64_t j = 0; j < QB_ROWS; ++j) {
-        const float d = float(sm[b * 2 * QB_ROWS + j]);
-        const float m = float(sm[b * 2 * QB_ROWS + QB_ROWS + j]);
+        const float d = sm.d(b, j);
+        const float m = sm.m(b, j);
         const float part = std::fma(float(dots[j]), d, m * q.sum[at]);
         acc[j] = std::fma(part, q.scale[at], acc[j]);
       }
@@ -302,7 +376,7 @@ void panel_rows_plain(const uint8_t* codes, const SM* sm, const QuantizedRows& q
 }
 
 template <typename SM>
-void panel_rows(const uint8_t* codes, const SM* sm, const QuantizedRows& q,
+void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                 const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (!plain) {
@@ -417,6 +491,52 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   return {packed, sm};
 }
 
+// scale_factors, min_factors (out, blocks) int8 and supers (out, blocks * block_len / 256, 2)
+// fp32 (each super-block's d and m) -> the factored scales_mins of pack_quant_blocks' panels:
+// (panels, bytes) uint8, per panel the factors (blocks, 2, 16) then the supers' (S, 2, 16)
+// fp32. Row j of block b: d = supers[b / per_super][0] * scale_factors[b], m likewise.
+torch::Tensor pack_factored_scales(torch::Tensor scale_factors, torch::Tensor min_factors,
+                                   torch::Tensor supers) {
+  TORCH_CHECK(scale_factors.scalar_type() == torch::kInt8 &&
+                  min_factors.scalar_type() == torch::kInt8 && scale_factors.dim() == 2 &&
+                  min_factors.sizes() == scale_factors.sizes(),
+              "scale_factors and min_factors must be int8 (out, blocks)");
+  check_cpu_float(supers, "supers");
+  const int64_t out = scale_factors.size(0), blocks = scale_factors.size(1);
+  TORCH_CHECK(supers.dim() == 3 && supers.size(0) == out && supers.size(2) == 2 &&
+                  supers.size(1) > 0 && blocks % supers.size(1) == 0,
+              "supers must be (out, super-blocks, 2), each super-block whole blocks");
+  const int64_t nsuper = supers.size(1), per_super = blocks / nsuper;
+  TORCH_CHECK(QK_K_WEIGHTS % per_super == 0 && (QK_K_WEIGHTS / per_super == 16 ||
+                                                QK_K_WEIGHTS / per_super == 32),
+              "a super-block is ", QK_K_WEIGHTS, " weights in blocks of 16 or 32");
+  const int64_t block_len = QK_K_WEIGHTS / per_super;
+  scale_factors = scale_factors.contiguous();
+  min_factors = min_factors.contiguous();
+  supers = supers.contiguous();
+  const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
+  const int64_t panel_bytes = factored_panel_bytes(blocks, block_len);
+  auto packed = torch::zeros({panels, panel_bytes}, torch::dtype(torch::kUInt8));
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int8_t* sf = scale_factors.data_ptr<int8_t>();
+  const int8_t* mf = min_factors.data_ptr<int8_t>();
+  const float* sp = supers.data_ptr<float>();
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
+    auto* factors = reinterpret_cast<int8_t*>(pp + p * panel_bytes);
+    auto* scales = reinterpret_cast<float*>(pp + p * panel_bytes + blocks * 2 * QB_ROWS);
+    for (int64_t b = 0; b < blocks; ++b) {
+      factors[b * 2 * QB_ROWS + j] = sf[o * blocks + b];
+      factors[b * 2 * QB_ROWS + QB_ROWS + j] = mf[o * blocks + b];
+    }
+    for (int64_t g = 0; g < nsuper; ++g) {
+      scales[g * 2 * QB_ROWS + j] = sp[(o * nsuper + g) * 2];
+      scales[g * 2 * QB_ROWS + QB_ROWS + j] = sp[(o * nsuper + g) * 2 + 1];
+    }
+  }
+  return packed;
+}
+
 void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
                         int64_t out_features, int64_t block_len, int64_t bits) {
   shape_of(codes, sm, in, out_features, block_len, bits);
@@ -425,10 +545,32 @@ void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& sm, int
 // y (rows, out) = x (rows, in) @ W^T on raw pointers (check_quant_blocks checked the shapes).
 namespace {
 
-template <typename SM>
+// Panel p's scales (PlainScales or FactoredScales) over the packed `scales_mins`.
+template <typename Fn>
+void with_panel_scales(const void* scales_mins, int64_t format, int64_t blocks,
+                       int64_t block_len, Fn&& fn) {
+  if (format == QUANT_SCALES_FACTORED) {
+    const auto* bytes = static_cast<const uint8_t*>(scales_mins);
+    const int64_t panel_bytes = factored_panel_bytes(blocks, block_len);
+    fn([=](int64_t p) {
+      const uint8_t* panel = bytes + p * panel_bytes;
+      return FactoredScales{reinterpret_cast<const int8_t*>(panel),
+                            reinterpret_cast<const float*>(panel + blocks * 2 * QB_ROWS),
+                            QK_K_WEIGHTS / block_len};
+    });
+  } else if (format == QUANT_SCALES_F16) {
+    const auto* half = static_cast<const c10::Half*>(scales_mins);
+    fn([=](int64_t p) { return PlainScales<c10::Half>{half + p * blocks * 2 * QB_ROWS}; });
+  } else {
+    const auto* full = static_cast<const float*>(scales_mins);
+    fn([=](int64_t p) { return PlainScales<float>{full + p * blocks * 2 * QB_ROWS}; });
+  }
+}
+
+template <typename PanelScales>
 void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
-                              const SM* sm, int64_t out_features, int64_t block_len,
-                              int64_t bits, float* y, bool force_plain) {
+                              const PanelScales& scales_of, int64_t out_features,
+                              int64_t block_len, int64_t bits, float* y, bool force_plain) {
   const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
   const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
   const QuantizedRows q = quantize_activations(x, rows, s.in, block_len);
@@ -438,8 +580,8 @@ void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const ui
       const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
       for (int64_t t0 = 0; t0 < rows; t0 += QB_TILE) {
         const int64_t n = std::min<int64_t>(QB_TILE, rows - t0);
-        panel_rows(codes + p * s.blocks * s.block_bytes(), sm + p * s.blocks * 2 * QB_ROWS, q,
-                   s, t0, n, force_plain, lanes);
+        panel_rows(codes + p * s.blocks * s.block_bytes(), scales_of(p), q, s, t0, n,
+                   force_plain, lanes);
         for (int64_t t = 0; t < n; ++t)
           std::copy_n(lanes + t * QB_ROWS, width, y + (t0 + t) * out_features + first);
       }
@@ -450,37 +592,34 @@ void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const ui
 }  // namespace
 
 void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
-                             const void* sm, bool half_scales, int64_t out_features,
+                             const void* sm, int64_t scale_format, int64_t out_features,
                              int64_t block_len, int64_t bits, float* y, bool force_plain) {
-  if (half_scales)
-    quant_block_linear_typed(x, rows, in, codes, static_cast<const c10::Half*>(sm),
-                             out_features, block_len, bits, y, force_plain);
-  else
-    quant_block_linear_typed(x, rows, in, codes, static_cast<const float*>(sm), out_features,
-                             block_len, bits, y, force_plain);
+  with_panel_scales(sm, scale_format, in / block_len, block_len, [&](auto scales_of) {
+    quant_block_linear_typed(x, rows, in, codes, scales_of, out_features, block_len, bits, y,
+                             force_plain);
+  });
 }
+
+namespace {
 
 // Rows `ids` of the weight (as pack_quant_blocks packed it) in fp32: the token embedding
 // looked up from the tied LM head's blocks (or its own), so a GGUF's table is never held in
 // fp32. NOTE: w = u * d + m with two roundings, as BlockWeights.dequantize computes it (no
 // fused multiply-add: the attribute keeps the compiler from contracting it), so a row is
 // bit-equal to the fp32 table the model would otherwise hold.
-__attribute__((optimize("fp-contract=off"))) void quant_block_rows_into(
-    const uint8_t* codes, const void* scales_mins, bool half_scales, int64_t out_features,
-    int64_t in, int64_t block_len, int64_t bits, const int64_t* ids, int64_t n, float* out) {
+template <typename PanelScales>
+__attribute__((optimize("fp-contract=off"))) void block_rows_into(
+    const uint8_t* codes, const PanelScales& scales_of, int64_t out_features, int64_t in,
+    int64_t block_len, int64_t bits, const int64_t* ids, int64_t n, float* out) {
   const int64_t blocks = in / block_len;
   const int64_t block_bytes = block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8;
-  auto scale_at = [&](int64_t at) {
-    return half_scales ? float(static_cast<const c10::Half*>(scales_mins)[at])
-                       : static_cast<const float*>(scales_mins)[at];
-  };
   for (int64_t r = 0; r < n; ++r) {
     const int64_t o = ids[r], p = o / QB_ROWS, j = o % QB_ROWS;
     TORCH_CHECK(o >= 0 && o < out_features, "row ", o, " outside [0, ", out_features, ")");
+    const auto scales = scales_of(p);
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = codes + (p * blocks + b) * block_bytes;
-      const int64_t at = (p * blocks + b) * 2 * QB_ROWS + j;
-      const float d = scale_at(at), m = scale_at(at + QB_ROWS);
+      const float d = scales.d(b, j), m = scales.m(b, j);
       float* y = out + r * in + b * block_len;
       for (int64_t i = 0; i < block_len; ++i) {
         const int64_t k = i / 4, byte = i % 4;
@@ -499,6 +638,16 @@ __attribute__((optimize("fp-contract=off"))) void quant_block_rows_into(
   }
 }
 
+}  // namespace
+
+void quant_block_rows_into(const uint8_t* codes, const void* scales_mins, int64_t scale_format,
+                           int64_t out_features, int64_t in, int64_t block_len, int64_t bits,
+                           const int64_t* ids, int64_t n, float* out) {
+  with_panel_scales(scales_mins, scale_format, in / block_len, block_len, [&](auto scales_of) {
+    block_rows_into(codes, scales_of, out_features, in, block_len, bits, ids, n, out);
+  });
+}
+
 // (n, in) fp32: rows `ids` of the (out_features, in) weight in pack_quant_blocks' blocks.
 torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t out_features,
                                int64_t block_len, int64_t bits, torch::Tensor ids) {
@@ -508,9 +657,9 @@ torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t ou
   ids = ids.to(torch::kInt64).contiguous();
   TORCH_CHECK(ids.dim() == 1, "ids must be (n,)");
   auto out = torch::empty({ids.numel(), in}, torch::dtype(torch::kFloat32));
-  quant_block_rows_into(codes.data_ptr<uint8_t>(), sm.data_ptr(),
-                        sm.scalar_type() == torch::kFloat16, out_features, in, block_len, bits,
-                        ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<float>());
+  quant_block_rows_into(codes.data_ptr<uint8_t>(), sm.data_ptr(), quant_scale_format(sm),
+                        out_features, in, block_len, bits, ids.data_ptr<int64_t>(),
+                        ids.numel(), out.data_ptr<float>());
   return out;
 }
 
@@ -524,8 +673,8 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   check_quant_blocks(codes, sm, x.size(1), out_features, block_len, bits);
   auto y = torch::empty({x.size(0), out_features}, x.options());
   quant_block_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), codes.data_ptr<uint8_t>(),
-                          sm.data_ptr(), sm.scalar_type() == torch::kFloat16, out_features,
-                          block_len, bits, y.data_ptr<float>(), force_plain);
+                          sm.data_ptr(), quant_scale_format(sm), out_features, block_len, bits,
+                          y.data_ptr<float>(), force_plain);
   return y;
 }
 

@@ -25,10 +25,12 @@ reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
 The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
 takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: the codes (4-bit: 0.5,
 else 1) and a scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, IQ4_NL: the file's own fp16 d and m, or -8d, -16d, -128d), else fp32 (the
-K-quants' d * sc, products of fp16 and 6- or 8-bit integers): Q4_0/Q4_1 0.625 (as in the
-file), Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.75, Q5_K 1.25, Q6_K 1.5, Q2_K/Q3_K 1.0 (their 2/3-bit codes
-in 4 bits, blocks of 16: more than the file's 0.33/0.43, less than bf16's 2), IQ4_NL 0.625.
+Q5_0, Q5_1, Q8_0, IQ4_NL: the file's own fp16 d and m, or -8d, -16d, -128d); the K-quants'
+factored as the file stores them (`BlockFactors`: an int8 factor per block, sc or mn, and an
+fp32 d and m per 256-weight super-block: d * sc is exact in fp32), else fp32: Q4_0/Q4_1
+0.625 (as in the file), Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.59, Q5_K 1.09, Q6_K 1.16, Q2_K/Q3_K 0.66
+(their 2/3-bit codes in 4 bits: more than the file's 0.33/0.43, a third of bf16's 2),
+IQ4_NL 0.625. (The K-quants' scales in fp32 per block took 0.75, 1.25, 1.5 and 1.0.)
 
 IQ4_NL (llama.cpp's non-linear 4-bit type: an fp16 d and 32 4-bit indices q into the fixed
 table kvalues_iq4nl per block, w = d * table[q]) keeps its indices, 4 bits each
@@ -70,12 +72,48 @@ IQ4_NL_CODES = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int16).add(128).to(torch.
 IQ4_NL_KERNEL_BITS = int(Q.IQ4_NL)
 # Tensor types kept as they are today (float): never converted to blocks.
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+# The K-quants: scales and mins factored per 256-weight super-block (BlockFactors).
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+FACTORED = 1  # bytes_per_weight's scale_bytes: an int8 factor each, an fp32 pair per QK_K
 
 
 def bytes_per_weight(block_len: int, bits: int, scale_bytes: int = 4) -> float:
     """Memory per weight of the packed blocks: the codes and a scale and min per block, of
-    `scale_bytes` each (4: fp32, 2: fp16)."""
-    return bits / 8 + 2 * scale_bytes / block_len
+    `scale_bytes` each (4: fp32, 2: fp16; FACTORED: int8 factors, plus an fp32 scale and min
+    per super-block of QK_K weights)."""
+    supers = 2 * 4 / QK_K if scale_bytes == FACTORED else 0.0
+    return bits / 8 + 2 * scale_bytes / block_len + supers
+
+
+def type_bytes_per_weight(qtype: GGMLQuantizationType) -> float:
+    """Memory per weight of one GGUF type's packed blocks (the K-quants' factored)."""
+    block_len, bits, scale_bytes = BLOCK_FORMATS[qtype]
+    return bytes_per_weight(block_len, bits, FACTORED if qtype in K_QUANTS else scale_bytes)
+
+
+@dataclass(frozen=True)
+class BlockFactors:
+    """The K-quants' block scales and mins as their file stores them (`BlockWeights.factors`):
+    scales = supers[:, s, 0] * scale_factors and mins = supers[:, s, 1] * min_factors for the
+    blocks of super-block s (QK_K weights). NOTE: exact in fp32 (an fp16 d, dmin, -32 d or
+    -4 d times an integer of at most 8 bits), so they are the fp32 scales and mins bit for bit.
+
+    scale_factors, min_factors: int8 (rows, blocks); supers: fp32 (rows, super-blocks, 2).
+    """
+
+    scale_factors: torch.Tensor
+    min_factors: torch.Tensor
+    supers: torch.Tensor
+
+    def split(self, parts: int) -> BlockFactors:
+        """Each block as `parts` blocks of the same factors (BlockWeights.with_block_len)."""
+        return BlockFactors(self.scale_factors.repeat_interleave(parts, dim=1),
+                            self.min_factors.repeat_interleave(parts, dim=1), self.supers)
+
+    def rows(self, index: torch.Tensor) -> BlockFactors:
+        return BlockFactors(self.scale_factors.index_select(0, index),
+                            self.min_factors.index_select(0, index),
+                            self.supers.index_select(0, index))
 
 
 @dataclass(frozen=True)
@@ -88,6 +126,8 @@ class BlockWeights:
     types: the GGUF types it came from (several once q/k/v are fused).
     indexed: the stored 4-bit values are IQ4_NL's indices q, whose codes are
         IQ4_NL_CODES[q] (`unpacked_codes` looks them up; the kernel does too).
+    factors: the K-quants' scales and mins as factors (BlockFactors; what GGUFBlockLinear
+        keeps), None for other types or a fusion with one.
     NOTE: 4-bit codes stay packed while the model loads: the loading's transient copies (the
     weights dict and the fused q/k/v and gate/up) then take half the bytes.
     """
@@ -98,6 +138,7 @@ class BlockWeights:
     bits: int
     types: tuple[str, ...]
     indexed: bool = False
+    factors: BlockFactors | None = None
 
     @property
     def block_len(self) -> int:
@@ -109,8 +150,10 @@ class BlockWeights:
 
     @property
     def bytes_per_weight(self) -> float:
-        """Packed (GGUFBlockLinear): fp16 scales where every type's are fp16 values."""
-        scale_bytes = max(BLOCK_FORMATS[Q[t]][2] for t in self.types)
+        """Packed (GGUFBlockLinear): factored scales where it has factors, fp16 where every
+        type's are fp16 values, else fp32."""
+        scale_bytes = (FACTORED if self.factors is not None
+                       else max(BLOCK_FORMATS[Q[t]][2] for t in self.types))
         return bytes_per_weight(self.block_len, self.bits, scale_bytes)
 
     @property
@@ -133,7 +176,8 @@ class BlockWeights:
         return IQ4_NL_CODES[stored.long()] if self.indexed else stored
 
     def with_8bit_codes(self) -> BlockWeights:
-        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types)
+        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types,
+                            factors=self.factors)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 (rows, cols) values (tests, the embedding, non-block kernels)."""
@@ -149,28 +193,35 @@ class BlockWeights:
         return BlockWeights(self.codes.reshape(rows, blocks * split, size // split),
                             self.scales.repeat_interleave(split, dim=1),
                             self.mins.repeat_interleave(split, dim=1), self.bits, self.types,
-                            self.indexed)
+                            self.indexed,
+                            None if self.factors is None else self.factors.split(split))
 
     def rows(self, order: np.ndarray) -> BlockWeights:
         """The rows in `order` (an index array)."""
         index = torch.from_numpy(np.ascontiguousarray(order))
         return BlockWeights(self.codes.index_select(0, index), self.scales.index_select(0, index),
                             self.mins.index_select(0, index), self.bits, self.types,
-                            self.indexed)
+                            self.indexed,
+                            None if self.factors is None else self.factors.rows(index))
 
 
 def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
     """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the codes'
     format of the parts where they share one, else 8-bit codes (exact: a block of 32 is two
-    of 16 with the same scale and min; IQ4_NL's indices looked up)."""
+    of 16 with the same scale and min; IQ4_NL's indices looked up); factored scales where
+    every part has them (K-quants only), else none."""
     block_len = min(p.block_len for p in parts)
     parts = [p.with_block_len(block_len) for p in parts]
     if len({(p.bits, p.indexed) for p in parts}) > 1:
         parts = [p if (p.bits, p.indexed) == (8, False) else p.with_8bit_codes() for p in parts]
     types = tuple(dict.fromkeys(t for p in parts for t in p.types))
+    factors = None
+    if all(p.factors is not None for p in parts):
+        factors = BlockFactors(*(torch.cat([getattr(p.factors, name) for p in parts])
+                                 for name in ("scale_factors", "min_factors", "supers")))
     return BlockWeights(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                         torch.cat([p.mins for p in parts]), parts[0].bits, types,
-                        parts[0].indexed)
+                        parts[0].indexed, factors)
 
 
 # -- conversions: raw GGUF blocks -> (codes (n, L'), scales (n, S), mins (n, S)) -------------
@@ -228,7 +279,8 @@ def _q2_k(raw):
     sc = raw[:, :16]  # per sub-block of 16: scale (low nibble) and min (high nibble)
     d, dmin = _f16(raw, 80), _f16(raw, 82)
     scale = d * (sc & 0x0F).astype(np.float32)
-    return _crumbs(raw[:, 16:80]), scale, -(dmin * (sc >> 4).astype(np.float32))
+    return (_crumbs(raw[:, 16:80]), scale, -(dmin * (sc >> 4).astype(np.float32)),
+            (sc & 0x0F, sc >> 4, d, -dmin))
 
 
 def _q3_k(raw):
@@ -244,7 +296,9 @@ def _q3_k(raw):
     scale = d * (sc.astype(np.float32) - 32.0)
     bit = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
     # q = low bits - 4 unless the high bit is set: u = q + 4 = low bits + 4 * bit
-    return _crumbs(qs) | (bit.reshape(n, QK_K) << 2), scale, -4.0 * scale
+    signed = sc.astype(np.int16) - 32
+    return (_crumbs(qs) | (bit.reshape(n, QK_K) << 2), scale, -4.0 * scale,
+            (signed, signed, d, -4.0 * d))
 
 
 def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -266,7 +320,7 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 def _q4_k(raw):
     d, dmin = _f16(raw, 0), _f16(raw, 2)
     sc, mn = _k_scales_mins(raw[:, 4:16])
-    return _k_nibbles(raw[:, 16:]), d * sc, -(dmin * mn)
+    return _k_nibbles(raw[:, 16:]), d * sc, -(dmin * mn), (sc, mn, d, -dmin)
 
 
 def _q5_k(raw):
@@ -275,7 +329,7 @@ def _q5_k(raw):
     sc, mn = _k_scales_mins(raw[:, 4:16])
     qh = raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     high = (qh & 1).reshape(n, QK_K)  # sub-block j's high bits: bit j of each byte
-    return _k_nibbles(raw[:, 48:]) | (high << 4), d * sc, -(dmin * mn)
+    return _k_nibbles(raw[:, 48:]) | (high << 4), d * sc, -(dmin * mn), (sc, mn, d, -dmin)
 
 
 def _q6_k(raw):
@@ -288,7 +342,7 @@ def _q6_k(raw):
     high = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(n, -1, 32)
     scale = d * sc
-    return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale
+    return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale, (sc, sc, d, -32.0 * d)
 
 
 def _iq4_nl(raw):
@@ -324,7 +378,7 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
                                    f"whole {qtype.name} blocks of {type_size} bytes")
     rows = data.shape[0]
     raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
-    codes, scales, mins = _CONVERT[qtype](raw)
+    codes, scales, mins, *factored = _CONVERT[qtype](raw)
     scales = np.broadcast_to(scales, (raw.shape[0], type_block // block_len)).copy()
     mins = np.broadcast_to(mins, scales.shape).copy()
     if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
@@ -338,7 +392,19 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
         codes=torch.from_numpy(np.ascontiguousarray(codes)),
         scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1),
         mins=torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(rows, -1),
-        bits=bits, types=(qtype.name,), indexed=qtype == Q.IQ4_NL)
+        bits=bits, types=(qtype.name,), indexed=qtype == Q.IQ4_NL,
+        factors=_factors(rows, *factored[0]) if factored else None)
+
+
+def _factors(rows: int, scale_factors, min_factors, d, m) -> BlockFactors:
+    """A K-quant's BlockFactors from its converter's per-GGUF-block factors (n, sub-blocks)
+    and super-block scale and min (n, 1), n = rows x super-blocks per row."""
+    def factor(values) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values).astype(np.int8)).reshape(rows, -1)
+
+    supers = np.concatenate([np.broadcast_to(d, m.shape), m], axis=1).astype(np.float32)
+    return BlockFactors(factor(scale_factors), factor(min_factors),
+                        torch.from_numpy(supers).reshape(rows, -1, 2))
 
 
 # -- carrying blocks through load_hf_weights -------------------------------------------------

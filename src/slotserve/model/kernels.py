@@ -392,7 +392,7 @@ def gguf_bytes_text(types: tuple[str, ...]) -> str:
     NOTE: per type; a fused q/k/v or gate/up of two types takes the wider codes and the
     shorter blocks of the two.
     """
-    sizes = sorted({gguf_blocks.bytes_per_weight(*gguf_blocks.BLOCK_FORMATS[gguf_blocks.Q[t]])
+    sizes = sorted({round(gguf_blocks.type_bytes_per_weight(gguf_blocks.Q[t]), 3)
                     for t in types})
     low, high = sizes[0], sizes[-1]
     return f"{low:g} bytes/weight" if low == high else f"{low:g}-{high:g} bytes/weight"

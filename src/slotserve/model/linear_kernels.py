@@ -243,7 +243,8 @@ class GGUFBlockLinear:
 
     The blocks (4- or 8-bit unsigned codes, or IQ4_NL's 4-bit indices that the kernel looks
     up as codes; a scale and min per block of 16 or 32: fp16 where they are fp16 values, as
-    GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, else fp32) are packed into
+    GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, the K-quants' as int8 factors of an fp32
+    scale per super-block (`ops.pack_factored_scales`), else fp32) are packed into
     panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
     x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
     or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
@@ -258,6 +259,10 @@ class GGUFBlockLinear:
         self.bits = blocks.kernel_bits  # 4, 8 or IQ4_NL's indices (csrc/ops.h)
         self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales,
                                                              blocks.mins, self.bits)
+        if blocks.factors is not None:  # NOTE: the same d and m, bit for bit (BlockFactors)
+            factors = blocks.factors
+            self.scales_mins = ops.pack_factored_scales(factors.scale_factors,
+                                                        factors.min_factors, factors.supers)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
 

@@ -1,0 +1,99 @@
+"""The K-quants' block scales kept factored, as their files store them (issue 31, memory).
+
+Q2_K..Q6_K scale each block (16 or 32 weights) by an fp16 d of its 256-weight super-block
+times a small integer (sc, mn): kept as int8 factors per block and an fp32 pair per
+super-block, multiplied in the kernel, instead of an fp32 scale and min per block. The
+products are exact in fp32, so every output is bit-equal to the fp32 layout's, at 0.59
+bytes/weight for Q4_K instead of 0.75 (Q6_K 1.16 instead of 1.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from slotserve.loader.gguf_blocks import K_QUANTS, concat_rows, to_blocks
+from slotserve.model.linear_kernels import (
+    GGUFBlockLinear,
+    gguf_block_kernel_available,
+    held_bytes,
+)
+from tests.model.test_gguf_quant import raw_tensor
+
+Q = GGMLQuantizationType
+ROWS, COLS = 40, 512  # 40 rows: the last of 3 panels partly filled; 2 super-blocks a row
+
+
+@pytest.fixture(scope="module")
+def ops(cpu_ops):
+    if not gguf_block_kernel_available(cpu_ops):
+        pytest.skip("no vectorised GGUF block kernel on this CPU")
+    return cpu_ops
+
+
+def _blocks(qtype, seed=1, rows=ROWS):
+    return to_blocks(raw_tensor(qtype, rows, COLS, seed=seed), qtype, "blk.0.w", "test.gguf")
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+def test_the_factors_are_the_fp32_scales_and_mins_to_the_bit(qtype):
+    blocks = _blocks(qtype)
+    f = blocks.factors
+    assert f is not None and f.scale_factors.dtype == torch.int8
+    per_super = blocks.scales.shape[1] // f.supers.shape[1]
+    supers = f.supers.repeat_interleave(per_super, dim=1)  # (rows, blocks, 2)
+    assert torch.equal(supers[..., 0] * f.scale_factors.float(), blocks.scales)
+    assert torch.equal(supers[..., 1] * f.min_factors.float(), blocks.mins)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("force_plain", [False, True])
+def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
+    blocks = _blocks(qtype)
+    factored = GGUFBlockLinear(blocks, None, ops)
+    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops)
+    assert factored.scales_mins.dtype == torch.uint8 and full.scales_mins.dtype == torch.float32
+    torch.manual_seed(0)
+    for tokens in (1, 3, 8, 9, 17):
+        x = torch.randn(tokens, COLS)
+        ours = ops.quant_block_linear(x, factored.codes, factored.scales_mins, ROWS,
+                                      factored.block_len, factored.bits, force_plain)
+        theirs = ops.quant_block_linear(x, full.codes, full.scales_mins, ROWS, full.block_len,
+                                        full.bits, force_plain)
+        assert torch.equal(ours, theirs), tokens
+    ids = torch.tensor([0, 39, 16, 7])
+    assert torch.equal(factored.rows(ids), blocks.dequantize()[ids])
+
+
+@pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.59375), (Q.Q6_K, 1.15625),
+                                                 (Q.Q5_K, 1.09375), (Q.Q2_K, 0.65625)])
+def test_factored_scales_take_the_bytes_stated(ops, qtype, expected):
+    blocks = _blocks(qtype, rows=48)  # 3 whole panels
+    kernel = GGUFBlockLinear(blocks, None, ops)
+    assert blocks.bytes_per_weight == expected
+    assert held_bytes(kernel) / (48 * COLS) == expected
+    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops)
+    assert held_bytes(full) > held_bytes(kernel)
+
+
+def test_fusions_keep_factors_only_among_k_quants():
+    q4k, q6k, q8 = _blocks(Q.Q4_K), _blocks(Q.Q6_K, seed=2), _blocks(Q.Q8_0, seed=3)
+    fused = concat_rows([q4k, q6k])  # Q4_K's blocks of 32 split into Q6_K's 16
+    assert fused.block_len == 16 and fused.factors is not None
+    per_super = fused.scales.shape[1] // fused.factors.supers.shape[1]
+    supers = fused.factors.supers.repeat_interleave(per_super, dim=1)
+    assert torch.equal(supers[..., 0] * fused.factors.scale_factors.float(), fused.scales)
+    assert concat_rows([q4k, q8]).factors is None
+
+
+def test_bad_factors_are_refused(ops):
+    factors = _blocks(Q.Q4_K).factors
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.pack_factored_scales(factors.scale_factors.float(), factors.min_factors,
+                                 factors.supers)
+    with pytest.raises(RuntimeError, match="super-block"):
+        ops.pack_factored_scales(factors.scale_factors[:, :3], factors.min_factors[:, :3],
+                                 factors.supers)
