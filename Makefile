@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install kernels browser models serve test lint generate bench-peers clean
+.PHONY: install kernels browser models serve test lint generate bench-peers bench-quant clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,12 @@ bench-peers: $(STAMP)
 	$(BIN)/python -m benchmarks.perf --llama-server /tmp/llama-build/bin/llama-server \
 	  --llama-f32 /tmp/smollm2-f32.gguf --hf --out benchmarks/results/perf.json
 	$(BIN)/python -m benchmarks.int8_quality --out benchmarks/results/int8.json
+
+# benchmarks/QUANT.md: slotserve serving GGUF files in their own blocks against llama.cpp's
+# server on the same files (llama-quantize writes them; builds llama.cpp first if missing).
+bench-quant: $(STAMP) models
+	bash benchmarks/peers/build_llamacpp.sh
+	$(BIN)/python -m benchmarks.quant --out benchmarks/results/quant.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
