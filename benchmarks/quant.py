@@ -452,13 +452,16 @@ def main(argv: list[str] | None = None) -> dict:
             if f.quality:
                 print(f"reference (fp32) on {f.key} ...", file=sys.stderr, flush=True)
                 references[f.key] = reference(f, prompts, tokens)
-    bandwidth = [measure_bandwidth_gbs()]
+    bandwidth, load = [measure_bandwidth_gbs()], [os.getloadavg()]
     results = []
     for f in files:
         scale = SCALES["smoke" if args.smoke else f.size_class]
         results.append(run_file(f, scale, args.workloads, args.rounds, references.get(f.key)))
+        # NOTE: the machine is shared: the copy bandwidth and load average after each file
         bandwidth.append(measure_bandwidth_gbs())
-    report = {"files": results, "bandwidth_gbs": bandwidth, "rounds": args.rounds,
+        load.append(os.getloadavg())
+    report = {"files": results, "bandwidth_gbs": bandwidth, "load_average": load,
+              "rounds": args.rounds,
               "quality_prompts": prompts, "quality_tokens": tokens,
               "seconds": round(time.perf_counter() - start_time),
               "settings": {"slots": SLOTS, "ctx_per_slot": CTX_PER_SLOT,
