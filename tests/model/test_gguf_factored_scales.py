@@ -4,7 +4,8 @@ Q2_K..Q6_K scale each block (16 or 32 weights) by an fp16 d of its 256-weight su
 times a small integer (sc, mn): kept as int8 factors per block and an fp32 pair per
 super-block, multiplied in the kernel, instead of an fp32 scale and min per block. The
 products are exact in fp32, so every output is bit-equal to the fp32 layout's, at 0.59
-bytes/weight for Q4_K instead of 0.75 (Q6_K 1.16 instead of 1.5).
+bytes/weight for Q4_K instead of 0.75. And 5- and 6-bit codes (Q5_*, Q6_K) kept in 6 bits,
+not a byte: Q6_K 0.91 bytes/weight (1.5 with both a byte and fp32 scales).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
     assert torch.equal(factored.rows(ids), blocks.dequantize()[ids])
 
 
-@pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.59375), (Q.Q6_K, 1.15625),
-                                                 (Q.Q5_K, 1.09375), (Q.Q2_K, 0.65625)])
+@pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.59375), (Q.Q6_K, 0.90625),
+                                                 (Q.Q5_K, 0.84375), (Q.Q2_K, 0.65625)])
 def test_factored_scales_take_the_bytes_stated(ops, qtype, expected):
     blocks = _blocks(qtype, rows=48)  # 3 whole panels
     kernel = GGUFBlockLinear(blocks, None, ops)
@@ -97,3 +98,37 @@ def test_bad_factors_are_refused(ops):
     with pytest.raises(RuntimeError, match="super-block"):
         ops.pack_factored_scales(factors.scale_factors[:, :3], factors.min_factors[:, :3],
                                  factors.supers)
+
+
+# -- 5- and 6-bit codes kept in 6 bits -----------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("force_plain", [False, True])
+def test_six_bit_codes_compute_as_bytes(ops, qtype, force_plain):
+    """Q5_*/Q6_K codes packed in 6 bits (their top 2 bits apart) give the same bits as the
+    same codes a byte each, at 0.75 bytes of codes per weight instead of 1."""
+    blocks = _blocks(qtype, rows=48)
+    assert blocks.bits == 6
+    six = GGUFBlockLinear(blocks, None, ops)
+    eight = GGUFBlockLinear(blocks.with_code_bits(8), None, ops)
+    assert six.codes.numel() * 4 == eight.codes.numel() * 3
+    torch.manual_seed(1)
+    for tokens in (1, 5, 8, 11):
+        x = torch.randn(tokens, COLS)
+        ours = ops.quant_block_linear(x, six.codes, six.scales_mins, 48, six.block_len, 6,
+                                      force_plain)
+        theirs = ops.quant_block_linear(x, eight.codes, eight.scales_mins, 48,
+                                        eight.block_len, 8, force_plain)
+        assert torch.equal(ours, theirs), tokens
+    ids = torch.tensor([47, 0, 21])
+    assert torch.equal(six.rows(ids), blocks.dequantize()[ids])
+
+
+def test_q4_k_fused_with_q6_k_takes_six_bits_and_a_code_of_64_is_refused(ops):
+    fused = concat_rows([_blocks(Q.Q4_K), _blocks(Q.Q6_K, seed=2)])
+    assert fused.bits == 6 and fused.block_len == 16
+    bad = fused.stored_codes().clone()
+    bad[0, 0, 0] = 64
+    with pytest.raises(RuntimeError, match="6-bit code above 63"):
+        ops.pack_quant_blocks(bad, fused.scales, fused.mins, 6)

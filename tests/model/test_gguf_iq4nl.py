@@ -93,7 +93,7 @@ def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(ops):
     plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, 32, 20,
                                    force_plain=True)
     assert torch.equal(plain, y)
-    as_bytes = GGUFBlockLinear(blocks.with_8bit_codes(), None, ops)  # looked up at load
+    as_bytes = GGUFBlockLinear(blocks.with_code_bits(8), None, ops)  # looked up at load
     assert as_bytes.bits == 8 and torch.equal(as_bytes(x), y)  # the same integer sums
 
 
@@ -135,15 +135,15 @@ def test_the_kernel_refuses_an_unknown_codes_format(ops):
     blocks = to_blocks(random_iq4_nl(16, 64), Q.IQ4_NL, "w", "t.gguf")
     kernel = GGUFBlockLinear(blocks, None, ops)
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match=r"bits must be 4 or 8 \(or 20: IQ4_NL's indices\)"):
+    with pytest.raises(RuntimeError, match=r"bits must be 4, 6 or 8 \(or 20: IQ4_NL's indices\)"):
         ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 16, 32, 5)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales, blocks.mins, 21)
     with pytest.raises(RuntimeError, match="a 4-bit code above 15"):  # indices are 4-bit
         ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales, blocks.mins, 20)
-    with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4 or 8 \\(or 20"):
+    with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4, 6 or 8 \\(or 20"):
         ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 16,
-                           block_len=32, bits=6)
+                           block_len=32, bits=5)
 
 
 def test_stack_equals_python_layers_on_iq4_nl(ops, monkeypatch):
@@ -241,7 +241,7 @@ def test_the_start_up_line_names_types_kernels_and_bytes_per_decode_step(ops, iq
             expected += sum(t.numel() * t.element_size() for t in held)
     text = engine.runner.kernels.describe()
     assert engine.runner.kernels.step_weight_bytes == expected
-    assert text.startswith(f"GGUF IQ4_NL weights as 4/8-bit code blocks (0.625 bytes/weight), "
+    assert text.startswith(f"GGUF IQ4_NL weights as 4/6/8-bit code blocks (0.625 bytes/weight), "
                            f"{size_text(expected)} read per decode step (")
     assert "linears: GGUF blocks x int8 activations (" in text
     assert engine.snapshot().kernels == text  # the start-up line's field (server/startup.py)

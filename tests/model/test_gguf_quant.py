@@ -232,7 +232,7 @@ def test_the_default_model_in_its_own_types_agrees_with_fp32(ops):
                        quantized.weights, quantized.tokenizer)
     kernels = engine.runner.kernels
     assert kernels.describe().startswith(
-        f"GGUF Q4_1/Q8_0 weights as 4/8-bit code blocks ({gguf_bytes_text(('Q4_1', 'Q8_0'))})")
+        f"GGUF Q4_1/Q8_0 weights as 4/6/8-bit code blocks ({gguf_bytes_text(('Q4_1', 'Q8_0'))})")
     linears = [m.kernel for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(k, GGUFBlockLinear) for k in linears)
     reference_model = load_model()

@@ -189,7 +189,7 @@ def test_engine_greedy_tokens_equal_with_and_without_the_stack(ops, layout):
 def test_stack_rejects_bad_gguf_block_weights(ops):
     blocks = to_blocks(raw_blocks(Q.Q8_0, torch.randn(24, 64), 0), Q.Q8_0, "w", "t.gguf")
     kernel = GGUFBlockLinear(blocks, None, ops)
-    with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4 or 8"):
+    with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4, 6 or 8"):
         ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 24)
     with pytest.raises(RuntimeError, match="gguf_blocks linear needs out_features"):
         ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None,

@@ -45,7 +45,7 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
   TORCH_CHECK(kind == "plain" || panel || b, kind, " linear needs its second tensor");
   TORCH_CHECK(!(panel || blocks) || out_features > 0, kind, " linear needs out_features");
   TORCH_CHECK(!blocks || ((block_len == 16 || block_len == 32) && quant_codes_format_known(bits)),
-              "gguf_blocks linear needs block_len 16 or 32 and bits 4 or 8 (or ",
+              "gguf_blocks linear needs block_len 16 or 32 and bits 4, 6 or 8 (or ",
               QUANT_CODES_IQ4_NL, ": IQ4_NL's indices)");
   const Kind parsed = kind == "plain"        ? Kind::kPlain
                       : kind == "mkl"        ? Kind::kMkl

@@ -67,12 +67,12 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 
 // quant_blocks.cpp
-// The codes' formats (quant_block_linear's `bits`): 4- or 8-bit unsigned codes, or
+// The codes' formats (quant_block_linear's `bits`): 4-, 6- or 8-bit unsigned codes, or
 // QUANT_CODES_IQ4_NL (ggml's number for the type): 4-bit indices into IQ4_NL's 16 levels,
 // stored as 4-bit codes and looked up in the kernel as the codes level + 128.
 constexpr int64_t QUANT_CODES_IQ4_NL = 20;
 inline bool quant_codes_format_known(int64_t bits) {
-  return bits == 4 || bits == 8 || bits == QUANT_CODES_IQ4_NL;
+  return bits == 4 || bits == 6 || bits == 8 || bits == QUANT_CODES_IQ4_NL;
 }
 inline int64_t quant_codes_stored_bits(int64_t bits) {
   return bits == QUANT_CODES_IQ4_NL ? 4 : bits;

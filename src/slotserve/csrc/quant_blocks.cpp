@@ -3,7 +3,9 @@
 // for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
 // a scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
 // m = -8 d; Q4_K: d = d * sc, m = -dmin * mn; ...). Codes of 4 bits (Q4_0, Q4_1, Q4_K) stay
-// 4 bits, two per byte; the others take a byte. IQ4_NL's 4-bit indices q stay 4 bits too
+// 4 bits, two per byte; codes of 5 or 6 bits (Q5_*, Q6_K) take 6: their low 4 bits as the
+// 4-bit codes', their top 2 in a second part of the block (as llama.cpp's ql/qh); Q8_0's a
+// byte. IQ4_NL's 4-bit indices q stay 4 bits too
 // (format QUANT_CODES_IQ4_NL, ops.h): the kernel looks them up as its codes
 // u = kvalues_iq4nl[q] + 128 (m = -128 d, as Q8_0), one byte shuffle (vpshufb) per step:
 // llama.cpp's iq4_nl dot product does the same lookup, to signed values.
@@ -17,7 +19,8 @@
 //
 // Layout (as llama.cpp's repacked "interleaved" formats): panels of 16 output rows; in a
 // panel, block b is B / 4 steps of 64 bytes, step k holding row j's codes 4k..4k+3 at bytes
-// 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles). One vpdpbusd per
+// 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles; 6-bit: those
+// nibbles, then B * 4 bytes where steps 4k..4k+3 share 64 bytes, 2 top bits each). One vpdpbusd per
 // step adds 4 products to each of the 16 rows' lanes, with one broadcast of 4 activations:
 // the lanes are outputs, there is no horizontal sum. A panel's d and m: 16 each per block,
 // in one of three formats (ops.h's QuantScaleFormat): fp16 where every value of the tensor
@@ -52,6 +55,20 @@ constexpr int QB_TILE = 8;       // activation rows sharing one pass over a pane
 alignas(16) constexpr uint8_t IQ4_NL_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                                   129, 141, 153, 166, 181, 197, 217, 241};
 
+// Code i of row j in a block of block_len codes in format `bits` (ops.h), as the kernels
+// read it: the plain loops, the row lookup, and the layout pack_quant_blocks writes.
+inline uint32_t code_of(const uint8_t* block, int64_t block_len, int64_t bits, int64_t j,
+                        int64_t i) {
+  const int64_t k = i / 4, at = 4 * j + i % 4;
+  if (bits == 8) return block[64 * k + at];
+  const uint8_t packed = block[64 * (k / 2) + at];
+  const uint32_t low = (k & 1) ? packed >> 4 : packed & 0x0F;
+  if (bits == QUANT_CODES_IQ4_NL) return IQ4_NL_CODES[low];
+  if (bits == 4) return low;
+  const uint8_t top = block[block_len * 8 + 64 * (k / 4) + at];  // bits == 6
+  return low | (((top >> (2 * (k % 4))) & 0x03) << 4);
+}
+
 struct QuantBlockShape {
   int64_t in, blocks, block_len, bits, panels, out;  // bits: the codes' format (ops.h)
   int64_t block_bytes() const { return block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8; }
@@ -66,7 +83,7 @@ inline int64_t factored_panel_bytes(int64_t blocks, int64_t block_len) {
 QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
                          int64_t out_features, int64_t block_len, int64_t bits) {
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
-  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4 or 8 (or ", QUANT_CODES_IQ4_NL,
+  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4, 6 or 8 (or ", QUANT_CODES_IQ4_NL,
               ": IQ4_NL's indices)");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
@@ -203,10 +220,11 @@ struct FactoredScales {
 };
 
 // The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes;
-// IQ4_NL: those indices looked up, the table in each 128-bit lane).
+// IQ4_NL: those indices looked up, the table in each 128-bit lane; 6-bit: the nibbles and
+// their top 2 bits from `tops`, the block's second part).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int BITS>
-inline __m512i load_step(const uint8_t* block, int64_t k) {
+inline __m512i load_step(const uint8_t* block, int64_t k, const uint8_t* tops) {
   if constexpr (BITS == 8) {
     return _mm512_loadu_si512(block + 64 * k);
   } else {
@@ -218,6 +236,12 @@ inline __m512i load_step(const uint8_t* block, int64_t k) {
       const __m512i table = _mm512_broadcast_i32x4(
           _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
       return _mm512_shuffle_epi8(table, q);
+    } else if constexpr (BITS == 6) {
+      const __m512i two = _mm512_and_si512(
+          _mm512_srl_epi16(_mm512_loadu_si512(tops + 64 * (k / 4)),
+                           _mm_cvtsi32_si128(int(2 * (k % 4)))),
+          _mm512_set1_epi8(0x03));
+      return _mm512_or_si512(q, _mm512_slli_epi16(two, 4));  // NOTE: two <= 3: no carry
     } else {
       return q;
     }
@@ -237,7 +261,7 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
     __m512i dots[N];
     for (int t = 0; t < N; ++t) dots[t] = _mm512_setzero_si512();
     for (int64_t k = 0; k < steps; ++k) {
-      const __m512i w = load_step<BITS>(block, k);
+      const __m512i w = load_step<BITS>(block, k, block + s.block_len * 8);
       for (int t = 0; t < N; ++t) {
         int32_t four;
         std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
@@ -267,7 +291,7 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
 
 template <int BITS>
-inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
+inline void load_step_avx2(const uint8_t* block, int64_t k, const uint8_t* tops, __m256i w[4]) {
   const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);  // 4-bit or IQ4_NL: shared
   __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
@@ -284,6 +308,19 @@ inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
           _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
       lo = _mm256_shuffle_epi8(table, lo);
       hi = _mm256_shuffle_epi8(table, hi);
+    } else if constexpr (BITS == 6) {
+      const uint8_t* top = tops + 64 * (k / 4);
+      const __m128i shift = _mm_cvtsi32_si128(int(2 * (k % 4)));
+      const __m256i two = _mm256_set1_epi8(0x03);
+      const __m256i top_lo = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)), shift),
+          two);
+      const __m256i top_hi = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32)),
+                           shift),
+          two);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(top_lo, 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(top_hi, 4));
     }
   }
   w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // rows 0-3, 4 codes each
@@ -308,7 +345,7 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
     for (int64_t k = 0; k < steps; ++k) {
       __m256i w[4];
-      load_step_avx2<BITS>(block, k, w);
+      load_step_avx2<BITS>(block, k, block + s.block_len * 8, w);
       for (int t = 0; t < N; ++t) {
         int32_t four;
         std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
@@ -349,20 +386,9 @@ void panel_rows_plain(const uint8_t* codes, const SM& sm, const QuantizedRows& q
       const uint8_t* block = codes + b * s.block_bytes();
       const int8_t* a = q.a.data() + (t0 + t) * s.in + b * s.block_len;
       int32_t dots[QB_ROWS] = {};
-      for (int64_t i = 0; i < s.block_len; ++i) {
-        const int64_t k = i / 4, byte = i % 4;
-        for (int64_t j = 0; j < QB_ROWS; ++j) {
-          int32_t u;
-          if (s.bits == 8) {
-            u = block[64 * k + 4 * j + byte];
-          } else {
-            const uint8_t packed = block[64 * (k / 2) + 4 * j + byte];
-            u = (k & 1) ? packed >> 4 : packed & 0x0F;
-            if (s.bits == QUANT_CODES_IQ4_NL) u = IQ4_NL_CODES[u];
-          }
-          dots[j] += u * int32_t(a[i]);
-        }
-      }
+      for (int64_t i = 0; i < s.block_len; ++i)
+        for (int64_t j = 0; j < QB_ROWS; ++j)
+          dots[j] += int32_t(code_of(block, s.block_len, s.bits, j, i)) * int32_t(a[i]);
       const int64_t at = (t0 + t) * s.blocks + b;
       for (int64_t j = 0; j < QB_ROWS; ++j) {
         const float d = sm.d(b, j);
@@ -394,6 +420,7 @@ void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       }
     };
     if (s.bits == 8) run(std::integral_constant<int, 8>());
+    else if (s.bits == 6) run(std::integral_constant<int, 6>());
     else if (s.bits == QUANT_CODES_IQ4_NL) run(std::integral_constant<int, QUANT_CODES_IQ4_NL>());
     else run(std::integral_constant<int, 4>());
     return;
@@ -413,6 +440,7 @@ void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
       float* out = acc_out + done * QB_ROWS;
       if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows, out);
+      else if (s.bits == 6) run(std::integral_constant<int, 6>(), t0 + done, rows, out);
       else if (s.bits == QUANT_CODES_IQ4_NL)
         run(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), t0 + done, rows, out);
       else run(std::integral_constant<int, 4>(), t0 + done, rows, out);
@@ -452,16 +480,16 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   mins = mins.contiguous();
   const int64_t out = codes.size(0), blocks = codes.size(1), block_len = codes.size(2);
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
-  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4 or 8 (or ", QUANT_CODES_IQ4_NL,
+  TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4, 6 or 8 (or ", QUANT_CODES_IQ4_NL,
               ": IQ4_NL's indices)");
   bits = quant_codes_stored_bits(bits);  // NOTE: IQ4_NL's indices are packed as 4-bit codes
   TORCH_CHECK(scales.sizes() == mins.sizes() && scales.dim() == 2 && scales.size(0) == out &&
                   scales.size(1) == blocks,
               "scales and mins must be (out, blocks)");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  if (bits == 4)
+  if (bits == 4 || bits == 6)
     for (int64_t i = 0; i < codes.numel(); ++i)
-      TORCH_CHECK(cp[i] < 16, "a 4-bit code above 15");
+      TORCH_CHECK(cp[i] < (1 << bits), "a ", bits, "-bit code above ", (1 << bits) - 1);
   const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
   const int64_t block_bytes = block_len * QB_ROWS * bits / 8;
   auto packed = torch::zeros({panels, blocks, block_bytes}, codes.options());
@@ -475,10 +503,15 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* block = pp + (p * blocks + b) * block_bytes;
       const uint8_t* src = cp + (o * blocks + b) * block_len;
-      for (int64_t i = 0; i < block_len; ++i) {
-        const int64_t k = i / 4, byte = i % 4;
-        if (bits == 8) block[64 * k + 4 * j + byte] = src[i];
-        else block[64 * (k / 2) + 4 * j + byte] |= uint8_t(src[i] << (4 * (k & 1)));
+      for (int64_t i = 0; i < block_len; ++i) {  // NOTE: the layout code_of reads
+        const int64_t k = i / 4, at = 4 * j + i % 4;
+        if (bits == 8) {
+          block[64 * k + at] = src[i];
+          continue;
+        }
+        block[64 * (k / 2) + at] |= uint8_t((src[i] & 0x0F) << (4 * (k & 1)));
+        if (bits == 6)
+          block[block_len * 8 + 64 * (k / 4) + at] |= uint8_t((src[i] >> 4) << (2 * (k % 4)));
       }
       smp[((p * blocks + b) * 2) * QB_ROWS + j] = dp[o * blocks + b];
       smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
@@ -622,16 +655,7 @@ __attribute__((optimize("fp-contract=off"))) void block_rows_into(
       const float d = scales.d(b, j), m = scales.m(b, j);
       float* y = out + r * in + b * block_len;
       for (int64_t i = 0; i < block_len; ++i) {
-        const int64_t k = i / 4, byte = i % 4;
-        uint32_t u;
-        if (bits == 8) {
-          u = block[64 * k + 4 * j + byte];
-        } else {
-          const uint8_t packed = block[64 * (k / 2) + 4 * j + byte];
-          u = (k & 1) ? packed >> 4 : packed & 0x0F;
-          if (bits == QUANT_CODES_IQ4_NL) u = IQ4_NL_CODES[u];
-        }
-        const float scaled = float(u) * d;
+        const float scaled = float(code_of(block, block_len, bits, j, i)) * d;
         y[i] = scaled + m;
       }
     }

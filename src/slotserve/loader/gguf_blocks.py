@@ -12,25 +12,26 @@ reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
 | --- | --- | --- | --- | --- | --- |
 | Q4_0 | 32 | 4-bit q | d | -8 d | 4 |
 | Q4_1 | 32 | 4-bit q | d | m | 4 |
-| Q5_0 | 32 | 5-bit q | d | -16 d | 8 |
-| Q5_1 | 32 | 5-bit q | d | m | 8 |
+| Q5_0 | 32 | 5-bit q | d | -16 d | 6 |
+| Q5_1 | 32 | 5-bit q | d | m | 6 |
 | Q8_0 | 32 | q + 128 | d | -128 d | 8 |
 | Q2_K | 16 (sub-block) | 2-bit q | d * sc | -dmin * mn | 4 |
 | Q3_K | 16 (sub-block) | 3-bit q + 4 | d * (sc - 32) | -4 d * (sc - 32) | 4 |
 | Q4_K | 32 (sub-block) | 4-bit q | d * sc | -dmin * mn | 4 |
-| Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 8 |
-| Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 8 |
+| Q5_K | 32 (sub-block) | 5-bit q | d * sc | -dmin * mn | 6 |
+| Q6_K | 16 (sub-block) | 6-bit q | d * sc | -32 d * sc | 6 |
 | IQ4_NL | 32 | kvalues_iq4nl[q] + 128 (q kept: indexed) | d | -128 d | 4 |
 
 The codes are unsigned by construction, which is what AVX512-VNNI's u8 x s8 dot product
 takes (csrc/quant_blocks.cpp). Bytes per weight in memory, packed: the codes (4-bit: 0.5,
-else 1) and a scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
+6-bit 0.75: 5- and 6-bit codes, their top 2 bits apart as llama.cpp's Q6_K; Q8_0's 1) and a
+scale and min per block, kept in fp16 where they are fp16 values (Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, IQ4_NL: the file's own fp16 d and m, or -8d, -16d, -128d); the K-quants'
 factored as the file stores them (`BlockFactors`: an int8 factor per block, sc or mn, and an
 fp32 d and m per 256-weight super-block: d * sc is exact in fp32), else fp32: Q4_0/Q4_1
-0.625 (as in the file), Q5_0/Q5_1/Q8_0 1.125, Q4_K 0.59, Q5_K 1.09, Q6_K 1.16, Q2_K/Q3_K 0.66
-(their 2/3-bit codes in 4 bits: more than the file's 0.33/0.43, a third of bf16's 2),
-IQ4_NL 0.625. (The K-quants' scales in fp32 per block took 0.75, 1.25, 1.5 and 1.0.)
+0.625 (as in the file), Q5_0/Q5_1 0.875, Q8_0 1.125, Q4_K 0.59, Q5_K 0.84, Q6_K 0.91,
+Q2_K/Q3_K 0.66 (their 2/3-bit codes in 4 bits: more than the file's 0.33/0.43, a third of
+bf16's 2), IQ4_NL 0.625.
 
 IQ4_NL (llama.cpp's non-linear 4-bit type: an fp16 d and 32 4-bit indices q into the fixed
 table kvalues_iq4nl per block, w = d * table[q]) keeps its indices, 4 bits each
@@ -59,9 +60,9 @@ QK_K = 256
 # type -> (block_len, bits the codes are kept in, bytes of a block's scale (and of its min):
 # 2 where they are fp16 values, csrc/quant_blocks.cpp's pack_quant_blocks keeps them so)
 BLOCK_FORMATS: dict[GGMLQuantizationType, tuple[int, int, int]] = {
-    Q.Q4_0: (32, 4, 2), Q.Q4_1: (32, 4, 2), Q.Q5_0: (32, 8, 2), Q.Q5_1: (32, 8, 2),
+    Q.Q4_0: (32, 4, 2), Q.Q4_1: (32, 4, 2), Q.Q5_0: (32, 6, 2), Q.Q5_1: (32, 6, 2),
     Q.Q8_0: (32, 8, 2), Q.Q2_K: (16, 4, 4), Q.Q3_K: (16, 4, 4), Q.Q4_K: (32, 4, 4),
-    Q.Q5_K: (32, 8, 4), Q.Q6_K: (16, 8, 4), Q.IQ4_NL: (32, 4, 2),
+    Q.Q5_K: (32, 6, 4), Q.Q6_K: (16, 6, 4), Q.IQ4_NL: (32, 4, 2),
 }
 # IQ4_NL's 16 levels (ggml-common.h's kvalues_iq4nl; gguf-py's IQ4_NL.kvalues), and their
 # codes u = level + 128 (unsigned, for the u8 x s8 dot product: csrc/quant_blocks.cpp's
@@ -120,8 +121,9 @@ class BlockFactors:
 class BlockWeights:
     """A (rows, cols) weight as blocks: w[r, b*L + i] = scales[r, b] * codes[r, b, i] + mins[r, b].
 
-    codes: uint8 (rows, blocks, L) when bits == 8; when bits == 4, two codes a byte,
-        (rows, blocks, L / 2), byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
+    codes: uint8 (rows, blocks, L) when bits is 6 or 8 (6: every code < 64, packed into 6
+        bits by the kernel's packing); when bits == 4, two codes a byte, (rows, blocks, L / 2),
+        byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
     scales, mins: fp32 (rows, blocks).
     types: the GGUF types it came from (several once q/k/v are fused).
     indexed: the stored 4-bit values are IQ4_NL's indices q, whose codes are
@@ -165,7 +167,7 @@ class BlockWeights:
     def stored_codes(self) -> torch.Tensor:
         """uint8 (rows, blocks, L): one stored value a byte whatever `bits` (indexed: the
         indices), what pack_quant_blocks takes."""
-        if self.bits == 8:
+        if self.bits != 4:
             return self.codes
         return torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(
             *self.codes.shape[:2], self.block_len)
@@ -175,8 +177,10 @@ class BlockWeights:
         stored = self.stored_codes()
         return IQ4_NL_CODES[stored.long()] if self.indexed else stored
 
-    def with_8bit_codes(self) -> BlockWeights:
-        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, 8, self.types,
+    def with_code_bits(self, bits: int) -> BlockWeights:
+        """The same values with codes kept in `bits` (6 or 8; at least this one's; IQ4_NL's
+        indices looked up as codes)."""
+        return BlockWeights(self.unpacked_codes(), self.scales, self.mins, bits, self.types,
                             factors=self.factors)
 
     def dequantize(self) -> torch.Tensor:
@@ -207,13 +211,16 @@ class BlockWeights:
 
 def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
     """Row-wise concatenation (fused q/k/v, gate/up): the finest block length, the codes'
-    format of the parts where they share one, else 8-bit codes (exact: a block of 32 is two
-    of 16 with the same scale and min; IQ4_NL's indices looked up); factored scales where
-    every part has them (K-quants only), else none."""
+    format of the parts where they share one, else the widest bits (6 for 4 and 6: Q4_K's
+    q/k beside Q6_K's v; 8 with IQ4_NL's indices looked up; exact: a block of 32 is two of 16
+    with the same scale and min); factored scales where every part has them (K-quants
+    only), else none."""
     block_len = min(p.block_len for p in parts)
     parts = [p.with_block_len(block_len) for p in parts]
     if len({(p.bits, p.indexed) for p in parts}) > 1:
-        parts = [p if (p.bits, p.indexed) == (8, False) else p.with_8bit_codes() for p in parts]
+        bits = 8 if any(p.indexed or p.bits == 8 for p in parts) else 6
+        parts = [p if (p.bits, p.indexed) == (bits, False) else p.with_code_bits(bits)
+                 for p in parts]
     types = tuple(dict.fromkeys(t for p in parts for t in p.types))
     factors = None
     if all(p.factors is not None for p in parts):

@@ -330,7 +330,7 @@ class KernelSet:
         if self.gguf_types:
             step = (f", {size_text(self.step_weight_bytes)} read per decode step"
                     if self.step_weight_bytes else "")
-            return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/8-bit code blocks "
+            return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/6/8-bit code blocks "
                     f"({gguf_bytes_text(self.gguf_types)}){step}{why}; "
                     f"linears: {self.describe_linears()}{cpu}")
         return f"{self.weights} weights{why}; linears: {self.describe_linears()}{cpu}"

@@ -241,7 +241,7 @@ class Int8WeightOnlyLinear:
 class GGUFBlockLinear:
     """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
 
-    The blocks (4- or 8-bit unsigned codes, or IQ4_NL's 4-bit indices that the kernel looks
+    The blocks (4-, 6- or 8-bit unsigned codes, or IQ4_NL's 4-bit indices that the kernel looks
     up as codes; a scale and min per block of 16 or 32: fp16 where they are fp16 values, as
     GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, the K-quants' as int8 factors of an fp32
     scale per super-block (`ops.pack_factored_scales`), else fp32) are packed into
@@ -256,7 +256,7 @@ class GGUFBlockLinear:
     def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
         self.out_features = blocks.shape[0]
         self.block_len, self.types = blocks.block_len, blocks.types
-        self.bits = blocks.kernel_bits  # 4, 8 or IQ4_NL's indices (csrc/ops.h)
+        self.bits = blocks.kernel_bits  # 4, 6, 8 or IQ4_NL's indices (csrc/ops.h)
         self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales,
                                                              blocks.mins, self.bits)
         if blocks.factors is not None:  # NOTE: the same d and m, bit for bit (BlockFactors)
