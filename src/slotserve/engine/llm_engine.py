@@ -26,6 +26,7 @@ state between two mutations and waits at most for one bookkeeping phase.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 import time
@@ -60,6 +61,7 @@ from slotserve.model.kernels import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from slotserve.model.linear_kernels import return_freed_memory
 from slotserve.request import Request
 from slotserve.runner.logit_shaping import SequenceShaping, ShapingSpec
 from slotserve.runner.lookups import RequestLookups
@@ -141,7 +143,11 @@ class LLMEngine:
         # NOTE: quantization="gguf" (and "auto" for a named GGUF file: keeps_gguf_blocks)
         # serves a GGUF's quantized linears in their own blocks.
         loaded = load_model(config.model, keep_quantized=keeps_gguf_blocks(config))
-        return cls(config, loaded.config, loaded.weights, loaded.tokenizer)
+        engine = cls(config, loaded.config, loaded.weights, loaded.tokenizer)
+        del loaded  # NOTE: the loading's copies (a GGUF's converted blocks): freed, and
+        gc.collect()  # their pages given back to the OS, not kept in the heap
+        return_freed_memory()
+        return engine
 
     # ------------------------------------------------------------------ requests
     @property

@@ -14,9 +14,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 
 from slotserve.config import ModelConfig
-from slotserve.loader.gguf_blocks import BLOCK_FORMATS, FLOAT_TYPES, GGUFBlockTensor, to_blocks
+from slotserve.loader.gguf_blocks import (
+    BLOCK_FORMATS,
+    FLOAT_TYPES,
+    BlockWeights,
+    GGUFBlockTensor,
+    LazyBlocks,
+    check_blocks,
+    to_blocks,
+)
 from slotserve.loader.gguf_config import CONFIG_TENSORS, SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
 from slotserve.loader.gguf_reader import GGUFTensor, read_gguf
@@ -241,14 +250,30 @@ def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
 
 
 def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlockTensor:
-    """A linear weight's blocks (rows: output features; Q/K rows un-permuted for llama)."""
-    blocks = to_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
-    if config.architecture == "llama":
-        heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
-        for part, n_head in heads.items():
-            if part in tensor.name:
-                blocks = blocks.rows(unpermute_qk(np.arange(blocks.shape[0]), n_head))
-    return GGUFBlockTensor(blocks)
+    """A linear weight's blocks (rows: output features; Q/K rows un-permuted for llama),
+    checked now and converted when its kernel packs it (LazyBlocks).
+
+    NOTE: the file's pages of the tensor are released after each read (GGUFTensor.release):
+    a loading process holds the packed model and one weight's conversion, not the file.
+    """
+    check_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
+    tensor.release()
+    rows, row_bytes = tensor.data.shape
+    block, size = GGML_QUANT_SIZES[tensor.tensor_type]
+
+    def make() -> BlockWeights:
+        blocks = to_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
+        tensor.release()
+        if config.architecture == "llama":
+            heads = {".attn_q.": config.num_attention_heads,
+                     ".attn_k.": config.num_key_value_heads}
+            for part, n_head in heads.items():
+                if part in tensor.name:
+                    blocks = blocks.rows(unpermute_qk(np.arange(blocks.shape[0]), n_head))
+        return blocks
+
+    shape = (rows, row_bytes // size * block)
+    return GGUFBlockTensor(LazyBlocks((tensor.tensor_type.name,), shape, make))
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -46,6 +46,7 @@ Fused with another type (q/k/v, gate/up), its looked-up codes take a byte.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -362,13 +363,18 @@ _CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: 
             Q.IQ4_NL: _iq4_nl}
 
 
-def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
-              ) -> BlockWeights:
-    """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
+# Byte offsets of each type's fp16 fields (d, and m or dmin) in its GGUF block: a block's
+# scales and mins (d times small integers) are finite exactly when these are.
+_F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+               Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+               Q.Q6_K: (208,), Q.IQ4_NL: (0,)}
 
-    A type without a block conversion, rows that are not whole blocks, or a non-finite scale
-    or min, raises ModelFileError naming the tensor.
-    """
+
+def check_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str) -> None:
+    """What `to_blocks` would refuse, found without converting (the loader checks every
+    weight first, and converts each only when its kernel packs it): a type without a block
+    conversion, rows that are not whole blocks, or a non-finite scale or min raise
+    ModelFileError naming the tensor."""
     if qtype not in _CONVERT:
         raise ModelFileError(path, f"tensor {name!r} has type {qtype.name}, which is not kept "
                                    f"quantized (supported: "
@@ -376,45 +382,108 @@ def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: st
                                    "use --quantization bf16, int8 or none to dequantize it")
     from gguf import GGML_QUANT_SIZES
 
-    block_len, bits, _ = BLOCK_FORMATS[qtype]
-    type_block, type_size = GGML_QUANT_SIZES[qtype]
+    type_size = GGML_QUANT_SIZES[qtype][1]
     if data.ndim != 2:
         raise ModelFileError(path, f"tensor {name!r}: a linear weight must be 2-D")
     if data.shape[1] % type_size:
         raise ModelFileError(path, f"tensor {name!r}: rows of {data.shape[1]} bytes are not "
                                    f"whole {qtype.name} blocks of {type_size} bytes")
-    rows = data.shape[0]
-    raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
-    codes, scales, mins, *factored = _CONVERT[qtype](raw)
-    scales = np.broadcast_to(scales, (raw.shape[0], type_block // block_len)).copy()
-    mins = np.broadcast_to(mins, scales.shape).copy()
-    if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
-        bad = int(np.flatnonzero(~(np.isfinite(scales) & np.isfinite(mins)).all(axis=1))[0])
+    raw = data.reshape(-1, type_size)  # one GGUF block per line
+    finite = np.ones(raw.shape[0], dtype=bool)
+    for offset in _F16_FIELDS[qtype]:
+        finite &= np.isfinite(raw[:, offset:offset + 2].copy().view(np.float16)[:, 0])
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
         raise ModelFileError(path, f"tensor {name!r}: block {bad} ({qtype.name}) has a "
                                    "non-finite scale or min")
-    codes = np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, -1, block_len)
-    if bits == 4:
-        codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
+
+
+def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
+              ) -> BlockWeights:
+    """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
+
+    What `check_blocks` refuses raises ModelFileError naming the tensor.
+    """
+    check_blocks(data, qtype, name, path)
+    from gguf import GGML_QUANT_SIZES
+
+    block_len, bits, _ = BLOCK_FORMATS[qtype]
+    type_block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = data.shape[0]
+    raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
+    n, per_block = raw.shape[0], type_block // block_len
+    codes = np.empty((n, type_block // 2 if bits == 4 else type_block), dtype=np.uint8)
+    scales = np.empty((n, per_block), dtype=np.float32)
+    mins = np.empty_like(scales)
+    factors = (np.empty((n, per_block), dtype=np.int8), np.empty((n, per_block), dtype=np.int8),
+               np.empty((n, 2), dtype=np.float32)) if qtype in K_QUANTS else None
+    for first in range(0, n, CONVERT_CHUNK):  # NOTE: bounds the conversion's temporaries
+        part = slice(first, min(n, first + CONVERT_CHUNK))
+        _convert_into(_CONVERT[qtype](raw[part]), part, bits, codes, scales, mins, factors)
     return BlockWeights(
-        codes=torch.from_numpy(np.ascontiguousarray(codes)),
-        scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(rows, -1),
-        mins=torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).reshape(rows, -1),
+        codes=torch.from_numpy(codes).reshape(rows, -1, block_len // 2 if bits == 4
+                                               else block_len),
+        scales=torch.from_numpy(scales).reshape(rows, -1),
+        mins=torch.from_numpy(mins).reshape(rows, -1),
         bits=bits, types=(qtype.name,), indexed=qtype == Q.IQ4_NL,
-        factors=_factors(rows, *factored[0]) if factored else None)
+        factors=None if factors is None else BlockFactors(
+            torch.from_numpy(factors[0]).reshape(rows, -1),
+            torch.from_numpy(factors[1]).reshape(rows, -1),
+            torch.from_numpy(factors[2]).reshape(rows, -1, 2)))
 
 
-def _factors(rows: int, scale_factors, min_factors, d, m) -> BlockFactors:
-    """A K-quant's BlockFactors from its converter's per-GGUF-block factors (n, sub-blocks)
-    and super-block scale and min (n, 1), n = rows x super-blocks per row."""
-    def factor(values) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(values).astype(np.int8)).reshape(rows, -1)
+# GGUF blocks converted at a time by to_blocks (~4M weights of a K-quant): a converter's
+# temporaries (several times its output) stay small beside the model.
+CONVERT_CHUNK = 1 << 14
 
-    supers = np.concatenate([np.broadcast_to(d, m.shape), m], axis=1).astype(np.float32)
-    return BlockFactors(factor(scale_factors), factor(min_factors),
-                        torch.from_numpy(supers).reshape(rows, -1, 2))
+
+def _convert_into(converted, part: slice, bits: int, codes, scales, mins, factors) -> None:
+    """One chunk's converter output (codes (c, block), scales and mins (c, per_block) or
+    (c, 1), and for a K-quant its factors) written into to_blocks' arrays at `part`."""
+    chunk_codes, chunk_scales, chunk_mins, *factored = converted
+    chunk_codes = np.asarray(chunk_codes, dtype=np.uint8)
+    if bits == 4:  # two codes a byte: pairs within a block, as blocks are whole pairs
+        chunk_codes = chunk_codes[:, 0::2] | (chunk_codes[:, 1::2] << 4)
+    codes[part] = chunk_codes
+    scales[part] = chunk_scales  # NOTE: (c, 1) broadcasts over a GGUF block's sub-blocks
+    mins[part] = chunk_mins
+    if factors is not None:
+        scale_factors, min_factors, d, m = factored[0]
+        factors[0][part] = scale_factors
+        factors[1][part] = min_factors
+        factors[2][part, 0:1] = d
+        factors[2][part, 1:2] = m
 
 
 # -- carrying blocks through load_hf_weights -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LazyBlocks:
+    """A weight's blocks, made when asked (`load`): its GGUF types and shape are known
+    without converting it. NOTE: each `load` converts afresh and nothing keeps the result,
+    so the loading holds one weight's converted blocks at a time (the one its kernel is
+    packing), not a second copy of the model beside the packed one."""
+
+    types: tuple[str, ...]
+    shape: tuple[int, int]
+    make: Callable[[], BlockWeights]
+
+    def load(self) -> BlockWeights:
+        return self.make()
+
+    @staticmethod
+    def of(blocks: BlockWeights) -> LazyBlocks:
+        """Blocks already made."""
+        return LazyBlocks(blocks.types, blocks.shape, lambda: blocks)
+
+    @staticmethod
+    def fused(parts: list[LazyBlocks]) -> LazyBlocks:
+        """The row-wise concatenation of `parts` (concat_rows), made when asked."""
+        types = tuple(dict.fromkeys(t for p in parts for t in p.types))
+        rows = sum(p.shape[0] for p in parts)
+        return LazyBlocks(types, (rows, parts[0].shape[1]),
+                          lambda: concat_rows([p.load() for p in parts]))
 
 # Tensor attribute names a GGUFBlockTensor answers itself (shape checks in the loading code).
 _METADATA = frozenset({"shape", "size", "dim", "numel", "dtype", "device", "ndim", "is_sparse",
@@ -431,22 +500,28 @@ class GGUFBlockTensor(torch.Tensor):
     It supports exactly what `LlamaForCausalLM.load_hf_weights` does with a weight: its shape,
     `torch.cat` along rows (q/k/v, gate/up fused), `.t()` (a Linear's (in, out) layout) and
     `target.copy_(it)`. Copied as a transposed weight (a linear layer's), it attaches its
-    blocks to the target (attribute `gguf_blocks`) and writes nothing: the linear kernel takes
-    them. Copied untransposed (the embedding table), it writes its fp32 values. Any other
-    operation raises a TypeError: never a computation over placeholder values.
+    blocks to the target (attribute `gguf_blocks`: a LazyBlocks) and writes nothing: the
+    linear kernel takes them. Copied untransposed (the embedding table), it writes its fp32
+    values. Any other operation raises a TypeError: never a computation over placeholder
+    values. `source` is a LazyBlocks; `blocks` makes them (afresh each time).
     """
 
-    blocks: BlockWeights
+    source: LazyBlocks
     transposed: bool
 
     @staticmethod
-    def __new__(cls, blocks: BlockWeights, transposed: bool = False):
-        rows, cols = blocks.shape
+    def __new__(cls, source: LazyBlocks | BlockWeights, transposed: bool = False):
+        source = source if isinstance(source, LazyBlocks) else LazyBlocks.of(source)
+        rows, cols = source.shape
         shape = (cols, rows) if transposed else (rows, cols)
         placeholder = torch.zeros((), dtype=torch.float32).expand(shape)  # no memory
         tensor = torch.Tensor._make_subclass(cls, placeholder)
-        tensor.blocks, tensor.transposed = blocks, transposed
+        tensor.source, tensor.transposed = source, transposed
         return tensor
+
+    @property
+    def blocks(self) -> BlockWeights:
+        return self.source.load()
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -456,7 +531,7 @@ class GGUFBlockTensor(torch.Tensor):
             return _cat(*args, **kwargs)
         if name == "t":
             (self,) = args
-            return GGUFBlockTensor(self.blocks, not self.transposed)
+            return GGUFBlockTensor(self.source, not self.transposed)
         if name == "copy_":
             return _copy_into(*args)
         if name in _METADATA:
@@ -478,7 +553,7 @@ def _cat(tensors, dim: int = 0) -> torch.Tensor:
             # NOTE: a float GGUF tensor fused with block ones: the fused weight is fp32.
             return torch.cat([dequantized(t) for t in tensors])
         raise TypeError("GGUF block weights concatenate only untransposed, along rows")
-    return GGUFBlockTensor(concat_rows([t.blocks for t in tensors]))
+    return GGUFBlockTensor(LazyBlocks.fused([t.source for t in tensors]))
 
 
 def _copy_into(target: torch.Tensor, source, non_blocking: bool = False) -> torch.Tensor:
@@ -487,7 +562,7 @@ def _copy_into(target: torch.Tensor, source, non_blocking: bool = False) -> torc
     if tuple(target.shape) != tuple(source.shape):
         raise ValueError(f"shape {tuple(source.shape)} copied into {tuple(target.shape)}")
     if source.transposed:
-        setattr(target, BLOCKS_ATTRIBUTE, source.blocks)
+        setattr(target, BLOCKS_ATTRIBUTE, source.source)
         return target
     with torch._C.DisableTorchFunctionSubclass():
         return target.copy_(source.blocks.dequantize())
@@ -504,7 +579,7 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
 def block_types(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
     """The GGUF types of the block weights among `weights` (empty: none is in blocks)."""
     found = (t for w in weights.values() if isinstance(w, GGUFBlockTensor)
-             for t in w.blocks.types)
+             for t in w.source.types)
     return tuple(dict.fromkeys(sorted(found)))
 
 

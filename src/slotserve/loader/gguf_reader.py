@@ -11,7 +11,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,20 @@ class GGUFTensor:
     shape: tuple[int, ...]
     tensor_type: GGMLQuantizationType
     data: np.ndarray
+    offset: int = 0  # of `data` in the file
+    mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Drop this tensor's resident pages (the whole pages inside its bytes): they stay
+        in the page cache and are read again if touched. NOTE: the loading reads each weight
+        once or twice (checked, then converted when its kernel packs it), so the file is not
+        held resident beside the converted weights (a process's RSS counts mapped pages)."""
+        if self.mapping is None:
+            return
+        begin = -(-self.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (self.offset + self.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > begin:
+            self.mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 class _Cursor:
@@ -187,4 +201,5 @@ def _tensor(cur: _Cursor, start: int, align: int, name: str, shape: tuple[int, .
         raise cur.fail(f"tensor {name!r} out of bounds: bytes {start + offset} to "
                        f"{start + offset + count}, the file has {cur.size}")
     data = np.frombuffer(cur.buf, dtype=np.uint8, count=count, offset=start + offset)
-    return GGUFTensor(name, shape, qtype, data.reshape(*rows, row_bytes))
+    return GGUFTensor(name, shape, qtype, data.reshape(*rows, row_bytes), start + offset,
+                      cur.buf)

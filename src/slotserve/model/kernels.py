@@ -416,6 +416,8 @@ def _with_gguf_blocks(factory, ops):
 
     def make(weight, bias):
         blocks = getattr(weight, gguf_blocks.BLOCKS_ATTRIBUTE, None)
+        if isinstance(blocks, gguf_blocks.LazyBlocks):
+            blocks = blocks.load()  # NOTE: made here, packed, then dropped (LazyBlocks)
         if blocks is not None:
             return linear_kernels.GGUFBlockLinear(blocks, bias, ops)
         return fallback(weight, bias)

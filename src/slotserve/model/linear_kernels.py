@@ -386,14 +386,15 @@ def place_panels_in_one_arena(kernels: list) -> None:
             part.copy_(kernel.panels)
             kernel.panels = part
             offset += size
-    _return_freed_memory()
+    return_freed_memory()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing).
 
     NOTE: the panels moved into the arena were freed into glibc's heap, which keeps them:
-    the server's resident memory stayed ~100 MB higher without this.
+    the server's resident memory stayed ~100 MB higher without this; after a GGUF's blocks
+    were converted and packed (LLMEngine.from_config), ~0.9 GiB higher on a 1B Q4_K_M.
     """
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

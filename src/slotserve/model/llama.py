@@ -234,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         loaded, embedding_blocks = set(), None
         for name, tensor in fuse_hf_weights(weights, self.config).items():
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
-                embedding_blocks = tensor.blocks  # NOTE: never made fp32 (BlockEmbedding)
+                embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
                 continue
             module_name, kind = name.rsplit(".", 1)
@@ -268,13 +268,13 @@ class LlamaForCausalLM(nn.Module):
         return (isinstance(embedding, GGUFBlockTensor) and self.kernels.weights == "gguf"
                 and gguf_block_kernel_available(self.kernels.ops))
 
-    def _embedding_kernel(self, blocks) -> GGUFBlockLinear:
+    def _embedding_kernel(self, source) -> GGUFBlockLinear:
         """The tied LM head's block kernel (the same blocks: no second copy), else one of
-        the table's own."""
+        the table's own (source: its LazyBlocks)."""
         head = self.lm_head.kernel
         if self.config.tie_word_embeddings and isinstance(head, GGUFBlockLinear):
             return head
-        return GGUFBlockLinear(blocks, None, self.kernels.ops)
+        return GGUFBlockLinear(source.load(), None, self.kernels.ops)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
