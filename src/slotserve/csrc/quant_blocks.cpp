@@ -498,7 +498,9 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   float* smp = sm.data_ptr<float>();
   const float* dp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
-  for (int64_t o = 0; o < out; ++o) {
+  // NOTE: panels in parallel: a panel's bytes are its 16 rows' only
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+  for (int64_t o = first * QB_ROWS; o < std::min(out, last * QB_ROWS); ++o) {
     const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* block = pp + (p * blocks + b) * block_bytes;
@@ -517,6 +519,7 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
       smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
     }
   }
+  });
   // NOTE: fp16 where every scale and min is an fp16 value (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: d, m,
   // -8d, -16d, -128d), widened exactly in the kernel: the same fp32 values, half the bytes.
   const torch::Tensor half = sm.to(torch::kFloat16);
