@@ -379,6 +379,7 @@ def targets_table(report: dict) -> str:
 def run_file(model: ModelFile, scale: Scale, workloads: list[str], rounds: int,
              quality: dict | None) -> dict:
     """Both systems on one file, `rounds` times (order rotated); quality in round 1."""
+    t0 = time.perf_counter()
     runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     errors: dict[str, str] = {}
     scores: dict[str, float] = {}
@@ -411,6 +412,7 @@ def run_file(model: ModelFile, scale: Scale, workloads: list[str], rounds: int,
             "size_class": model.size_class, "scale": asdict(scale),
             "workloads": {w: workload_label(w, scale) for w in workloads},
             "runs": runs, "summary": summary, "quality": scores, "errors": errors,
+            "seconds": round(time.perf_counter() - t0),
             "targets": target_figures(summary.get("slotserve", {}),
                                       summary.get("llama.cpp", {}), scores)}
 
@@ -452,12 +454,13 @@ def main(argv: list[str] | None = None) -> dict:
     files = planned_files(Path(args.workdir), args.files, gemma)
     prepare(files, Path(args.workdir), LLAMA_BIN / "llama-quantize", gemma_path=gemma)
     prompts, tokens = (4, 8) if args.smoke else (QUALITY_PROMPTS, QUALITY_TOKENS)
-    references = {}
+    references, t0 = {}, time.perf_counter()
     if not args.no_quality:
         for f in files:
             if f.quality:
                 print(f"reference (fp32) on {f.key} ...", file=sys.stderr, flush=True)
                 references[f.key] = reference(f, prompts, tokens)
+    references_s = round(time.perf_counter() - t0)
     bandwidth, load = [measure_bandwidth_gbs()], [os.getloadavg()]
     results = []
     for f in files:
@@ -470,6 +473,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rounds": args.rounds,
               "quality_prompts": prompts, "quality_tokens": tokens,
               "seconds": round(time.perf_counter() - start_time),
+              "references_seconds": references_s,
               "settings": {"slots": SLOTS, "ctx_per_slot": CTX_PER_SLOT,
                            "llama_threads": LLAMA_THREADS, "smoke": args.smoke}}
     print(speed_table(report))
