@@ -39,7 +39,7 @@ def test_larger_models_get_smaller_workloads():
         online = quant.workload("W online high", scale)
         # Poisson at the scaled rate: the span is about requests / rate
         assert 0.3 < online.span * scale.rates[1] / scale.requests < 3
-    assert quant.workload_label("W online low", quant.SCALES["1b"]).endswith("0.25/s")
+    assert quant.workload_label("W online low", quant.SCALES["1b"]).endswith("0.5/s")
 
 
 def test_unknown_workload_is_refused():
