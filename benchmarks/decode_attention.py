@@ -2,6 +2,9 @@
 
     .venv/bin/python -m benchmarks.decode_attention --baseline HEAD~1 \\
         --out benchmarks/results/decode-attention.json
+    .venv/bin/python -m benchmarks.decode_attention --cache-dtypes bfloat16,int8 \\
+        --shapes 64x512,64x1024,64x2048 --layers 8 \\
+        --out benchmarks/results/decode-attention-int8.json
 
 SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, blocks of 16), each
 sequence's blocks spread at random over a pool, a separate cache per layer (so the K/V come
@@ -9,6 +12,12 @@ from memory, as in a decode step). The baseline is the fused kernel of another r
 slotserve/csrc (`--baseline REV`, built under its own name) or, without it,
 the torch reference (gather + SDPA). Reported per shape: the median time of the 30 layers
 for each, and the median of the per-round ratios.
+
+--cache-dtypes A,B: instead, this revision's fused kernel over the same K/V stored as each
+cache dtype (float32, bfloat16, int8: `--kv-cache-dtype`), interleaved round by round, each
+checked against the torch reference over its own cache; the ratio is B's speed-up over A.
+--layers: fewer caches (timed as that many layers) keep long contexts within memory; at 64
+sequences of 512 positions one layer's bf16 K/V (25 MB) already outgrow the CPU's caches.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from slotserve.attention import kv_int8
 from slotserve.attention.torch_paged import decode_attention
 from slotserve.lab.bench import write_report
 from slotserve.model.cpu_ops import CFLAGS, load_cpu_ops
@@ -58,32 +68,86 @@ def baseline_kernel(rev: str | None):
                 extra_ldflags=["-fopenmp"]).paged_decode_attention
 
 
-def compare(kernels: dict, seqs: int, context: int, rounds: int) -> dict:
+def as_cache(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """fp32 K or V (num_blocks, bs, nkv, hd) stored as a `dtype` cache."""
+    return kv_int8.quantize(x) if dtype == "int8" else x.to(getattr(torch, dtype))
+
+
+def decode_shape(seqs: int, context: int):
+    """(num_blocks, tables (seqs, max_blocks) of scattered blocks, lens, q)."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_blocks = seqs * max_blocks + 8
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
     tables = torch.randperm(num_blocks)[:seqs * max_blocks].view(seqs, max_blocks)
-    lens = torch.full((seqs,), context)
-    q = torch.randn(seqs, NUM_HEADS, HEAD_DIM)
-    outs = [kernel(q, *caches[0], tables, lens, HEAD_DIM ** -0.5) for kernel in kernels.values()]
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    return num_blocks, tables, torch.full((seqs,), context), torch.randn(seqs, NUM_HEADS,
+                                                                          HEAD_DIM)
 
-    def all_layers_ms(kernel) -> float:
+
+def time_interleaved(entries: dict, q, tables, lens, rounds: int) -> dict[str, list[float]]:
+    """name -> (kernel, caches): each round times every entry over all its caches (the
+    median of 5 passes), entry after entry; the per-round times by name."""
+    def all_layers_ms(kernel, caches) -> float:
         start = time.perf_counter()
         for k_cache, v_cache in caches:
             kernel(q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5)
         return (time.perf_counter() - start) * 1e3
 
-    rounds_ms = {name: [] for name in kernels}
+    rounds_ms = {name: [] for name in entries}
     for _ in range(rounds):
-        for name, kernel in kernels.items():
-            rounds_ms[name].append(statistics.median(all_layers_ms(kernel) for _ in range(5)))
-    ratios = [b / f for f, b in zip(*rounds_ms.values())]
-    kv_mb = seqs * context * NUM_KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS / 1e6  # read per step
-    return {"seqs": seqs, "context": context, "kv_mb": kv_mb, "rounds_ms": rounds_ms,
+        for name, (kernel, caches) in entries.items():
+            rounds_ms[name].append(statistics.median(all_layers_ms(kernel, caches)
+                                                     for _ in range(5)))
+    return rounds_ms
+
+
+def summary(seqs: int, context: int, kv_mb, rounds_ms: dict, faster: str, **extra) -> dict:
+    """The row of one shape: per-round times, their medians and minima, and the median of
+    the per-round speed-ups of entry `faster` over the other (its time / the other's)."""
+    other = next(name for name in rounds_ms if name != faster)
+    ratios = [b / f for f, b in zip(rounds_ms[faster], rounds_ms[other])]
+    return {"seqs": seqs, "context": context, "kv_mb": kv_mb, **extra, "rounds_ms": rounds_ms,
             "median_ms": {name: statistics.median(v) for name, v in rounds_ms.items()},
+            "min_ms": {name: min(v) for name, v in rounds_ms.items()},
             "speedup_median": statistics.median(ratios)}
+
+
+def compare(kernels: dict, seqs: int, context: int, rounds: int) -> dict:
+    num_blocks, tables, lens, q = decode_shape(seqs, context)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+    outs = [kernel(q, *caches[0], tables, lens, HEAD_DIM ** -0.5) for kernel in kernels.values()]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    rounds_ms = time_interleaved({name: (kernel, caches) for name, kernel in kernels.items()},
+                                 q, tables, lens, rounds)
+    kv_mb = seqs * context * NUM_KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS / 1e6  # read per step
+    return summary(seqs, context, kv_mb, rounds_ms, faster=next(iter(kernels)))
+
+
+def compare_cache_dtypes(kernel, dtypes: list[str], seqs: int, context: int, layers: int,
+                         rounds: int) -> dict:
+    """The fused kernel over the same random K/V stored as each dtype, `layers` caches."""
+    num_blocks, tables, lens, q = decode_shape(seqs, context)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = {dtype: [] for dtype in dtypes}
+    for _ in range(layers):
+        k, v = torch.randn(shape), torch.randn(shape)
+        for dtype in dtypes:
+            caches[dtype].append((as_cache(k, dtype), as_cache(v, dtype)))
+    mask = torch.arange(tables.shape[1] * BLOCK_SIZE)[None, :] < lens[:, None]
+    for dtype in dtypes:  # the kernel over each cache = the torch reference over it
+        torch.testing.assert_close(kernel(q, *caches[dtype][0], tables, lens, HEAD_DIM ** -0.5),
+                                   decode_attention(q, *caches[dtype][0], tables, mask,
+                                                    HEAD_DIM ** -0.5), atol=1e-5, rtol=1e-4)
+    rounds_ms = time_interleaved({dtype: (kernel, caches[dtype]) for dtype in dtypes}, q,
+                                 tables, lens, rounds)
+    read = seqs * context * NUM_KV_HEADS * 2 * layers  # head rows read per step, K and V
+    kv_mb = {dtype: read * caches[dtype][0][0].shape[-1] * caches[dtype][0][0].element_size()
+             / 1e6 for dtype in dtypes}
+    return summary(seqs, context, kv_mb, rounds_ms, faster=dtypes[1], layers=layers)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"64x512,1x2048" -> [(64, 512), (1, 2048)] (sequences x context positions)."""
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
 def main() -> None:
@@ -91,16 +155,32 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default=None, help="git revision of the kernel to compare")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--cache-dtypes", default=None,
+                   help="A,B: the fused kernel over caches of these dtypes (float32, "
+                        "bfloat16, int8) instead of against a baseline")
+    p.add_argument("--shapes", default=None, type=parse_shapes,
+                   help="SEQSxCONTEXT,...: the shapes to time (default: "
+                        + ",".join(f"{s}x{c}" for s, c in SHAPES) + ")")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help=f"caches timed, one per layer (default: {LAYERS})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads, which the kernel runs on (default: torch's own)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ops = load_cpu_ops()
     if ops is None:
         sys.exit("the fused CPU kernels did not build")
+    shapes = args.shapes or SHAPES
+    if args.cache_dtypes:
+        run_cache_dtypes(ops, args.cache_dtypes.split(","), shapes, args)
+        return
     baseline = f"kernel of {args.baseline}" if args.baseline else "torch reference"
     kernels = {"fused kernel": ops.paged_decode_attention,
                baseline: baseline_kernel(args.baseline)}
     rows = []
-    for seqs, context in SHAPES:
+    for seqs, context in shapes:
         row = compare(kernels, seqs, context, args.rounds)
         med = row["median_ms"]
         print(f"{seqs:3d} x {context:4d} ({row['kv_mb']:4.0f} MB of K/V): fused "
@@ -109,6 +189,25 @@ def main() -> None:
         rows.append(row)
     if args.out:
         write_report(args.out, rows=rows)
+
+
+def run_cache_dtypes(ops, dtypes: list[str], shapes, args) -> None:
+    """--cache-dtypes: one row per shape, printed and written to --out."""
+    if len(dtypes) != 2 or not set(dtypes) <= {"float32", "bfloat16", "int8"}:
+        sys.exit(f"--cache-dtypes: two of float32, bfloat16, int8; got {dtypes}")
+    rows = []
+    for seqs, context in shapes:
+        row = compare_cache_dtypes(ops.paged_decode_attention, dtypes, seqs, context,
+                                   args.layers, args.rounds)
+        med, mb = row["median_ms"], row["kv_mb"]
+        print(f"{seqs:3d} x {context:4d}, {args.layers} layers: "
+              + ", ".join(f"{d} {med[d]:7.2f} ms (min {row['min_ms'][d]:7.2f}; {mb[d]:4.0f} MB)"
+                          for d in dtypes)
+              + f", {dtypes[1]} x{row['speedup_median']:.2f}", flush=True)
+        rows.append(row)
+    if args.out:
+        write_report(args.out, rows=rows, cache_dtypes=dtypes, layers=args.layers,
+                     threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -219,7 +219,11 @@ class CacheConfig:
         of one request always share (one tenant).
     kv_cache_dtype: the cached K/V's element type. auto: bfloat16 where the linear weights
         are bf16 or int8 on the CPU (half the bytes decode attention reads; K/V rounded to
-        bf16 as stored), else the model's dtype (float32: the reference).
+        bf16 as stored), else the model's dtype (float32: the reference). int8 (CPU only,
+        opt-in): symmetric int8 codes with an fp32 scale per 32 elements of each token's
+        head (llama.cpp's q8_0 blocks; per 32 rather than one per token and head: 99.3%
+        against 98.7% teacher-forced greedy agreement with fp32 on SmolLM2, bf16 99.9%),
+        about 1.8x the blocks of bf16 in the same memory, dequantized as attention reads.
     """
 
     block_size: int = 16
@@ -228,7 +232,7 @@ class CacheConfig:
     memory_bytes: int | None = field(default=None, metadata={"name": "kv_cache_memory"})
     enable_prefix_caching: bool = True
     prefix_cache_scope: Literal["auto", "tenant", "global"] = "auto"
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -535,6 +539,10 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.quantization in ("bf16", "int8", "gguf") and not self.device.startswith("cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
+                             f"got device {self.device!r}")
+        if self.cache.kv_cache_dtype == "int8" and not self.device.startswith("cpu"):
+            # NOTE: only the CPU's kernels and torch paths read an int8 cache (not Triton's)
+            raise ValueError(f"kv_cache_dtype='int8' runs on the CPU only; "
                              f"got device {self.device!r}")
 
     @property

@@ -45,11 +45,25 @@ constexpr int64_t MAX_ATTENTION_HEADS = 256;  // query heads per sequence (its t
 inline int64_t first_window_position(int64_t context_len, int64_t window) {
   return window > 0 && context_len > window ? context_len - window : 0;
 }
-// One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers.
+// The KV caches' elements (`--kv-cache-dtype`): float, c10::BFloat16, or int8 head rows.
+enum class KvElements { kFloat, kBf16, kInt8 };
+// An int8 cache stores each head row (one token's K or V of one KV head) as hd int8 codes
+// followed by fp32 scales, one per run of KV_INT8_GROUP elements from the head's start (the
+// last run shorter where hd is not a multiple): slotserve/attention/kv_int8.py's format.
+constexpr int64_t KV_INT8_GROUP = 32;
+inline int64_t kv_int8_scales(int64_t head_dim) {
+  return (head_dim + KV_INT8_GROUP - 1) / KV_INT8_GROUP;
+}
+inline int64_t kv_int8_row_bytes(int64_t head_dim) {
+  return head_dim + int64_t(sizeof(float)) * kv_int8_scales(head_dim);
+}
+// One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers; an int8 cache's
+// last axis is a head row's bytes, kv_int8_row_bytes(hd).
 struct KvCacheView {
   void *k, *v;
-  bool bf16;  // c10::BFloat16 elements, else float
+  KvElements elements;
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
+  int64_t head_stride;  // elements between two KV heads of a position: hd, or an int8 row
 };
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,

@@ -1,14 +1,19 @@
 // The paged KV cache's kernels: storing the new tokens' K/V at their slots, and decode
 // attention (one query per sequence) read straight from the cache's blocks.
 //
-// The cache is float32 or bfloat16 (`--kv-cache-dtype`): bf16 halves the bytes decode
-// attention reads, which at 64 sequences of a few hundred positions outweigh the weights.
-// K/V are rounded to bf16 (to nearest even, as torch's .to(torch.bfloat16)) when stored,
-// widened back to fp32 exactly when read; queries, scores and sums stay fp32.
+// The cache is float32, bfloat16 or int8 (`--kv-cache-dtype`): bf16 halves the bytes
+// decode attention reads, which at 64 sequences of a few hundred positions outweigh the
+// weights, and int8 nearly halves them again. K/V are rounded to bf16 (to nearest even, as
+// torch's .to(torch.bfloat16)) when stored, widened back to fp32 exactly when read; or
+// quantized to int8 codes with an fp32 scale per 32 elements (ops.h, KV_INT8_GROUP) when
+// stored, read as code x scale in fp32 (slotserve/attention/kv_int8.py, bit for bit).
+// Queries, scores and sums stay fp32. NOTE: the element type is a template parameter of
+// every loop, chosen once per call (with_cache_elements): no per-element branch.
 
 #include "common.h"
 #include "ops.h"
 
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -17,14 +22,19 @@ namespace slotserve::kernels {
 
 namespace {
 
-// f(k_cache's elements, v_cache's elements) as float or c10::BFloat16 pointers, whichever
-// the caches hold.
+// f(k_cache's elements, v_cache's elements) as float, c10::BFloat16 or int8_t pointers,
+// whichever the caches hold.
 template <typename F>
 void with_cache_elements(const KvCacheView& cache, F f) {
-  if (cache.bf16)
-    f(static_cast<c10::BFloat16*>(cache.k), static_cast<c10::BFloat16*>(cache.v));
-  else
-    f(static_cast<float*>(cache.k), static_cast<float*>(cache.v));
+  switch (cache.elements) {
+    case KvElements::kBf16:
+      f(static_cast<c10::BFloat16*>(cache.k), static_cast<c10::BFloat16*>(cache.v));
+      break;
+    case KvElements::kInt8:
+      f(static_cast<int8_t*>(cache.k), static_cast<int8_t*>(cache.v));
+      break;
+    default: f(static_cast<float*>(cache.k), static_cast<float*>(cache.v));
+  }
 }
 
 // n floats -> the cache's element type (a copy, or bf16 rounded to nearest even).
@@ -32,22 +42,71 @@ inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src
 inline void store_row(const float* src, int64_t n, c10::BFloat16* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
+// n floats -> an int8 head row: n codes, then one fp32 scale per KV_INT8_GROUP of them.
+// scale = amax / 127, code = nearest-even(x * (1 / scale)) (kv_int8.quantize's ops, in
+// its order: the same bits). NOTE: a NaN keeps its run's scale NaN (its codes 0), so it
+// reaches attention's output as it would from a float cache.
+inline void store_row(const float* src, int64_t n, int8_t* dst) {
+  for (int64_t at = 0, run = 0; at < n; at += KV_INT8_GROUP, ++run) {
+    const int64_t len = std::min(KV_INT8_GROUP, n - at);
+    float amax = 0.f;
+    for (int64_t i = 0; i < len; ++i) {
+      const float a = std::fabs(src[at + i]);
+      if (a > amax || std::isnan(a)) amax = std::isnan(amax) ? amax : a;
+    }
+    const float scale = amax / 127.f;
+    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t i = 0; i < len; ++i) {
+      const float code = std::min(std::max(std::nearbyint(src[at + i] * inverse), -127.f), 127.f);
+      dst[at + i] = std::isnan(code) ? int8_t(0) : static_cast<int8_t>(code);
+    }
+    std::memcpy(dst + n + int64_t(sizeof(float)) * run, &scale, sizeof(float));
+  }
+}
+
+// An int8 head row (hd codes, then their scales) -> hd floats, code x scale.
+inline void dequantize_head(const int8_t* head, int64_t head_dim, float* out) {
+  for (int64_t at = 0, run = 0; at < head_dim; at += KV_INT8_GROUP, ++run) {
+    float scale;
+    std::memcpy(&scale, head + head_dim + int64_t(sizeof(float)) * run, sizeof(float));
+    const int64_t len = std::min(KV_INT8_GROUP, head_dim - at);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) out[at + i] = float(head[at + i]) * scale;
+  }
+}
+
+// The head size whose int8 row is `width` bytes (kv_int8_row_bytes' inverse), or -1.
+int64_t kv_int8_head_dim(int64_t width) {
+  for (int64_t head_dim = width; head_dim > 0 && kv_int8_row_bytes(head_dim) >= width;
+       --head_dim)
+    if (kv_int8_row_bytes(head_dim) == width) return head_dim;
+  return -1;
+}
 
 }  // namespace
 
-// The caches' pointers and shape: both float32 or both bfloat16, on the CPU, contiguous,
-// (num_blocks, bs, nkv, hd) each.
+// The caches' pointers and shape: both float32, both bfloat16 or both int8, on the CPU,
+// contiguous, (num_blocks, bs, nkv, hd) each (int8: (num_blocks, bs, nkv, row bytes)).
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16) &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 ||
+                   dtype == torch::kInt8) &&
                   v_cache.scalar_type() == dtype,
-              "k_cache and v_cache must be float32 or bfloat16 (the same) on the CPU");
+              "k_cache and v_cache must be float32 or bfloat16 (or int8 rows), the same, on "
+              "the CPU");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "the caches must be (num_blocks, bs, nkv, hd), both the same");
-  return {k_cache.data_ptr(), v_cache.data_ptr(), dtype == torch::kBFloat16, k_cache.size(0),
-          k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+  const int64_t width = k_cache.size(3);
+  const KvElements elements = dtype == torch::kBFloat16 ? KvElements::kBf16
+                              : dtype == torch::kInt8   ? KvElements::kInt8
+                                                        : KvElements::kFloat;
+  const int64_t head_dim = elements == KvElements::kInt8 ? kv_int8_head_dim(width) : width;
+  TORCH_CHECK(head_dim > 0, "an int8 cache's rows must be hd codes and 4 bytes per ",
+              KV_INT8_GROUP, " of them, not ", width, " bytes");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), elements, k_cache.size(0),
+          k_cache.size(1), k_cache.size(2), head_dim, width};
 }
 
 // Store T tokens' K and V (nkv heads of hd each, contiguous; token strides given) at their
@@ -59,7 +118,7 @@ void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_str
   with_cache_elements(cache, [&](auto* kc, auto* vc) {
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (slots[t] * heads + h) * head_dim;
+        const int64_t dst = (slots[t] * heads + h) * cache.head_stride;
         store_row(k + t * k_token_stride + h * head_dim, head_dim, kc + dst);
         store_row(v + t * v_token_stride + h * head_dim, head_dim, vc + dst);
       }
@@ -67,7 +126,8 @@ void write_kv_rows(const KvCacheView& cache, const float* k, int64_t k_token_str
 }
 
 // Store the new tokens' K and V, (T, nkv, hd) each (unit stride in hd), at their flat
-// cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd), float32 or bfloat16.
+// cache slots (T,) of k_cache, v_cache (num_blocks, bs, nkv, hd), float32 or bfloat16, or
+// int8 (each head quantized: store_row).
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                torch::Tensor slot_mapping) {
   const KvCacheView cache = kv_cache_view(k_cache, v_cache);
@@ -136,15 +196,58 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
   }
 }
 
+// attend (below) over an int8 cache: each position's heads in [first, first + width)
+// dequantized into fp32 (code x scale), then attend's fp32 math over them.
+template <typename RowOf>
+void attend_int8(const float* const* queries, const int64_t* kv_offsets, int64_t n,
+                 const int8_t* k_cache, const int8_t* v_cache, int64_t start, int64_t end,
+                 RowOf row_of, int64_t first, int64_t width, int64_t head_dim,
+                 int64_t head_stride, float scale, std::vector<float>& scores,
+                 float* const* out) {
+  const int64_t len = end - start, heads = width / head_stride;
+  scores.resize(n * len);  // (n, len): column i is position start + i
+  std::vector<float> rows(heads * head_dim);  // one position's heads, dequantized
+  int64_t at[MAX_ATTENTION_HEADS];            // query j's head in rows
+  for (int64_t j = 0; j < n; ++j) at[j] = (kv_offsets[j] - first) / head_stride * head_dim;
+  auto dequantize_position = [&](const int8_t* cache, int64_t pos) {
+    const int8_t* row = cache + row_of(pos) + first;
+    for (int64_t h = 0; h < heads; ++h)
+      dequantize_head(row + h * head_stride, head_dim, rows.data() + h * head_dim);
+  };
+  for (int64_t i = 0; i < len; ++i) {
+    dequantize_position(k_cache, start + i);
+    for (int64_t j = 0; j < n; ++j)
+      scores[j * len + i] = dot(queries[j], rows.data() + at[j], head_dim) * scale;
+  }
+  softmax_rows(scores.data(), n, len);
+  for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], head_dim, 0.f);
+  for (int64_t i = 0; i < len; ++i) {
+    dequantize_position(v_cache, start + i);
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = scores[j * len + i];
+      const float* value = rows.data() + at[j];
+      float* o = out[j];
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * value[d];
+    }
+  }
+}
+
 // The n query heads `queries` of one sequence over the cached positions [start, end): query
 // j reads the K/V head at offset kv_offsets[j] (elements) of each cached row; `row_of(pos)`
 // is the offset of position pos's row in the cache tensors, and [first, first + width) the
-// part of the row any of the n reads. scores: scratch; out: n rows of hd.
+// part of the row any of the n reads; head_stride: the elements between two KV heads (hd,
+// or an int8 row's bytes). scores: scratch; out: n rows of hd.
 template <typename T, typename RowOf>
 void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
             const T* k_cache, const T* v_cache, int64_t start, int64_t end, RowOf row_of,
-            int64_t first, int64_t width, int64_t head_dim, float scale,
+            int64_t first, int64_t width, int64_t head_dim, int64_t head_stride, float scale,
             std::vector<float>& scores, float* const* out) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    attend_int8(queries, kv_offsets, n, k_cache, v_cache, start, end, row_of, first, width,
+                head_dim, head_stride, scale, scores, out);
+    return;
+  }
   const int64_t len = end - start;
   scores.resize(n * len);  // (n, len): column i is position start + i
   for (int64_t i = 0; i < len; ++i) {
@@ -196,6 +299,30 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The elements of one cached head of 16 * NV values: as many, or an int8 row's bytes.
+template <int NV, typename T>
+constexpr int64_t head_elements() {
+  return std::is_same_v<T, int8_t> ? kv_int8_row_bytes(16 * NV) : 16 * NV;
+}
+
+// One cached head of 16 * NV values as NV vectors of fp32: float and bf16 loaded (bf16
+// widened exactly), int8 codes times their run's scale (one per KV_INT8_GROUP = 2 vectors).
+template <int NV, typename T>
+inline void load_head(const T* head, __m512* out) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    static_assert(KV_INT8_GROUP == 32 && NV % 2 == 0, "a scale per two vectors");
+    for (int v = 0; v < NV; ++v) {
+      float scale;
+      std::memcpy(&scale, head + 16 * NV + int64_t(sizeof(float)) * (v / 2), sizeof(float));
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(head + 16 * v));
+      out[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
+                             _mm512_set1_ps(scale));
+    }
+  } else {
+    for (int v = 0; v < NV; ++v) out[v] = load16(head + 16 * v);
+  }
+}
+
 // The G query heads that share one KV head (head_dim = 16 * NV), with the queries and the
 // outputs held in AVX-512 registers while the context streams by: per cached position NV
 // loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
@@ -211,9 +338,9 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < NV; ++v) q[j][v] = _mm512_loadu_ps(queries[j] + 16 * v);
   for_each_row(table, start, end, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
-    if (ahead >= 0) prefetch_row(k_cache + ahead + kv_offset, 16 * NV);
+    if (ahead >= 0) prefetch_row(k_cache + ahead + kv_offset, head_elements<NV, T>());
     __m512 key[NV];
-    for (int v = 0; v < NV; ++v) key[v] = load16(k_cache + at + kv_offset + 16 * v);
+    load_head<NV>(k_cache + at + kv_offset, key);
     for (int j = 0; j < G; ++j) {
       __m512 acc = _mm512_mul_ps(q[j][0], key[0]);
       for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(q[j][v], key[v], acc);
@@ -225,9 +352,9 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < NV; ++v) o[j][v] = _mm512_setzero_ps();
   for_each_row(table, start, end, block_size, row, [&](int64_t pos, int64_t at, int64_t ahead) {
-    if (ahead >= 0) prefetch_row(v_cache + ahead + kv_offset, 16 * NV);
+    if (ahead >= 0) prefetch_row(v_cache + ahead + kv_offset, head_elements<NV, T>());
     __m512 value[NV];
-    for (int v = 0; v < NV; ++v) value[v] = load16(v_cache + at + kv_offset + 16 * v);
+    load_head<NV>(v_cache + at + kv_offset, value);
     for (int j = 0; j < G; ++j) {
       const __m512 p = _mm512_set1_ps(scores[j * len + pos]);
       for (int v = 0; v < NV; ++v) o[j][v] = _mm512_fmadd_ps(p, value[v], o[j][v]);
@@ -275,7 +402,8 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
                            const int64_t* lens, double scale, int64_t window, float* out) {
   const int64_t block_size = cache.block_size, num_kv_heads = cache.num_kv_heads;
   const int64_t head_dim = cache.head_dim, group = num_heads / num_kv_heads;
-  const int64_t row = num_kv_heads * head_dim;  // elements between two cached positions
+  const int64_t head_stride = cache.head_stride;  // hd, or an int8 row's bytes
+  const int64_t row = num_kv_heads * head_stride;  // elements between two cached positions
   const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * group;
@@ -289,7 +417,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
   const int64_t grain =
       seqs * (window > 0 ? std::min(window, positions) : positions) < SERIAL_POSITIONS ? tasks
                                                                                        : 1;
-  // (kc, vc): the caches' elements, float or c10::BFloat16
+  // (kc, vc): the caches' elements, float, c10::BFloat16 or int8_t
   with_cache_elements(cache, [&](const auto* kc, const auto* vc) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
     at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
@@ -309,7 +437,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
           const int64_t head = kv_first * group + j;
           queries[j] = q + seq * q_token_stride + head * q_head_stride;
           outs[j] = out + (seq * num_heads + head) * head_dim;
-          kv_offsets[j] = head / group * head_dim;
+          kv_offsets[j] = head / group * head_stride;
         }
 #if defined(__AVX512F__)
         if (head_dim == 64 || head_dim == 128) {
@@ -317,14 +445,14 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
             const auto chunks =
                 head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
             chunks(queries + h * group, outs + h * group, group, kc, vc, table, start, end,
-                   block_size, row, (kv_first + h) * head_dim, float(scale), scores);
+                   block_size, row, (kv_first + h) * head_stride, float(scale), scores);
           }
           continue;
         }
 #endif
         attend(queries, kv_offsets, heads_per_task, kc, vc, start, end, row_of,
-               kv_first * head_dim, kv_per_task * head_dim, head_dim, float(scale), scores,
-               outs);
+               kv_first * head_stride, kv_per_task * head_stride, head_dim, head_stride,
+               float(scale), scores, outs);
       }
     });
   });

@@ -12,10 +12,11 @@ The module's functions, all fp32 on the CPU:
 - silu_mul(gate_up (T, 2I)) -> (T, I)
 - rotary_(x (T, n, hd), cos, sin (T, hd/2) each): rotate-half RoPE, in place
 - write_kv_(k_cache, v_cache, k, v (T, nkv, hd), slot_mapping (T,)): store new K/V (the
-  caches float32, or bfloat16: rounded to nearest even as stored)
+  caches float32, or bfloat16: rounded to nearest even as stored, or int8: each head's row
+  quantized as attention/kv_int8.py does, codes then a scale per 32)
 - paged_decode_attention(q (D, nh, hd), k_cache, v_cache, block_tables (D, maxb),
-  context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks (either
-  cache dtype, widened to fp32)
+  context_lens (D,), scale) -> (D, nh, hd), reading K/V straight from the blocks (any
+  cache dtype, widened or dequantized to fp32)
 - int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
 - pack_panels(weight (out, in)) -> panels; panel_linear(x (T, in), panels, out) -> (T, out):

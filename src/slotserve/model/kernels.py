@@ -526,11 +526,17 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
 
     auto: bfloat16 where the linear weights are bf16 or int8 and the model float32 (the
     decode's other large read is the cache: at 64 sequences of a few hundred positions it
-    outweighs the weights), else the model's dtype; float32 / bfloat16: as named.
+    outweighs the weights), else the model's dtype; float32 / bfloat16: as named; int8:
+    torch.int8, attention/kv_int8.py's rows of codes and scales (opt-in, never auto).
     """
     if setting == "auto":
         quantized = kernels.weights in ("bf16", "int8", "gguf") and model_dtype == torch.float32
         return torch.bfloat16 if quantized else model_dtype
+    if setting == "int8":
+        return torch.int8
+    if setting not in DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, int8 or one of {sorted(DTYPES)}, "
+                         f"got {setting!r}")
     return DTYPES[setting]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from slotserve.attention.metadata import AttentionMetadata
+from slotserve.attention.torch_paged import gather_kv  # an int8 cache: dequantized
 
 
 def softcapped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -23,14 +24,14 @@ def softcapped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         rows = slice(seq.query_start, seq.query_start + seq.num_queries)
         keys = seq.keys(window)
         length = seq.context_len - keys.key_start
-        k = _gather(k_cache, keys.block_table, q.dtype)[:length]  # (L, nkv, hd)
-        v = _gather(v_cache, keys.block_table, q.dtype)[:length]
+        k = gather_kv(k_cache, keys.block_table, q.dtype)[:length]  # (L, nkv, hd)
+        v = gather_kv(v_cache, keys.block_table, q.dtype)[:length]
         out[rows] = _attend(q[rows][None], k[None], v[None], keys.mask[None], scale,
                             softcap)[0]
     for group in meta.decode_groups:
         group = _with_mask(group, meta.block_size).windowed(window, meta.block_size)
-        k = _gather(k_cache, group.block_tables, q.dtype)  # (D, Lmax, nkv, hd)
-        v = _gather(v_cache, group.block_tables, q.dtype)
+        k = gather_kv(k_cache, group.block_tables, q.dtype)  # (D, Lmax, nkv, hd)
+        v = gather_kv(v_cache, group.block_tables, q.dtype)
         out[group.rows] = _attend(q[group.rows][:, None], k, v, group.mask[:, None], scale,
                                   softcap)[:, 0]
     return out
@@ -56,8 +57,3 @@ def _with_mask(group, block_size: int):
     mask = (torch.arange(width, device=group.context_lens.device)[None, :]
             < group.context_lens[:, None])
     return type(group)(group.rows, group.block_tables, group.context_lens, mask)
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    blocks = cache.index_select(0, block_table.reshape(-1))  # (n, bs, nkv, hd)
-    return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:]).to(dtype)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from slotserve.attention import kv_int8
 from slotserve.attention.metadata import build_metadata
 from slotserve.config import CacheConfig, ModelConfig, SlotKind
 from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -36,13 +37,21 @@ from slotserve.structured.grammar import (
 __all__ = ["DTYPES", "ModelRunner", "kv_block_bytes", "resolve_dtype"]
 
 # The KV pool's dtypes that numpy's lazily zeroed pages can hold (bf16 as its bit pattern).
-NUMPY_ZEROS_AS = {torch.float32: np.float32, torch.bfloat16: np.uint16}
+NUMPY_ZEROS_AS = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.int8: np.int8}
+
+
+def kv_head_row(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cached head row (a token's K or V of one KV head): hd, or an int8
+    cache's hd codes + their fp32 scales' bytes (attention/kv_int8.py)."""
+    return kv_int8.row_bytes(head_dim) if dtype == torch.int8 else head_dim
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: K and V of block_size positions in every layer."""
+    """Bytes of one block: K and V of block_size positions in every layer (an int8 cache's
+    scales included)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    row = kv_head_row(cfg.head_dim, dtype)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row * elem
     return per_token * block_size
 
 
@@ -51,7 +60,8 @@ class ModelRunner:
 
     kernels: the KernelSet the model runs (model/kernels.py); default: resolved from
     device and dtype with kernels="auto" and fp32 weights.
-    kv_cache_dtype: the KV pool's element type (default: the model's dtype).
+    kv_cache_dtype: the KV pool's element type (default: the model's dtype); torch.int8:
+    attention/kv_int8.py's rows (CPU only).
     lookups: what the runner asks the engine about a running request (its grammar matcher,
     logit shaping, prompt-logprobs accumulator) and the EOS ids min_tokens masks
     (runner/lookups.py); default: none, every request unconstrained.
@@ -67,6 +77,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(device, dtype)
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
+        if self.kv_cache_dtype == torch.int8 and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype='int8' runs on the CPU only; got device {device!r}")
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kernels = kernels or resolve_kernels(device=device, dtype=dtype)
@@ -124,7 +136,8 @@ class ModelRunner:
         # NOTE: one tensor (layers, K|V, blocks, block_size, nkv, hd); each layer's K and V
         # are contiguous views of it
         pool = self._zeros((cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,
-                            cfg.num_key_value_heads, cfg.head_dim))
+                            cfg.num_key_value_heads,
+                            kv_head_row(cfg.head_dim, self.kv_cache_dtype)))
         # NOTE: select, not unbind: views that are written in place must be single views
         return [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_hidden_layers)]
 
