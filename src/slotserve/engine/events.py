@@ -119,7 +119,7 @@ class EngineSnapshot:
     device: str = ""
     dtype: str = ""  # the activations' ("float32", "bfloat16", ...)
     kernels: str = ""  # the KernelSet's describe()
-    kv_cache_dtype: str = ""  # the KV cache's elements ("float32", "bfloat16")
+    kv_cache_dtype: str = ""  # the KV cache's elements ("float32", "bfloat16", "int8")
     kv_block_bytes: int = 0  # one block's K and V over every layer
 
     @property
