@@ -63,7 +63,7 @@ from benchmarks.peers.quant_files import (
     tensor_types,
 )
 from benchmarks.perf import llama_server, measure_bandwidth_gbs
-from benchmarks.vs_vllm import QUALITY_PROMPTS, QUALITY_TOKENS, Server
+from benchmarks.vs_vllm import QUALITY_PROMPTS, QUALITY_TOKENS, Server, prompt_logprob_hits
 from slotserve.lab.bench import (
     BenchSampling,
     OpenAITarget,
@@ -230,20 +230,11 @@ def agreement(hits: list[list[bool]]) -> float:
 
 
 def slotserve_hits(url: str, prompts, continuations) -> list[list[bool]]:
-    """Through slotserve's API: prompt + continuation as token ids, `prompt_logprobs=1`; the
-    rank-1 token at each continuation position is its argmax after the forced prefix."""
-    hits = []
+    """Through slotserve's API (vs_vllm.prompt_logprob_hits: the rank-1 token of
+    `prompt_logprobs` at each continuation position is its argmax after the forced prefix)."""
     with httpx.Client(base_url=url, timeout=300) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
-        for prompt, cont in zip(prompts, continuations):
-            body = {"model": model, "prompt": prompt + cont, "max_tokens": 1,
-                    "temperature": 0.0, "prompt_logprobs": 1}
-            response = client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            positions = response.json()["choices"][0]["prompt_logprobs"][len(prompt):]
-            hits.append([next(int(t) for t, v in logprobs.items() if v["rank"] == 1) == expected
-                         for expected, logprobs in zip(cont, positions)])
-    return hits
+    return prompt_logprob_hits(url, prompts, continuations, model, timeout=300)
 
 
 def llamacpp_top_token(client: httpx.Client, ids: list[int]) -> int:

@@ -607,22 +607,29 @@ def slotserve_quality(target: EngineTarget, specs: list[SystemSpec]) -> tuple[li
     return prompts, continuations, quality
 
 
-def api_agreement(url: str, prompts, continuations, model: str = "smollm2") -> float:
-    """Teacher-forced agreement through a vLLM server: prompt + continuation as token ids,
-    `prompt_logprobs=1`; the rank-1 token at each continuation position is the argmax."""
-    hits = total = 0
-    with httpx.Client(base_url=url, timeout=120) as client:
+def prompt_logprob_hits(url: str, prompts, continuations, model: str = "smollm2",
+                        timeout: float = 120) -> list[list[bool]]:
+    """Per continuation position, whether an OpenAI-compatible server's argmax after the
+    forced prefix is the continuation's token: prompt + continuation as token ids,
+    `prompt_logprobs=1`, the rank-1 token at each continuation position."""
+    hits = []
+    with httpx.Client(base_url=url, timeout=timeout) as client:
         for prompt, cont in zip(prompts, continuations):
             body = {"model": model, "prompt": prompt + cont, "max_tokens": 1,
                     "temperature": 0.0, "prompt_logprobs": 1}
             response = client.post("/v1/completions", json=body)
             response.raise_for_status()
             positions = response.json()["choices"][0]["prompt_logprobs"][len(prompt):]
-            for expected, logprobs in zip(cont, positions):
-                top = next(int(t) for t, v in logprobs.items() if v["rank"] == 1)
-                hits += int(top == expected)
-                total += 1
-    return hits / total
+            hits.append([next(int(t) for t, v in logprobs.items() if v["rank"] == 1) == expected
+                         for expected, logprobs in zip(cont, positions)])
+    return hits
+
+
+def api_agreement(url: str, prompts, continuations, model: str = "smollm2") -> float:
+    """Teacher-forced agreement through a vLLM server (prompt_logprob_hits' share)."""
+    hits = [hit for row in prompt_logprob_hits(url, prompts, continuations, model)
+            for hit in row]
+    return sum(hits) / len(hits)
 
 
 # --------------------------------------------------------------------------- report
