@@ -50,7 +50,7 @@ from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
-from slotserve.spec.planner import Candidate, Speculator
+from slotserve.spec.planner import Candidate, DecodeStepCost, Speculator
 
 
 class Scheduler:
@@ -82,8 +82,8 @@ class Scheduler:
         # NOTE: "auto" speculation plans with the cost of decode-only iterations (decodes
         # and their drafts): prefill chunks cost more per token (attention over the prompt,
         # on the CPU the general path instead of the decode stack) and would make drafts
-        # look dear.
-        self.decode_cost = CostModel()
+        # look dear. Iterations that stalled (a garbage collection) are left out of it.
+        self.decode_cost = DecodeStepCost()
         # The drafts a running request may verify, a prefix of those proposed (the engine's:
         # what a structured output's grammar accepts).
         self.filter_drafts: Callable[[Request, list[int]], list[int]] = (
