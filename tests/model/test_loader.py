@@ -366,12 +366,14 @@ def test_hf_dir_round_trip(tmp_path, kind, tied, shard):
     assert loaded.tokenizer is None and loaded.source == str(tmp_path)
 
 
-def test_hf_dir_bfloat16_becomes_float32(tmp_path):
+def test_hf_dir_bfloat16_loads_as_stored(tmp_path):
+    """bf16 stays bf16 (the model widens each tensor as it loads it: test_hf_dir_loading.py)."""
     model = tiny_hf("llama", tied=False, seed=6).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     for name, w in model.state_dict().items():
-        assert torch.equal(loaded.weights[name], w.float()), name
+        assert loaded.weights[name].dtype == torch.bfloat16, name
+        assert torch.equal(loaded.weights[name], w), name
 
 
 @pytest.fixture(scope="module")

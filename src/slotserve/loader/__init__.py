@@ -1,11 +1,12 @@
-"""Model loading: a GGUF file or a Hugging Face directory -> config, float32 weights, tokenizer.
+"""Model loading: a GGUF file or a Hugging Face directory -> config, weights, tokenizer.
 
     from slotserve.loader import load_model
     model = load_model()            # the embedded default model (SmolLM2-135M-Instruct, GGUF)
     model = load_model("path/to/hf_dir_or_file.gguf")
 
-Weights use Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight`, ...), float32,
-on CPU; `lm_head.weight` is absent when the embeddings are tied. GGUF conversions are cached
+Weights use Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight`, ...), float32
+(an HF directory's bf16/fp16 tensors as stored: the model widens them as it loads them), on
+CPU; `lm_head.weight` is absent when the embeddings are tied. GGUF conversions are cached
 on disk (see `slotserve.loader.cache`).
 """
 
@@ -40,7 +41,7 @@ class LoadedModel:
     """A model ready to hand to `slotserve.model`: shape, weights, tokenizer, where it came from."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names, float32, CPU
+    weights: dict[str, torch.Tensor]  # HF Llama names, float32 (HF dir: as stored), CPU
     tokenizer: Tokenizer | None  # None when an HF directory has no tokenizer files
     source: str  # the path loaded
 

@@ -26,7 +26,8 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """Config, float32 weights and tokenizer (None without tokenizer.json) of an HF directory."""
+    """Config, weights (float32, or bfloat16/float16 as the file stores them) and tokenizer
+    (None without tokenizer.json) of an HF directory."""
     config = hf_model_config(path)
     files = weight_files(path)
     weights = read_weights(files)
@@ -79,7 +80,11 @@ def weight_files(path: str) -> list[str]:
 
 
 def read_weights(files: list[str]) -> dict[str, torch.Tensor]:
-    """All tensors of `files`, as float32; rotary `inv_freq` buffers are dropped.
+    """All tensors of `files`, in their own dtype (float64 as float32); rotary `inv_freq`
+    buffers are dropped.
+
+    NOTE: bf16/fp16 stay as they are: the model widens each tensor as it copies it in
+    (exactly), so the loading never holds an fp32 copy of the whole file.
 
     A tensor that is not float32, float16, bfloat16 or float64 raises ModelFileError.
     """
@@ -91,7 +96,7 @@ def read_weights(files: list[str]) -> dict[str, torch.Tensor]:
             if tensor.dtype not in WEIGHT_DTYPES:
                 raise ModelFileError(file, f"tensor {name} has dtype {tensor.dtype}, not one of "
                                            f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
-            weights[name] = tensor.float()
+            weights[name] = tensor.float() if tensor.dtype == torch.float64 else tensor
     return weights
 
 

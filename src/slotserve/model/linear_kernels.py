@@ -340,27 +340,47 @@ def decode_step_weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
-    """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py).
+class LinearKernelSwap:
+    """Gives the Linears of `model` the linear kernels of `kernel_set` (model/kernels.py) one
+    at a time, as the loading sets each one's weights (`swap`), then the rest and the panels'
+    arena (`finish`). The Linear named `lm_head` takes the set's head_factory() (int8 leaves
+    it in bf16).
 
-    Called once, by the model as its weights are loaded (LlamaForCausalLM.load_hf_weights).
-    The Linear named `lm_head` takes the set's head_factory() (int8 leaves it in bf16).
+    NOTE: a swapped Linear releases its fp32 parameter, so a loading that swaps each Linear
+    as soon as its weights are in holds one fp32 linear at a time, not the whole model in
+    fp32 beside its packed kernels.
     """
-    from slotserve.model.layers import Linear
 
-    factory, head_factory = kernel_set.linear_factory(), kernel_set.head_factory()
-    if factory is None:
-        return
-    if not on_cpu_fp32(model):
-        raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the CPU "
-                         "in float32")
-    kernels = []
-    for name, module in model.named_modules():  # in the order a forward reads them
-        if isinstance(module, Linear):
-            make = head_factory if name == "lm_head" and head_factory else factory
-            kernels.append(make(module.weight, module.bias))
-            module.use_kernel(kernels[-1])
-    place_panels_in_one_arena([k for k in kernels if isinstance(k, PANEL_KERNELS)])
+    def __init__(self, model: nn.Module, kernel_set) -> None:
+        self.model = model
+        self.factory, self.head_factory = kernel_set.linear_factory(), kernel_set.head_factory()
+        if self.factory is not None and not on_cpu_fp32(model):
+            raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the "
+                             "CPU in float32")
+
+    def swap(self, name: str, module) -> None:
+        """Linear `module` (named `name` in the model), its weights set, runs its kernel."""
+        if self.factory is None:
+            return
+        make = self.head_factory if name == "lm_head" and self.head_factory else self.factory
+        module.use_kernel(make(module.weight, module.bias))
+
+    def finish(self) -> None:
+        """Swap every Linear not swapped yet; the panels into one arena, in forward order."""
+        from slotserve.model.layers import Linear
+
+        linears = [(name, module) for name, module in self.model.named_modules()
+                   if isinstance(module, Linear)]  # in the order a forward reads them
+        for name, module in linears:
+            if module.kernel is None:
+                self.swap(name, module)
+        place_panels_in_one_arena([module.kernel for _, module in linears
+                                   if isinstance(module.kernel, PANEL_KERNELS)])
+
+
+def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
+    """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py)."""
+    LinearKernelSwap(model, kernel_set).finish()
 
 
 def place_panels_in_one_arena(kernels: list) -> None:

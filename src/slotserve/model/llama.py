@@ -9,6 +9,7 @@ family's block differs from Llama's is data (model/families.py), read here once 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -24,8 +25,8 @@ from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, a
 from slotserve.model.linear_kernels import (
     BlockEmbedding,
     GGUFBlockLinear,
+    LinearKernelSwap,
     gguf_block_kernel_available,
-    swap_linear_kernels,
 )
 from slotserve.model.softcap_attention import softcapped_paged_attention
 
@@ -232,7 +233,8 @@ class LlamaForCausalLM(nn.Module):
         layer with a kernel holds no weight parameter to load or move again.
         """
         loaded, embedding_blocks = set(), None
-        for name, tensor in fuse_hf_weights(weights, self.config).items():
+        swap = LinearKernelSwap(self, self.kernels)
+        for name, tensor in fuse_hf_weights(weights, self.config):
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
@@ -252,10 +254,12 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {tuple(target.shape)}")
             target.copy_(tensor)
             loaded.add(name)
+            if isinstance(module, Linear) and _has_all_weights(module, module_name, loaded):
+                swap.swap(module_name, module)
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"weights missing: {sorted(missing)[:5]}")
-        swap_linear_kernels(self, self.kernels)
+        swap.finish()
         if embedding_blocks is not None:
             self.embed_tokens = BlockEmbedding(self._embedding_kernel(embedding_blocks),
                                                self.embed_tokens.weight.detach())
@@ -277,6 +281,10 @@ class LlamaForCausalLM(nn.Module):
         return GGUFBlockLinear(source.load(), None, self.kernels.ops)
 
 
+def _has_all_weights(linear: Linear, name: str, loaded: set[str]) -> bool:
+    return f"{name}.weight" in loaded and (linear.bias is None or f"{name}.bias" in loaded)
+
+
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     try:
         return model.get_submodule(name)
@@ -294,29 +302,28 @@ _AS_IS = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attentio
 
 
 def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
-                    ) -> dict[str, torch.Tensor]:
-    """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts.
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts and dtypes.
 
     Tensors HF already stores fused (Phi-3's qkv_proj, gate_up_proj: q, k, v and gate, up
     in this order too) are taken as they are; a tensor the model has no place for is left
     out (the loaders' shape checks name what is missing).
+    NOTE: yielded one at a time, a layer's weights before its biases: a fused tensor exists
+    while it is being loaded, not all of them at once.
     """
     embed = weights["model.embed_tokens.weight"]
-    fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": embed,
-        "norm.weight": weights["model.norm.weight"],
-        "lm_head.weight": embed if cfg.tie_word_embeddings else weights["lm_head.weight"],
-    }
+    yield "embed_tokens.weight", embed
+    yield "norm.weight", weights["model.norm.weight"]
+    yield "lm_head.weight", embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for kind in ("weight", "bias"):
             for name, parts in _FUSED.items():
                 if f"{src}{name}.{kind}" in weights:
-                    fused[f"{dst}{name}.{kind}"] = weights[f"{src}{name}.{kind}"]
+                    yield f"{dst}{name}.{kind}", weights[f"{src}{name}.{kind}"]
                 elif f"{src}{parts[0]}.{kind}" in weights:
-                    fused[f"{dst}{name}.{kind}"] = torch.cat(
+                    yield f"{dst}{name}.{kind}", torch.cat(
                         [weights[f"{src}{part}.{kind}"] for part in parts])
             for name in _AS_IS:
                 if f"{src}{name}.{kind}" in weights:
-                    fused[f"{dst}{name}.{kind}"] = weights[f"{src}{name}.{kind}"]
-    return fused
+                    yield f"{dst}{name}.{kind}", weights[f"{src}{name}.{kind}"]
