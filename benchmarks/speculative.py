@@ -41,7 +41,12 @@ every iteration of this benchmark's off runs (their trace times: the machine, mo
 kernels measured, no extra run); `linear`: the same fit without the knee; or `--profile
 PROFILE.json` (a `slotserve calibrate` profile). NOTE: the fit tells a row's cost from an
 iteration's fixed cost only across batch sizes (a verification's drafts are decode rows);
-with one `--batches` value and no W, use --profile.
+with one `--batches` value and no W, use --profile. Unless `--no-anchor` (the clock before
+2026-12-05): each off run has a base of its own in the fit (a workload's cost per step that
+no feature sees: grounded batch 1 decoded at ~8 ms a step where the fit priced ~6.3), each
+cell's prediction moves the base to that round's off run's decodes (`anchored`), and the
+attention of a verification's drafted rows (they re-read the KV its first row just read) is
+priced on the other cells' runs with drafts (`with_draft_pairs`), never the cell's own.
 
 `--save-traces PATH` writes the measurements and every run's trace (gzip JSON, several MB);
 `--from-traces PATH` predicts again from such a file without running the model (e.g.
@@ -62,11 +67,12 @@ import time
 
 from benchmarks.perf import workload_w
 from slotserve import SamplingParams
+from slotserve.engine.async_engine import freeze_heap
 from slotserve.engine.llm import LLM
 from slotserve.lab.bench import BenchSampling, EngineTarget, run_bench
 from slotserve.lab.bench.report import write_report
-from slotserve.lab.replay.cost_model import load_profile
-from slotserve.lab.replay.spec_prediction import fit_trace_cost, predict_ratio
+from slotserve.lab.replay.cost_model import DRAFT_PAIRS, load_profile
+from slotserve.lab.replay.spec_prediction import fit_trace_cost, predict_ratio, with_draft_pairs
 from slotserve.lab.workload import BenchRequest, Workload, with_poisson_arrivals
 from slotserve.percentile import percentile
 
@@ -128,6 +134,7 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     spec = llm.engine.scheduler.speculator
     before = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
     llm.engine.trace.clear()  # NOTE: the trace of this run only
+    freeze_before_run()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -197,6 +204,20 @@ def _median_ratio(on: list[dict], off: list[dict], key: str) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def freeze_before_run() -> None:
+    """Collect and freeze what is alive before a measured run, as the server does after its
+    start-up (`freeze_heap`: `gc.collect(); gc.freeze()`).
+
+    NOTE: without it a full collection scans every object alive, here the engines, the
+    tokenizer and every earlier run's trace: one took ~330 ms against 5-30 ms steps, came
+    once or twice a run, and more often in the runs that allocate more (speculation's
+    drafts): in the 2026-12-04 run W's auto run had two (off one), ~6% of its time, and a
+    request decoding through one got its TPOT p99. The server does not pay them (its
+    start-up heap is frozen), so the benchmark measures without them too.
+    """
+    freeze_heap()
+
+
 # ----------------------------------------------------------------------- W and online
 class WarmedTarget(EngineTarget):
     """`run_bench`'s in-process target (a fresh engine per run) whose engine answers one
@@ -219,6 +240,7 @@ class WarmedTarget(EngineTarget):
             engine.step()
         engine.trace.clear()
         self.last_engine, self.warm_counts = engine, spec_counts(engine)
+        freeze_before_run()
         return engine
 
 
@@ -275,15 +297,17 @@ def run_bench_cell(targets: dict[str, WarmedTarget], workload: Workload,
 
 
 # ----------------------------------------------------------------------- the replay
-def replay_cost_model(profile, traces: dict, log, clock: str = "knee"):
+def replay_cost_model(profile, traces: dict, log, clock: str = "knee", anchor: bool = True):
     """The replay's clock and what it is: the profile (a LinearCost) if given, else a fit
     on every off run's iterations, with a knee over rows (`clock` "knee") or without
-    ("linear")."""
+    ("linear"); with anchor each run has a base of its own (`fit_trace_cost`'s
+    per_run_base: `add_predictions` moves it to the cell's off run)."""
     if profile is not None:
         return profile, "profile"
     off = [t for cells in traces.values() for cell in cells.values() for t in cell["off"]]
     model = fit_trace_cost(off, meta={"runs": len(off)},
-                           knee="auto" if clock == "knee" else None)
+                           knee="auto" if clock == "knee" else None,
+                           per_run_base=anchor)
     fit = model.meta["fit"]
     knee = f", knee at {model.knee:g} rows" if model.knee is not None else ", no knee"
     log(f"replay clock: fit on {len(off)} off runs' {fit['samples']} iterations{knee}, "
@@ -291,17 +315,39 @@ def replay_cost_model(profile, traces: dict, log, clock: str = "knee"):
     return model, f"{clock} fit on the off runs' iterations"
 
 
-def add_predictions(report: dict, traces: dict, cost_model) -> None:
+def cell_clock(cost_model, traces: dict, cell: tuple[str, str], log=None):
+    """The clock for one cell's predictions: `cost_model` with the drafted rows' attention
+    priced on the other cells' runs with drafts (`with_draft_pairs`: never the cell's own,
+    whose ratio it predicts); as it is if they have too few verifications."""
+    others = [t for workload, cells in traces.items() for batch, runs in cells.items()
+              if (workload, batch) != cell for name, recorded in runs.items()
+              if name != "off" for t in recorded]
+    try:
+        return with_draft_pairs(cost_model, others)
+    except ValueError as exc:
+        if log is not None:
+            log(f"replay: {cell[0]} {cell[1]}: drafted rows at the attention price ({exc})")
+        return cost_model
+
+
+def add_predictions(report: dict, traces: dict, cost_model, anchor: bool = True,
+                    log=None) -> None:
     """Each on setting's predicted ratio per cell (median over rounds of `predict_ratio` on
     that round's off and on traces) and its relative error against the measured median;
-    beside it the replayed off tok/s against the measured (how well the clock fits)."""
+    beside it the replayed off tok/s against the measured (how well the clock fits).
+
+    anchor: the drafted rows priced on the other cells (`cell_clock`) and the fixed cost
+    moved to each round's off run (`predict_ratio`'s anchor); False: `cost_model` as it is
+    (the clock before)."""
     for workload, cells in report["results"].items():
         for batch, cell in cells.items():
+            clock = cell_clock(cost_model, traces, (workload, batch), log) if anchor \
+                else cost_model
             measured_off = statistics.median(r["output_tok_s"] for r in cell["off"]["runs"])
             for name, config in report["settings"].items():
                 if config is None:
                     continue
-                rounds = [predict_ratio(off, on, config, cost_model) for off, on in
+                rounds = [predict_ratio(off, on, config, clock, anchor=anchor) for off, on in
                           zip(traces[workload][batch]["off"], traces[workload][batch][name])]
                 predicted = statistics.median(r["ratio"] for r in rounds)
                 off_tok_s = statistics.median(r["off_tok_s"] for r in rounds)
@@ -309,6 +355,8 @@ def add_predictions(report: dict, traces: dict, cost_model) -> None:
                     "predicted_ratio": predicted,
                     "error": predicted / cell[name]["median_ratio"] - 1,
                     "off_tok_s": off_tok_s, "off_error": off_tok_s / measured_off - 1,
+                    "draft_pairs_s": clock.coefficients.get(DRAFT_PAIRS)
+                    if hasattr(clock, "coefficients") else None,
                     "rounds": rounds}
 
 
@@ -516,6 +564,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("knee", "linear"), default="knee",
                    help="the replay's clock fit on the off runs: with a knee over rows "
                         "(default) or a line")
+    p.add_argument("--no-anchor", dest="anchor", action="store_false",
+                   help="the replay's clock as fit: one drafted-row price (a decode's "
+                        "attention), its fixed cost not moved to each off run (the clock "
+                        "before 2026-12-05)")
     p.add_argument("--profile", metavar="PROFILE.json", default=None,
                    help="the replay's clock: a `slotserve calibrate` profile (default: a fit "
                         "on this run's off iterations)")
@@ -563,10 +615,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {args.save_traces}")
     if args.replay:
         try:
-            cost_model, source = replay_cost_model(args.profile, traces, log, args.clock)
-            add_predictions(report, traces, cost_model)
+            cost_model, source = replay_cost_model(args.profile, traces, log, args.clock,
+                                                   args.anchor)
+            add_predictions(report, traces, cost_model, anchor=args.anchor, log=log)
             report["replay"] = {"clock": source, "profile": args.profile_path,
                                 "cost_model": cost_model.describe(),
+                                "anchored": args.anchor,
                                 "fit": cost_model.meta.get("fit"),
                                 "within": within(report, PREDICTION_BOUND)}
         except ValueError as exc:  # NOTE: the measurements are reported all the same

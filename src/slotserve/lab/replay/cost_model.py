@@ -29,6 +29,17 @@ cost of a step against its rows bends upwards where the one turns into the other
 through both regimes prices a small step's extra rows (a batch-1 verification's drafts) at
 the large steps' slope. `LinearCost.fit(samples, knee="auto")` picks the knee that fits
 best (or none).
+
+Draft pairs (`StepFeatures.draft_pairs`, optional coefficient `LinearCost.DRAFT_PAIRS`): of
+a verification's attention pairs in an iteration of decodes only, those of its rows after
+the first. The decode stack computes each row's attention over the sequence's KV up to its
+own position, so the drafted rows read the KV the first row has just brought into cache:
+their pairs cost compute, not a read from memory (this 2-core host, free text and W: ~0.3-0.8
+us a pair against ~1.7-1.9 us for a decode's). Priced at the attention coefficient a
+batch-1 verification of 8 drafts over a 170-token context cost 1.4x a decode in the replay
+where it measured ~1.05x. An off run has no drafts, so its iterations cannot tell the two
+prices apart: `LinearCost.fit_draft_pairs` fits the drafted rows' price on runs with
+speculation (each run's own speed factored out); without it they cost `attention_pairs`.
 """
 
 from __future__ import annotations
@@ -45,6 +56,8 @@ from slotserve.core.outputs import SchedulerOutput
 PROFILE_VERSION = 1
 FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows")
 KNEE_COEFFICIENT = "rows_past_knee"  # seconds per row past the knee (see the docstring)
+DRAFT_PAIRS = "draft_pairs"  # seconds per query-key pair of a drafted row (the docstring)
+MIN_DRAFT_SAMPLES = 5  # verifications `fit_draft_pairs` needs
 MAX_KNEE_CANDIDATES = 48  # knees `fit(knee="auto")` tries first: the samples' row counts
 KNEE_REFINE = 8  # then this many more on each side of the best, between its neighbours,
 KNEE_REFINE_LEVELS = 3  # on grids this many times finer and finer
@@ -58,10 +71,13 @@ class StepFeatures:
     decode_seqs: int = 0
     attention_pairs: int = 0
     sampled_rows: int = 0
+    # NOTE: a part of attention_pairs (a verification's rows after its first, among
+    # decodes only): priced on its own only by a model with a DRAFT_PAIRS coefficient.
+    draft_pairs: int = 0
 
     @classmethod
     def of(cls, plan: SchedulerOutput) -> StepFeatures:
-        prefill = decode = pairs = sampled = 0
+        prefill = decode = pairs = sampled = drafted = 0
         decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
         for seq in plan.seqs:
             n, start = seq.num_tokens, seq.start_pos
@@ -74,8 +90,10 @@ class StepFeatures:
             else:
                 prefill += n
             pairs += n * start + n * (n + 1) // 2
+            if decode_only and drafts:
+                drafted += n * start + n * (n + 1) // 2 - (start + 1)  # rows after the first
             sampled += seq.sample + drafts
-        return cls(prefill, decode, pairs, sampled)
+        return cls(prefill, decode, pairs, sampled, drafted)
 
     @property
     def rows(self) -> int:
@@ -117,6 +135,9 @@ class LinearCost:
         missing = set(FEATURES) - set(self.coefficients)
         if missing:
             raise ValueError(f"coefficients is missing {sorted(missing)}")
+        unknown = set(self.coefficients) - {*FEATURES, KNEE_COEFFICIENT, DRAFT_PAIRS}
+        if unknown:
+            raise ValueError(f"coefficients has unknown {sorted(unknown)}")
         for key, value in [("base", self.base), *self.coefficients.items()]:
             if not isinstance(value, (int, float)) or not np.isfinite(value):
                 raise ValueError(f"coefficient {key} must be a finite number, got {value!r}")
@@ -132,6 +153,9 @@ class LinearCost:
 
     def step_seconds(self, features: StepFeatures) -> float:
         seconds = self.base + sum(self.coefficients[f] * getattr(features, f) for f in FEATURES)
+        if DRAFT_PAIRS in self.coefficients:
+            seconds += features.draft_pairs * (self.coefficients[DRAFT_PAIRS]
+                                               - self.coefficients["attention_pairs"])
         if self.knee is not None:
             seconds += self.coefficients[KNEE_COEFFICIENT] * max(0.0, features.rows - self.knee)
         # NOTE: a fit may give a small negative coefficient; time never runs backwards.
@@ -140,7 +164,7 @@ class LinearCost:
     @classmethod
     def fit(cls, samples: list[tuple[StepFeatures, float]], relative: bool = True,
             nonnegative: bool = True, meta: dict | None = None,
-            knee: float | str | None = None) -> LinearCost:
+            knee: float | str | None = None, groups: list[int] | None = None) -> LinearCost:
         """Least squares over (features, measured seconds) samples.
 
         relative: weight each sample by 1/seconds, so a 10 ms step's error counts as much
@@ -153,6 +177,13 @@ class LinearCost:
         knee: None: a plain linear fit; a number: rows past it get their own coefficient
         (`rows_past_knee`); "auto": the knee that fits best (least weighted squared error:
         `_best_knee`), or none if no knee fits better than the line.
+        groups: each sample's run (0, 1, ...); if given, each run has a base of its own (the
+        host's speed then, a workload's cost per step that no feature sees) and the other
+        coefficients are shared: the returned base is the median of the runs' (each in
+        meta["run_bases"]), to be moved to a run's own level (`spec_prediction.anchored`).
+        NOTE: one base for runs whose fixed costs differ makes the features explain the
+        difference (a fit over free text and grounded answers, the second 2 ms a step
+        dearer, doubled the attention price and lost the knee).
         """
         if len(samples) < len(FEATURES) + 1:
             raise ValueError(f"samples: need at least {len(FEATURES) + 1} to fit "
@@ -162,15 +193,49 @@ class LinearCost:
             raise ValueError("samples: measured seconds must be > 0")
         w = 1.0 / y if relative else np.ones_like(y)
         features = [f for f, _ in samples]
+        if groups is not None and len(groups) != len(samples):
+            raise ValueError(f"groups: {len(groups)} for {len(samples)} samples")
+        onehot = None if groups is None else _one_hot(groups)
         if knee == "auto":
-            _, knee, coef = _best_knee(features, y, w, nonnegative)
+            _, knee, coef = _best_knee(features, y, w, nonnegative, onehot)
         elif knee is None or (isinstance(knee, (int, float)) and not isinstance(knee, bool)):
-            _, coef = _fit_at(features, y, w, nonnegative, knee)
+            _, coef = _fit_at(features, y, w, nonnegative, knee, onehot)
         else:
             raise ValueError(f"knee must be None, a number of rows or 'auto', got {knee!r}")
+        meta = dict(meta or {})
+        bases = [float(coef[0])]
+        if onehot is not None:
+            bases, coef = [float(b) for b in coef[:onehot.shape[1]]], coef[onehot.shape[1] - 1:]
+            meta["run_bases"] = bases
         names = FEATURES if knee is None else (*FEATURES, KNEE_COEFFICIENT)
-        return cls(float(coef[0]), {f: float(c) for f, c in zip(names, coef[1:])},
-                   dict(meta or {}), None if knee is None else float(knee))
+        return cls(float(np.median(bases)), {f: float(c) for f, c in zip(names, coef[1:])},
+                   meta, None if knee is None else float(knee))
+
+    def fit_draft_pairs(self, runs: list[list[tuple[StepFeatures, float]]]) -> LinearCost:
+        """This model with a DRAFT_PAIRS coefficient fit on runs with speculation (each a
+        list of (features, seconds): one run's iterations); the rest as it is.
+
+        Each run's speed is its own (a host shared with other work slows whole runs): a
+        run's factor is the median of measured / predicted over its iterations without
+        drafts, and its verifications' seconds are divided by it. A verification's drafted
+        pairs then cost what its seconds have beyond the model's price of the rest; the
+        coefficient is the median of that per pair over every verification, weighted by
+        its drafted pairs (a stall of the process is one outlier, not a shift), and never
+        below 0. ValueError with fewer than MIN_DRAFT_SAMPLES verifications.
+        """
+        rest = LinearCost(self.base, {**self.coefficients, DRAFT_PAIRS: 0.0}, self.meta,
+                          self.knee)
+        per_pair: list[tuple[float, float]] = []  # (seconds a drafted pair, its weight)
+        for run in runs:
+            speed = _run_speed(rest, run)
+            per_pair += [((seconds / speed - rest.step_seconds(f)) / f.draft_pairs,
+                          float(f.draft_pairs)) for f, seconds in run if f.draft_pairs > 0]
+        if len(per_pair) < MIN_DRAFT_SAMPLES:
+            raise ValueError(f"runs: need at least {MIN_DRAFT_SAMPLES} verifications among "
+                             f"decodes to price drafted rows, got {len(per_pair)}")
+        price = max(0.0, _weighted_median(per_pair))
+        return LinearCost(self.base, {**self.coefficients, DRAFT_PAIRS: price},
+                          dict(self.meta), self.knee)
 
     def residuals(self, samples: list[tuple[StepFeatures, float]]) -> dict:
         """How well this model predicts the samples: RMS (ms) and relative errors."""
@@ -207,6 +272,10 @@ class LinearCost:
         for f in FEATURES:
             scale = 1e6 if f == "attention_pairs" else 1000
             lines.append(f"  {f:<16}{self.coefficients[f] * scale:10.4f} {units[f]}")
+        if DRAFT_PAIRS in self.coefficients:
+            drafted = self.coefficients[DRAFT_PAIRS] * 1e6
+            lines.append(f"  {DRAFT_PAIRS:<16}{drafted:10.4f} ms per 1k query-key pairs of "
+                         "drafted rows (decodes only)")
         if self.knee is not None:
             past = self.coefficients[KNEE_COEFFICIENT] * 1000
             lines.append(f"  {KNEE_COEFFICIENT:<16}{past:10.4f} ms per row past {self.knee:g} "
@@ -214,16 +283,50 @@ class LinearCost:
         return "\n".join(lines)
 
 
+def _run_speed(model: LinearCost, run: list[tuple[StepFeatures, float]]) -> float:
+    """The median of measured / predicted seconds over a run's iterations without drafts
+    (1.0 if it has none the model prices above 0)."""
+    ratios = [seconds / model.step_seconds(f) for f, seconds in run
+              if f.draft_pairs == 0 and model.step_seconds(f) > 0]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
+def _weighted_median(values: list[tuple[float, float]]) -> float:
+    """The value at half the total weight of (value, weight) pairs."""
+    ordered = sorted(values)
+    half, running = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        running += weight
+        if running >= half:
+            return value
+    return ordered[-1][0]
+
+
+def _one_hot(groups: list[int]) -> np.ndarray:
+    """[samples, runs]: 1 where a sample belongs to a run (the runs' base columns)."""
+    runs = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    onehot = np.zeros((len(groups), len(runs)))
+    onehot[np.arange(len(groups)), [runs[g] for g in groups]] = 1.0
+    return onehot
+
+
 def _fit_at(features: list[StepFeatures], y: np.ndarray, w: np.ndarray, nonnegative: bool,
-            knee: float | None) -> tuple[float, np.ndarray]:
-    """(weighted squared error, coefficients) of the fit with this knee (None: the line)."""
+            knee: float | None, onehot: np.ndarray | None = None
+            ) -> tuple[float, np.ndarray]:
+    """(weighted squared error, coefficients) of the fit with this knee (None: the line);
+    with onehot (`_one_hot`), a base per run: the coefficients start with the runs' bases
+    instead of one."""
     x = np.array([f.vector(knee) for f in features])
-    coef = _least_squares(x * w[:, None], y * w, nonnegative)
+    if onehot is not None:
+        x = np.hstack([onehot, x[:, 1:]])
+    bases = 1 if onehot is None else onehot.shape[1]
+    coef = _least_squares(x * w[:, None], y * w, nonnegative, bases)
     return float(np.sum(((x @ coef - y) * w) ** 2)), coef
 
 
 def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
-               nonnegative: bool) -> tuple[float, float | None, np.ndarray]:
+               nonnegative: bool, onehot: np.ndarray | None = None
+               ) -> tuple[float, float | None, np.ndarray]:
     """(error, knee, coefficients) of the best fit: the line, or a knee among the samples'
     row counts (at most MAX_KNEE_CANDIDATES of them, below the largest: a knee past every
     sample is the line), then refined KNEE_REFINE_LEVELS times on a finer grid between the
@@ -234,7 +337,7 @@ def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
     a factor n^(2/n) for n samples (13% at 50 samples, 0.8% at 2000), so a line with noise
     (or the rounding of a trace's times) stays a line.
     """
-    error, coef = _fit_at(features, y, w, nonnegative, None)
+    error, coef = _fit_at(features, y, w, nonnegative, None, onehot)
     best: tuple[float, float | None, np.ndarray] = (error, None, coef)
     floor = 1e-12 * float(np.sum((y * w) ** 2))  # an exact fit's error is rounding
     bar = error / len(y) ** (2 / len(y))  # what a knee must beat
@@ -242,7 +345,7 @@ def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
     def best_of(knees: list[float]) -> None:
         nonlocal best
         for knee in knees:
-            error, coef = _fit_at(features, y, w, nonnegative, knee)
+            error, coef = _fit_at(features, y, w, nonnegative, knee, onehot)
             if error < min(best[0], bar) - floor:
                 best = (error, knee, coef)
 
@@ -263,14 +366,16 @@ def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
     return best
 
 
-def _least_squares(x: np.ndarray, y: np.ndarray, nonnegative: bool) -> np.ndarray:
-    """argmin |x c - y|; with nonnegative, features (not the base, column 0) whose
-    coefficient is negative are dropped one at a time, most negative first."""
+def _least_squares(x: np.ndarray, y: np.ndarray, nonnegative: bool, bases: int = 1
+                   ) -> np.ndarray:
+    """argmin |x c - y|; with nonnegative, features (not the bases, the first `bases`
+    columns) whose coefficient is negative are dropped one at a time, most negative
+    first."""
     active = list(range(x.shape[1]))
     while True:
         coef = np.zeros(x.shape[1])
         coef[active], *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        negative = [i for i in active[1:] if coef[i] < 0]
+        negative = [i for i in active[bases:] if coef[i] < 0]
         if not nonnegative or not negative:
             return coef
         active.remove(min(negative, key=lambda i: coef[i]))

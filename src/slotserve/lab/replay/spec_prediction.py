@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
+import numpy as np
+
 from slotserve.config import SlotKind
 from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
 from slotserve.lab.replay.cost_model import LinearCost, StepFeatures
@@ -97,22 +99,59 @@ def trace_samples(trace: dict) -> list[tuple]:
 
 
 def fit_trace_cost(traces: Sequence[dict], meta: dict | None = None,
-                   knee: float | str | None = "auto"):
+                   knee: float | str | None = "auto",
+                   verification_traces: Sequence[dict] = (), per_run_base: bool = False):
     """A `LinearCost` fit (as `slotserve calibrate` fits its grid) on the iterations of
     recorded batch runs (`trace_samples`): the clock of the machine, model and kernels that
     ran them, at the batch sizes and contexts they reached.
 
     knee: as `LinearCost.fit`'s; "auto" (default): the rows past which a step turns
     compute-bound, if a knee fits the iterations better than a line (the decode stack reads
-    the weights once per step, so a batch-1 verification's drafts cost little)."""
-    samples = [sample for trace in traces for sample in trace_samples(trace)]
-    model = LinearCost.fit(samples, meta={"source": "trace fit", **(meta or {})}, knee=knee)
+    the weights once per step, so a batch-1 verification's drafts cost little).
+    verification_traces: runs with speculation; if given, their verifications price the
+    drafted rows' attention (`with_draft_pairs`).
+    per_run_base: each trace a base of its own (`LinearCost.fit`'s groups; the model's
+    base is their median: move it to a run with `anchored`)."""
+    per_trace = [trace_samples(trace) for trace in traces]
+    samples = [sample for run in per_trace for sample in run]
+    groups = [i for i, run in enumerate(per_trace) for _ in run] if per_run_base else None
+    model = LinearCost.fit(samples, meta={"source": "trace fit", **(meta or {})}, knee=knee,
+                           groups=groups)
     model.meta["fit"] = model.residuals(samples)
-    return model
+    return with_draft_pairs(model, verification_traces) if verification_traces else model
+
+
+def with_draft_pairs(model: LinearCost, traces: Sequence[dict]) -> LinearCost:
+    """`model` with the drafted rows' attention priced on these runs' verifications
+    (`LinearCost.fit_draft_pairs`, each run's speed its own); ValueError when they have too
+    few."""
+    priced = model.fit_draft_pairs([trace_samples(trace) for trace in traces])
+    priced.meta["draft_pairs_from"] = len(traces)
+    return priced
+
+
+def anchored(model: LinearCost, trace: dict) -> LinearCost:
+    """`model` with its fixed cost per iteration moved so that it prices a recorded run's
+    iterations of decodes only at what they measured, in the median: base + the median of
+    (measured - predicted) over them (the model as it is if the run has none).
+
+    NOTE: a fit over several runs has one base, but a run can pay a cost per step that no
+    feature sees (a workload's own bookkeeping; a host that ran slower): the quiet
+    2026-12-04 run's grounded batch-1 decodes took ~8 ms (TPOT) where the fit priced ~6.3,
+    and a fixed cost priced too low makes each verification's rows weigh more than they do
+    (predicted x1.40 against x1.75-1.87 measured). The on/off ratio lives in the decodes,
+    so they set the level.
+    """
+    samples = [(f, seconds) for f, seconds in trace_samples(trace) if f.prefill_tokens == 0]
+    if not samples:
+        return model
+    shift = float(np.median([seconds - model.step_seconds(f) for f, seconds in samples]))
+    meta = {**model.meta, "anchored_ms": shift * 1000}
+    return LinearCost(model.base + shift, dict(model.coefficients), meta, model.knee)
 
 
 def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
-                  cost_model) -> dict:
+                  cost_model, anchor: bool = False) -> dict:
     """The replay's prediction of a batch run's output tok/s with speculation on against
     off, from the two measured runs of the same prompts.
 
@@ -123,9 +162,14 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     to verify). Requests are matched by order (both runs added the same prompts in the same
     order); ValueError when the runs' requests differ in number or prompt length.
 
+    anchor: first move `cost_model`'s fixed cost to the off run's own decodes (`anchored`;
+    a LinearCost only).
+
     Returns off_tok_s, on_tok_s (output tokens / replayed seconds), ratio (on / off), the
     replays' iterations and the drafts the on replay proposed and accepted.
     """
+    if anchor:
+        cost_model = anchored(cost_model, off_trace)
     requests, settings = batch_requests(off_trace)
     on_requests = [r for r in on_trace.get("requests") or () if r.get("output_tokens")]
     if [r["prompt_tokens"] for r in on_requests] != [r.prompt_tokens for r in requests]:
