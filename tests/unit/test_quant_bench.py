@@ -80,6 +80,8 @@ def test_llama_shapes_have_meta_parameter_counts():
     """Llama 3.2 1B: 1.24B parameters; 3B: 3.21B (tied embeddings, as Meta's cards)."""
     assert qf.parameter_count(qf.LLAMA_SHAPES["1b"]) == pytest.approx(1.236e9, rel=2e-3)
     assert qf.parameter_count(qf.LLAMA_SHAPES["3b"]) == pytest.approx(3.213e9, rel=2e-3)
+    # 0.5B: Qwen2.5-0.5B's 0.36B non-embedding parameters, with Llama 3's vocabulary
+    assert qf.parameter_count(qf.LLAMA_SHAPES["0.5b"]) == pytest.approx(0.473e9, rel=2e-3)
     shapes = qf.llama_tensor_shapes(qf.LLAMA_SHAPES["1b"])
     assert shapes["blk.15.attn_k.weight"] == (512, 2048)  # 8 KV heads x 64
     assert shapes["rope_freqs.weight"] == (32,) and "output.weight" not in shapes
