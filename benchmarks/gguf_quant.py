@@ -14,6 +14,12 @@ batch-1 ms per token again with the three engines side by side, one step of each
     .venv/bin/python -m benchmarks.gguf_quant --speed --batches 1 8 --speed-steps 150 \
         --out benchmarks/results/gguf-stack-zen4.json
 
+    .venv/bin/python -m benchmarks.gguf_quant --files A.gguf B.gguf --rounds 2 --seqs 32 \
+        --out benchmarks/results/gguf-sizes.json
+
+`--files` measures the same per process (load, memory, batch-1, `--seqs` decoding) for other
+GGUF files, each served in its own blocks (quantization=auto), the files in turn.
+
 `--speed` measures only decode speed, in this one process: GGUF blocks through the decode
 stack, GGUF blocks layer by layer in Python (the stack off: what quantization=gguf ran
 before the stack had a block kind) and bf16 (through the stack), each with `batch`
@@ -50,8 +56,9 @@ def _rss_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
-def worker(quantization: str, batch_tokens: int, seqs: int) -> dict:
-    """One mode's numbers, measured in this (fresh) process."""
+def worker(quantization: str, batch_tokens: int, seqs: int, model: str | None = None) -> dict:
+    """One mode's numbers, measured in this (fresh) process (`model`: a file; None: the
+    embedded one)."""
     from benchmarks.int8_quality import batch1_ms_per_token, chat_prompts
     from slotserve.config import engine_config
     from slotserve.engine.llm_engine import LLMEngine
@@ -62,8 +69,8 @@ def worker(quantization: str, batch_tokens: int, seqs: int) -> dict:
     set_torch_threads()
     load_cpu_ops()
     start = time.perf_counter()
-    engine = LLMEngine.from_config(engine_config(max_num_seqs=seqs, num_blocks=2048,
-                                                 quantization=quantization))
+    engine = LLMEngine.from_config(engine_config(model=model, max_num_seqs=seqs,
+                                                 num_blocks=2048, quantization=quantization))
     load_s = time.perf_counter() - start
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -226,6 +233,51 @@ def speed_report(batches: list[int], steps: int, repeats: int) -> dict:
     return report
 
 
+def _run_worker(quantization: str, tokens: int, seqs: int, model: str | None = None) -> dict:
+    """worker() in a fresh process: its numbers."""
+    command = [sys.executable, "-m", "benchmarks.gguf_quant", "--worker", quantization,
+               "--tokens", str(tokens), "--seqs", str(seqs)]
+    out = subprocess.run(command + (["--model", model] if model else []), capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def files_report(files: list[str], rounds: int, tokens: int, seqs: int) -> dict:
+    """Each GGUF file served in its own blocks: `rounds` fresh processes each, the files in
+    turn; per file every run and the medians (what the README's sizes table shows)."""
+    runs: dict[str, list[dict]] = {f: [] for f in files}
+    for _ in range(rounds):
+        for f in files:
+            runs[f].append(_run_worker("auto", tokens, seqs, f))
+            print(os.path.basename(f), runs[f][-1], flush=True)
+    return {"command": " ".join(["python -m benchmarks.gguf_quant", *sys.argv[1:]]),
+            "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "bandwidth_gbs": _bandwidth_gbs(), "load_average_after": os.getloadavg(),
+            "rounds": rounds, "tokens_each": tokens, "seqs": seqs,
+            "files": {f: {"file_mib": os.path.getsize(f) / 2**20, "median": _medians(rs),
+                          "runs": rs} for f, rs in runs.items()}}
+
+
+def _medians(runs: list[dict]) -> dict:
+    return {key: (statistics.median(run[key] for run in runs) if key != "kernels"
+                  else runs[0][key]) for key in runs[0]}
+
+
+def _bandwidth_gbs() -> float:
+    from benchmarks.perf import measure_bandwidth_gbs
+
+    return measure_bandwidth_gbs()
+
+
+def _write(report: dict, out: str | None) -> None:
+    print(json.dumps({k: v for k, v in report.items() if k != "files"}))
+    for name, entry in report.get("files", {}).items():
+        print(os.path.basename(name), json.dumps(entry["median"]))
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,11 +295,19 @@ def main() -> None:
     p.add_argument("--speed-steps", type=int, default=100, help="--speed: steps per mode")
     p.add_argument("--speed-repeats", type=int, default=3,
                    help="--speed: runs per batch size (fresh engines each)")
+    p.add_argument("--files", nargs="+", default=None,
+                   help="only these GGUF files, each served in its own blocks (auto): "
+                        "load time, memory, batch-1 and --seqs decoding, --rounds processes "
+                        "each (the files in turn)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.tokens, args.seqs)))
+        print(json.dumps(worker(args.worker, args.tokens, args.seqs, args.model)))
+        return
+    if args.files:
+        _write(files_report(args.files, args.rounds, args.tokens, args.seqs), args.out)
         return
     if args.speed:
         report = speed_report(args.batches, args.speed_steps, args.speed_repeats)
@@ -259,13 +319,9 @@ def main() -> None:
     names = list(MODES)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.gguf_quant", "--worker",
-                                  MODES[name], "--tokens", str(args.tokens), "--seqs",
-                                  str(args.seqs)], capture_output=True, text=True, check=True)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[name].append(_run_worker(MODES[name], args.tokens, args.seqs))
             print(name, runs[name][-1], flush=True)
-    table = {name: {key: (statistics.median(run[key] for run in rs) if key != "kernels"
-                          else rs[0][key]) for key in rs[0]} for name, rs in runs.items()}
+    table = {name: _medians(rs) for name, rs in runs.items()}
     report = {"command": " ".join(["python -m benchmarks.gguf_quant", *sys.argv[1:]]),
               "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
               "model_file_mib": _model_file_mib(), "rounds": args.rounds, "median": table,
