@@ -208,12 +208,13 @@ def freeze_before_run() -> None:
     """Collect and freeze what is alive before a measured run, as the server does after its
     start-up (`freeze_heap`: `gc.collect(); gc.freeze()`).
 
-    NOTE: without it a full collection scans every object alive, here the engines, the
-    tokenizer and every earlier run's trace: one took ~330 ms against 5-30 ms steps, came
-    once or twice a run, and more often in the runs that allocate more (speculation's
-    drafts): in the 2026-12-04 run W's auto run had two (off one), ~6% of its time, and a
-    request decoding through one got its TPOT p99. The server does not pay them (its
-    start-up heap is frozen), so the benchmark measures without them too.
+    NOTE: unfrozen, a full collection scans every object alive, here three engines, the
+    tokenizer and every earlier run's trace: 43-64 ms with the three engines built (211k
+    objects, a loaded host), against 5-30 ms steps. The server does not pay it, so the
+    benchmark does not either. The ~330 ms stalls in the 2026-12-04 traces (one every ~45
+    steps at 64 sequences, in off and on runs alike) are not these: a probe of one engine
+    running 64 free-text requests unfrozen saw no full collection and no stall; their
+    cause is open.
     """
     freeze_heap()
 

@@ -1,7 +1,7 @@
 """"auto" drafts only where they pay, on the scheduler's own step cost (issue 35).
 
 Workload W's tail (8-23 sequences left, long contexts) lost with auto: a draft row cost
-~0.4 ms for ~0.5 expected tokens against ~0.7 ms a token without, and a garbage collection
+~0.4 ms for ~0.5 expected tokens against ~0.7 ms a token without, and a stall of the process
 of ~350 ms in one iteration had bent the scheduler's line (`CostModel`) so that drafts
 looked nearly free. These tests give the planner a step cost and acceptance and check the
 decision (zero drafts where they do not pay, drafts where they do), and that a stall does

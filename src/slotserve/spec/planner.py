@@ -68,9 +68,9 @@ class DecodeStepCost(CostModel):
     """The scheduler's cost of an iteration of decodes and their drafts, for "auto": the
     recency-weighted line of `CostModel` over the iterations it observes, deaf to stalls.
 
-    NOTE: a pause of the whole process (a full garbage collection: ~330 ms in the in-process
-    benchmark, against 15 ms steps; the host taking the core) is no cost of the step's
-    tokens, but one such point at a small batch tilts a least-squares line: after one in
+    NOTE: a pause of the whole process (~330 ms ones in the in-process benchmark's traces,
+    against 15 ms steps; a garbage collection; the host taking the core) is no cost of the
+    step's tokens, but one such point at a small batch tilts a least-squares line: after one in
     workload W's tail the line turned proportional (no fixed cost: the planner fell back to
     its prior and drafted at 23 sequences), then all fixed cost (drafts looked free), and
     auto drafted where each draft row cost ~0.4 ms for ~0.5 tokens. An iteration slower than
