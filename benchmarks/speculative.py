@@ -208,13 +208,13 @@ def freeze_before_run() -> None:
     """Collect and freeze what is alive before a measured run, as the server does after its
     start-up (`freeze_heap`: `gc.collect(); gc.freeze()`).
 
-    NOTE: unfrozen, a full collection scans every object alive, here three engines, the
-    tokenizer and every earlier run's trace: 43-64 ms with the three engines built (211k
-    objects, a loaded host), against 5-30 ms steps. The server does not pay it, so the
-    benchmark does not either. The ~330 ms stalls in the 2026-12-04 traces (one every ~45
-    steps at 64 sequences, in off and on runs alike) are not these: a probe of one engine
-    running 64 free-text requests unfrozen saw no full collection and no stall; their
-    cause is open.
+    NOTE: unfrozen, a full collection scans every object alive, here three engines and
+    the tokenizer: 43-67 ms with the three engines built (211-232k objects, a loaded host),
+    against 5-30 ms steps, and one came in a 64-request run with speculation (a probe: none
+    in off's, none with one engine). The server does not pay them (its heap is frozen), so
+    the benchmark does not either. The ~330 ms stalls in the 2026-12-04 traces (one every
+    ~45 steps at 64 sequences, off and on alike) are 5x such a collection and more
+    frequent: collections on a host loaded several-fold may be part of them; not pinned.
     """
     freeze_heap()
 
