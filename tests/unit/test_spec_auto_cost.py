@@ -171,3 +171,44 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
         assert late_drafts <= 5, late_drafts
     else:
         assert late_drafts >= 40, late_drafts  # the failure this guards against
+
+
+def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost) -> dict:
+    """The planner's rule written plainly: every possible draft's gain (rate^j), sorted
+    best first (ties in candidate order), taken while it pays."""
+    gains = []
+    for cand in candidates:
+        rate = spec.rate(cand.seq_id)
+        gains += [(rate ** j, cand.seq_id)
+                  for j in range(1, min(cand.max_tokens, spec.config.max_tokens) + 1)]
+    gains.sort(key=lambda g: -g[0])
+    tokens, produced = max(planned, 1), float(max(producing, 1))
+    seconds, wanted = cost.seconds(tokens), {}
+    for gain, seq_id in gains[:budget]:
+        more = cost.seconds(tokens + 1)
+        if not (seconds > 0 and (produced + gain) * seconds > produced * more):
+            break
+        tokens, produced, seconds = tokens + 1, produced + gain, more
+        wanted[seq_id] = wanted.get(seq_id, 0) + 1
+    return wanted
+
+
+def test_auto_lengths_take_the_best_paying_drafts_first():
+    """The planner (a heap of each sequence's next draft) plans what the plain rule plans,
+    over random batches, acceptances, caps, budgets and step costs."""
+    rng = random.Random(7)
+    planned_some = 0
+    for _ in range(400):
+        cost = LinearStepCost(rng.uniform(0, 60), rng.uniform(0.1, 3))
+        spec = Speculator(AUTO, proposer=_Proposer(1.0, 0), step_cost=cost)
+        candidates = []
+        for i in range(rng.randint(1, 40)):
+            spec.stats[f"s{i}"] = AcceptanceStats(rng.choice([3, rng.randint(0, 30)]),
+                                                  rng.choice([3, rng.randint(0, 30)]))
+            candidates.append(Candidate(f"s{i}", [3], [4], rng.randint(0, 10)))
+        budget, planned = rng.randint(0, 80), rng.randint(1, len(candidates))
+        producing = rng.randint(0, len(candidates))
+        expected = _sorted_plan(spec, candidates, budget, planned, producing, cost)
+        assert spec._auto_lengths(candidates, budget, planned, producing, cost) == expected
+        planned_some += bool(expected)
+    assert planned_some > 100

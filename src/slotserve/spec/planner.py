@@ -22,6 +22,7 @@ no proposal work.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,23 +188,35 @@ class Speculator:
 
     def _auto_lengths(self, candidates: list[Candidate], budget: int, planned_tokens: int,
                       producing: int, cost: StepCost) -> dict[str, int]:
-        """Each sequence's draft count maximising expected tokens per unit of step cost."""
-        gains = []
-        for cand in candidates:
-            rate = self.rate(cand.seq_id)
-            limit = min(cand.max_tokens, self.config.max_tokens)
-            gains += [(rate ** j, cand.seq_id) for j in range(1, limit + 1)]
-        gains.sort(key=lambda g: -g[0])
+        """Each sequence's draft count maximising expected tokens per unit of step cost:
+        increments taken best gain first (a sequence's j-th draft gains rate^j; ties in
+        candidate order) while they pay.
+
+        NOTE: a heap holds each sequence's next increment only, so an iteration whose best
+        draft does not pay (a full batch: the usual case at 64 slots) costs one look at each
+        sequence's rate, not a sorted list of every possible draft.
+        """
+        heap = []
+        for index, cand in enumerate(candidates):
+            rate, limit = self.rate(cand.seq_id), min(cand.max_tokens, self.config.max_tokens)
+            if limit > 0:
+                heap.append((-rate, index, 1, rate, limit))
+        heapq.heapify(heap)
         tokens = max(planned_tokens, 1)
         produced = float(max(producing, 1))
         seconds = cost.seconds(tokens)
         wanted: dict[str, int] = {}
-        for gain, seq_id in gains[:budget]:
+        while heap and budget > 0:
+            negative_gain, index, j, rate, limit = heapq.heappop(heap)
             more = cost.seconds(tokens + 1)
-            if not (seconds > 0 and (produced + gain) * seconds > produced * more):
+            if not (seconds > 0 and (produced - negative_gain) * seconds > produced * more):
                 break  # NOTE: gains only fall from here, so no later increment pays
-            tokens, produced, seconds = tokens + 1, produced + gain, more
+            tokens, produced, seconds = tokens + 1, produced - negative_gain, more
+            seq_id = candidates[index].seq_id
             wanted[seq_id] = wanted.get(seq_id, 0) + 1
+            budget -= 1
+            if j < limit:
+                heapq.heappush(heap, (-(rate ** (j + 1)), index, j + 1, rate, limit))
         return wanted
 
     def rate(self, seq_id: str) -> float:
