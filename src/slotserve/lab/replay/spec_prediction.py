@@ -4,6 +4,11 @@
 offered and accepted where the on run's trace recorded them (`speculation.DraftOracle`), on
 one clock (e.g. `fit_trace_cost`: a fit on recorded runs' own iteration times,
 `trace_samples`). `benchmarks/speculative.py` prints it beside the measured ratio.
+
+The benchmark's clock (2026-12-05): `fit_trace_cost(per_run_base=True)` on every off run
+(a base per run, the rest shared), `with_draft_pairs` on the other cells' runs with drafts
+(a verification's drafted rows' attention), and `predict_ratio(anchor=True)` (the base moved
+to the cell's off run: `anchored`).
 """
 
 from __future__ import annotations
