@@ -82,9 +82,7 @@ inline void store_panel_tile(__m512 (&acc)[ROWS][2], float* y, int64_t outs, int
 // all of them to the stack at every input.
 #define SLOTSERVE_UNROLL _Pragma("GCC unroll 16")
 
-// Store the first n (<= 8) outputs of v at y.
-// NOTE: one vector by value: handing the accumulator array to a store function by
-// reference made gcc write all 12 accumulators to the stack at every input.
+// Store the first n (<= 8) outputs of v at y (none where n <= 0).
 inline void store_panel_outputs_avx2(float* y, __m256 v, int64_t n) {
   if (n >= 8) {
     _mm256_storeu_ps(y, v);
