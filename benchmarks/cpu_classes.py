@@ -9,11 +9,15 @@ pass by pass in one process (the order alternating, so that a shared host's minu
 every variant alike; medians of per-pass ratios):
 (1) matmuls: one forward's decoder linears with distinct random weights (so they stream
     from memory, as a model's do) at 1, 4, 8, 16, 32 and 64 rows, for SmolLM2-135M's shapes
-    (hidden 576, intermediate 1536, 30 layers) and Qwen2.5-0.5B's (hidden 896, intermediate
-    4864, 24 layers): fp32 panels, bf16 panels widened ("bf16 widen"), bf16 panels with x
-    rounded to bf16 and vdpbf16ps ("bf16 dot", where the CPU has AVX512_BF16) and int8
-    weights x int16 activations ("int8"). Where dot overtakes widening is the avx512bf16
-    class's dot threshold (model/kernels.py, BF16_DOT_MIN_ROWS).
+    (hidden 576, intermediate 1536, 30 layers), Qwen2.5-0.5B's (hidden 896, intermediate
+    4864, 24 layers) and Llama-3.2-1B's (hidden 2048, intermediate 8192, 16 layers; --layers
+    caps the layers: a 1B forward's fp32 panels alone are 3.9 GB): fp32 panels, bf16 panels
+    widened ("bf16 widen"), bf16 panels with x rounded to bf16 and vdpbf16ps ("bf16 dot",
+    where the CPU has AVX512_BF16), int8 weights x int16 activations ("int8") and MKL's
+    packed fp32 GEMM ("mkl"). Where dot overtakes widening is the avx512bf16 class's dot
+    threshold (model/kernels.py, BF16_DOT_MIN_ROWS). --cpu-isa CLASS: the kernels of that
+    class's build (the avx2 class: its AVX2 tiles), MKL and torch held to its instructions
+    (the process starts again with vs_vllm.LIBRARY_ISA_ENV: they read them at start-up).
 (2) engines (--engine-rounds): the real model in process (LLMEngine with the fused kernels
     and the decode stack; the KV cache dtype `auto`), one sequence of 128 tokens (median
     time per step after the prefill) and 64 chat prompts at once, 128 tokens each (output
@@ -26,6 +30,7 @@ every variant alike; medians of per-pass ratios):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -40,45 +45,55 @@ from slotserve.lab.bench.targets import timed_greedy_run
 from slotserve.lab.quality import greedy_agreement
 from slotserve.lab.workload import generate_workload
 from slotserve.model.cpu_ops import load_cpu_ops
-from slotserve.model.kernels import resolve_kernels
-from slotserve.model.linear_kernels import Bf16PanelLinear, Int8WeightOnlyLinear, PanelLinear
+from slotserve.model.kernels import CPU_CLASSES, cpu_class, resolve_kernels
+from slotserve.model.linear_kernels import (
+    Bf16PanelLinear,
+    Int8WeightOnlyLinear,
+    MKLPackedLinear,
+    PanelLinear,
+)
 
 # (hidden, intermediate, q heads, kv heads, head dim, layers)
-SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64, 30), "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 24)}
+SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64, 30), "qwen2.5-0.5b": (896, 4864, 14, 2, 64, 24),
+          "llama3.2-1b": (2048, 8192, 32, 8, 64, 16)}
 ROWS = (1, 4, 8, 16, 32, 64)
 MATMUL_VARIANTS = {
     "fp32": lambda w, ops: PanelLinear(w, None, ops),
     "bf16 widen": lambda w, ops: Bf16PanelLinear(w, None, ops),
     "bf16 dot": lambda w, ops: Bf16PanelLinear(w, None, ops, dot_min_rows=1),
     "int8": lambda w, ops: Int8WeightOnlyLinear(w, None, ops),
+    "mkl": lambda w, ops: MKLPackedLinear(w, None),
 }
-# The in-process engines: (quantization, CPU class forced) -> resolve_kernels. "bf16 widen"
-# is what the avx512 class runs, "bf16 dot" the avx512bf16 class's kernel.
+# The in-process engines: (quantization, CPU class forced[, kernels]) -> resolve_kernels.
+# "bf16 widen" is what the avx512 class runs, "bf16 dot" the avx512bf16 class's kernel.
 ENGINES = {
     "fp32": ("none", None),
     "bf16 widen": ("bf16", "avx512"),
     "bf16 dot": ("bf16", "avx512bf16"),
     "int8": ("int8", None),
-    "avx2 fp32": ("none", "avx2"),  # MKL's packed GEMM, the fused ops built for AVX2
+    "avx2 fp32": ("none", "avx2"),  # the AVX2 panels, the fused ops built for AVX2
+    "avx2 bf16": ("bf16", "avx2"),  # the bf16 panels widened in AVX2 tiles
+    "avx2 mkl": ("none", "avx2", "mkl"),  # MKL's packed GEMM (the avx2 class's fp32 before)
     "avx2 int8": ("int8", "avx2"),  # the int8 kernel's fallback loops, built for AVX2
 }
 QUALITY_BAR = 0.97
 
 
-def layer_shapes(shape: str) -> list[tuple[int, int]]:
-    """(in, out) of one forward's decoder linears, in order: qkv, o, gate_up, down per layer."""
+def layer_shapes(shape: str, max_layers: int | None = None) -> list[tuple[int, int]]:
+    """(in, out) of one forward's decoder linears, in order: qkv, o, gate_up, down per layer
+    (at most max_layers layers)."""
     hidden, inter, heads, kv_heads, head_dim, layers = SHAPES[shape]
     one = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
            (hidden, 2 * inter), (inter, hidden)]
-    return one * layers
+    return one * min(layers, max_layers or layers)
 
 
-def build_linears(shape: str, variant: str, ops) -> list[tuple]:
+def build_linears(shape: str, variant: str, ops, max_layers: int | None = None) -> list[tuple]:
     """(the variant's kernel, in_features) for each linear, over its own random weights."""
     gen = torch.Generator().manual_seed(0)
     make = MATMUL_VARIANTS[variant]
     return [(make(torch.randn(i, o, generator=gen) * 0.05, ops), i)
-            for i, o in layer_shapes(shape)]
+            for i, o in layer_shapes(shape, max_layers)]
 
 
 def forward_ms(linears: list[tuple], xs: dict) -> float:
@@ -90,12 +105,14 @@ def forward_ms(linears: list[tuple], xs: dict) -> float:
 
 
 @torch.inference_mode()
-def matmul_table(shape: str, variants: tuple, passes: int) -> dict:
-    """{rows: {variant: [ms per pass]}}: one forward's linears, variants interleaved."""
-    ops = load_cpu_ops()
-    built = {variant: build_linears(shape, variant, ops) for variant in variants}
+def matmul_table(shape: str, variants: tuple, passes: int, cpu_isa: str | None = None,
+                 max_layers: int | None = None, rows_list: tuple = ROWS) -> dict:
+    """{rows: {variant: [ms per pass]}}: one forward's linears, variants interleaved; the
+    kernels of CPU class cpu_isa's build (None: this CPU's)."""
+    ops = load_cpu_ops(cpu_class(cpu_isa).march)
+    built = {variant: build_linears(shape, variant, ops, max_layers) for variant in variants}
     out: dict = {}
-    for rows in ROWS:
+    for rows in rows_list:
         gen = torch.Generator().manual_seed(rows)
         xs = {i: torch.randn(rows, i, generator=gen) for i, _ in set(layer_shapes(shape))}
         out[rows] = {v: [] for v in variants}
@@ -112,10 +129,10 @@ def matmul_table(shape: str, variants: tuple, passes: int) -> dict:
 
 def build_engine(loaded, name: str, max_num_seqs: int) -> LLMEngine:
     """The real model with the kernels of ENGINES[name] (KV cache dtype: auto)."""
-    quantization, isa = ENGINES[name]
+    quantization, isa, *kernel_kind = ENGINES[name]
     config = engine_config(max_num_seqs=max_num_seqs, num_blocks=max_num_seqs * 24,
                            quantization=quantization)
-    kernels = resolve_kernels(quantization=quantization, cpu_isa=isa)
+    kernels = resolve_kernels(*kernel_kind, quantization=quantization, cpu_isa=isa)
     return LLMEngine(config, loaded.config, loaded.weights, loaded.tokenizer,
                      kernel_set=kernels)
 
@@ -154,6 +171,20 @@ def quality(loaded, names: tuple, prompts: int, tokens: int) -> dict:
             for name in names if name != "fp32"}
 
 
+def restart_with_library_isa(cpu_isa: str) -> None:
+    """Start this process again with CPU class cpu_isa's limits on torch, oneDNN and MKL
+    (vs_vllm.LIBRARY_ISA_ENV) unless they are set. NOTE: the libraries read them once, at
+    start-up: MKL's GEMM would otherwise run its AVX-512 code beside the avx2 class's panels."""
+    from benchmarks.vs_vllm import LIBRARY_ISA_ENV
+
+    wanted = LIBRARY_ISA_ENV.get(cpu_isa, {})
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
+        return
+    print(f"restarting with {wanted}", file=sys.stderr, flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.cpu_classes", *sys.argv[1:]],
+              {**os.environ, **wanted})
+
+
 def cpu_description() -> dict:
     """The CPU's model name and its vector flags (/proc/cpuinfo), for the report."""
     info = {"model": "unknown", "flags": []}
@@ -182,7 +213,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--passes", type=int, default=15, help="matmul passes per row count")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default="smollm2-135m,qwen2.5-0.5b",
+                   help=f"matmul shapes, comma-separated, of: {', '.join(SHAPES)}")
+    p.add_argument("--layers", type=int, default=None, help="at most this many layers a shape")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="matmul row counts")
+    p.add_argument("--cpu-isa", default=None, choices=CPU_CLASSES,
+                   help="the matmuls of this CPU class's build (default: this CPU's class)")
     p.add_argument("--variants", default=",".join(MATMUL_VARIANTS),
                    help="matmul variants, comma-separated, the base of the ratios first")
     p.add_argument("--engines", default=",".join(ENGINES),
@@ -195,6 +231,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.cpu_isa:
+        restart_with_library_isa(args.cpu_isa)
     set_torch_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,7 +243,8 @@ def main() -> None:
         p.error("unknown --engines or --variants")
     matmuls, engine_results, agreements = {}, None, None
     for shape in args.shapes.split(",") if variants else ():
-        matmuls[shape] = matmul_table(shape, variants, args.passes)
+        matmuls[shape] = matmul_table(shape, variants, args.passes, args.cpu_isa, args.layers,
+                                      tuple(int(r) for r in args.rows.split(",")))
         for rows, per in matmuls[shape].items():
             print(f"{shape} {rows:2d} rows, ms: " + ", ".join(
                 f"{v} {statistics.median(ms):.2f}" for v, ms in per.items())
@@ -232,6 +271,7 @@ def main() -> None:
         speedups = {shape: {rows: ratios(per, variants[0]) for rows, per in table.items()}
                     for shape, table in matmuls.items()}
         write_report(args.out, cpu=cpu_description(), threads=torch.get_num_threads(),
+                     matmul_cpu_class=cpu_class(args.cpu_isa).name, layers=args.layers,
                      matmul_speedup_over_first=speedups, matmul_ms_per_pass=matmuls,
                      engines=engine_results,
                      agreement=agreements, quality_bar=QUALITY_BAR,

@@ -93,7 +93,7 @@ def test_the_older_no_bf16_switch_is_the_avx512_class(monkeypatch):
 
 # What each class runs (resolve_kernels with the class forced), by quantization.
 EXPECTED_LINEARS = {
-    "avx2": {"none": "mkl", "bf16": "bf16_rounded", "int8": "int8"},
+    "avx2": {"none": "panel", "bf16": "bf16_panel", "int8": "int8"},
     "avx512": {"none": "panel", "bf16": "bf16_panel", "int8": "int8"},
     "avx512bf16": {"none": "panel", "bf16": "bf16_panel", "int8": "int8"},
     "amx": {"none": "panel", "bf16": "bf16_panel", "int8": "int8"},

@@ -66,14 +66,15 @@ def test_avx512_bf16_forced_off_widens_bf16_weights(tiny_llama, cpu_ops, monkeyp
                                          "weight panels, fp32 activations (fused")
 
 
-def test_auto_is_fp32_on_the_avx2_class(monkeypatch):
+def test_auto_is_fp32_on_the_avx2_class_without_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels_module, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     kernels = resolve_kernels(kernels="reference", quantization="auto")
     assert (kernels.weights, kernels.reason) == ("fp32", "auto: kernels=reference")
     monkeypatch.setattr(kernels_module.cpu_ops, "load_cpu_ops", lambda march: None)
     kernels = resolve_kernels(quantization="auto")
+    # NOTE: with its kernels built the avx2 class's auto is bf16 (tests/model/test_avx2_panels.py)
     assert (kernels.weights, kernels.reason, kernels.cpu_class) == (
-        "fp32", "auto: avx2 class", "avx2")
+        "fp32", "auto: the fused bf16 kernels are not built", "avx2")
     # the same kernels as asking for fp32 (only the reason differs)
     assert replace(kernels, reason="") == replace(resolve_kernels(quantization="none"),
                                                   reason="")

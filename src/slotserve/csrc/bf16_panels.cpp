@@ -139,6 +139,84 @@ void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, fl
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// y[r, first : first + 8 VECS] = x[r, :] . panel's outputs first .. first + 8 VECS for ROWS
+// rows of fp32 x, widening the bf16 weights: VECS vectors of 8 outputs (8 input pairs) a row.
+template <int ROWS, int VECS>
+void panel_tile_bf16_widen_avx2(const float* x, const uint16_t* panel, int64_t in, float* y,
+                                int64_t outs, int first, int64_t cols) {
+  __m256 acc[ROWS][VECS];
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  const int64_t pairs = (in + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* w = panel + kp * 2 * PANEL_WIDTH + 2 * first;  // 32 bytes a vector
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
+                 panel_prefetch_hint<ROWS>());
+    if constexpr (VECS == 4)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64,
+                   panel_prefetch_hint<ROWS>());
+    const int64_t k = 2 * kp;
+    {  // input k: the low halves, shifted into place
+      __m256 wv[VECS];
+      SLOTSERVE_UNROLL
+      for (int v = 0; v < VECS; ++v)
+        wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v)), 16));
+      SLOTSERVE_UNROLL
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * in + k);
+        SLOTSERVE_UNROLL
+        for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_fmadd_ps(a, wv[v], acc[r][v]);
+      }
+    }
+    if (k + 1 < in) {  // input k + 1: the high halves, masked
+      // NOTE: the same weights loaded again (from L1) through a pointer gcc cannot see is w:
+      // keeping the loaded vectors for this half left 12 accumulators too few registers,
+      // and gcc kept one of them on the stack (a store and reload at every input).
+      const uint16_t* again = w;
+      asm("" : "+r"(again));
+      __m256 wv[VECS];
+      SLOTSERVE_UNROLL
+      for (int v = 0; v < VECS; ++v)
+        wv[v] = _mm256_castsi256_ps(_mm256_and_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(again + 16 * v)), high));
+      SLOTSERVE_UNROLL
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * in + k + 1);
+        SLOTSERVE_UNROLL
+        for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_fmadd_ps(a, wv[v], acc[r][v]);
+      }
+    }
+  }
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v)
+      store_panel_outputs_avx2(y + r * outs + first + 8 * v, acc[r][v], cols - first - 8 * v);
+}
+
+// The AVX2 tile of ROWS rows: the panel's 32 outputs at once for few rows, else two halves.
+template <int ROWS>
+void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, float* y,
+                           int64_t outs, int64_t cols) {
+  if constexpr (ROWS <= PANEL_FULL_WIDTH_ROWS) {
+    panel_tile_bf16_widen_avx2<ROWS, 4>(x, panel, in, y, outs, 0, cols);
+  } else {
+    panel_tile_bf16_widen_avx2<ROWS, 2>(x, panel, in, y, outs, 0, cols);
+    if (cols > 16) panel_tile_bf16_widen_avx2<ROWS, 2>(x, panel, in, y, outs, 16, cols);
+  }
+}
+#endif
+
+// Whether this build widens bf16 weights in vectors: AVX-512F, or AVX2 + FMA.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define SLOTSERVE_BF16_WIDEN_VECTORISED 1
+#endif
+
 #if defined(__AVX512BF16__)
 // y[r, :cols] = xb[r, :] . panel for ROWS rows of bf16 x (pairs of inputs as one int32).
 template <int ROWS>
@@ -166,10 +244,10 @@ void panel_tile_bf16_dot(const uint32_t* xb, const uint16_t* panel, int64_t pair
 
 }  // namespace
 
-// Which bf16 modes run vectorised here: (fp32 activations: AVX-512F; bf16 activations:
-// AVX512_BF16). Without, the plain loops: right, but slower than the fp32 panels.
+// Which bf16 modes run vectorised here: (fp32 activations: AVX-512F or AVX2 + FMA; bf16
+// activations: AVX512_BF16). Without, the plain loops: right, but slower than the fp32 panels.
 std::tuple<bool, bool> panel_bf16_vectorised() {
-#if defined(__AVX512F__)
+#if defined(SLOTSERVE_BF16_WIDEN_VECTORISED)
   constexpr bool widen = true;
 #else
   constexpr bool widen = false;
@@ -205,7 +283,7 @@ void panel_tile_bf16_of(int rows, bool bf16_activations, const float* x, const u
 #endif
     return;
   }
-#if defined(__AVX512F__)
+#if defined(SLOTSERVE_BF16_WIDEN_VECTORISED)
   ((rows == R + 1 ? (panel_tile_bf16_widen<R + 1>(x, panel, in, y, outs, cols), 0) : 0), ...);
 #else
   panel_tile_bf16_plain(rows, x, xb, panel, in, y, outs, cols);

@@ -21,6 +21,42 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 
 namespace {
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// y[r, first : first + 8 VECS] = x[r, :] . panel[:, first : first + 8 VECS] for ROWS rows,
+// only the panel's first cols outputs stored: VECS vectors of 8 outputs a row.
+template <int ROWS, int VECS>
+void panel_tile_avx2(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
+                     int first, int64_t cols) {
+  __m256 acc[ROWS][VECS];
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const float* w = panel + k * PANEL_WIDTH + first;  // input k's 8 VECS weights
+    _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
+                 panel_prefetch_hint<ROWS>());
+    if constexpr (VECS == 4)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES + 64,
+                   panel_prefetch_hint<ROWS>());
+    __m256 wv[VECS];
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v) wv[v] = _mm256_loadu_ps(w + 8 * v);
+    SLOTSERVE_UNROLL
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * in + k);
+      SLOTSERVE_UNROLL
+      for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_fmadd_ps(a, wv[v], acc[r][v]);
+    }
+  }
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v)
+      store_panel_outputs_avx2(y + r * outs + first + 8 * v, acc[r][v], cols - first - 8 * v);
+}
+#endif
+
 // y[r, :cols] = x[r, :] . panel for ROWS rows of x (row stride in), y's row stride outs.
 template <int ROWS>
 void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
@@ -42,8 +78,15 @@ void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_
     }
   }
   store_panel_tile<ROWS>(acc, y, outs, cols);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (ROWS <= PANEL_FULL_WIDTH_ROWS) {
+    panel_tile_avx2<ROWS, 4>(x, panel, in, y, outs, 0, cols);
+  } else {  // two halves of 16 outputs (the second only where the panel has them)
+    panel_tile_avx2<ROWS, 2>(x, panel, in, y, outs, 0, cols);
+    if (cols > 16) panel_tile_avx2<ROWS, 2>(x, panel, in, y, outs, 16, cols);
+  }
 #else
-  // The same sums in the same order, without AVX-512 (fma keeps each step's rounding).
+  // The same sums in the same order, without AVX-512 or AVX2 (fma keeps each step's rounding).
   for (int r = 0; r < ROWS; ++r)
     for (int64_t j = 0; j < cols; ++j) {
       float sum = 0.f;
@@ -62,10 +105,10 @@ void panel_tile_of(int rows, const float* x, const float* panel, int64_t in, flo
 
 }  // namespace
 
-// Whether panel_tile runs its AVX-512 code (else the plain loops: right, but slower than
-// MKL's GEMM, so model/linear_kernels.py then picks MKL).
+// Whether panel_tile runs vectorised, AVX-512 or AVX2 + FMA (else the plain loops: right,
+// but slower than MKL's GEMM, so model/linear_kernels.py then picks MKL).
 bool panel_linear_vectorised() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;

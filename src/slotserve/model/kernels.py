@@ -43,8 +43,8 @@ PREFILL_ATTENTIONS = ("sdpa", "triton")
 # The CPU classes, lowest first, and the /proc/cpuinfo flags each needs (with the lower
 # classes'). A class picks its kernels (resolve_kernels):
 # - generic: no AVX2 (or not x86): plain torch / MKL for the linears, the fused ops as built;
-# - avx2 (AVX2 + FMA: older servers and laptops): fp32 through MKL's packed GEMM (the panel
-#   kernels are AVX-512 only);
+# - avx2 (AVX2 + FMA: older servers and laptops): the weight panels in AVX2 tiles (panels.h:
+#   the same sums as the AVX-512 tiles, bit for bit), bf16 weights widened to fp32 in registers;
 # - avx512 (AVX-512 F/BW, no BF16: Skylake, Ice Lake): the weight panels; bf16 weights are
 #   widened to fp32 in registers;
 # - avx512bf16 (AVX512_BF16, no AMX: AMD Zen 4/5, Cooper Lake): bf16 weights multiplied by
@@ -67,7 +67,12 @@ CPU_CLASS_MARCH = {"generic": "x86-64-v2", "avx2": "x86-64-v3"}
 # quantization="auto": each class's weights, the fastest configuration that passes the
 # quality bar (>= 97% teacher-forced greedy agreement with fp32) as measured by
 # benchmarks/cpu_classes.py (benchmarks/results/cpu-classes-*.json, benchmarks/PERF.md).
-AUTO_WEIGHTS = {"generic": "fp32", "avx2": "fp32", "avx512": "bf16", "avx512bf16": "bf16",
+# NOTE: avx2: bf16 since its bf16 panels (AVX2, widened: the avx512 class's sums, bit for
+# bit, so its 99.6% agreement) ran a W-like batch (64 chat prompts x 32 tokens, in process,
+# SLOTSERVE_CPU_ISA=avx2 on an AMD EPYC Zen 5) at 570-616 tok/s against 395-529 for the fp32
+# panels and 347-362 for MKL's fp32 GEMM held to AVX2 (the class's default before); at batch
+# 1 they read half the bytes.
+AUTO_WEIGHTS = {"generic": "fp32", "avx2": "bf16", "avx512": "bf16", "avx512bf16": "bf16",
                 "amx": "bf16"}
 
 # The linear layers' kernels: name -> what the start-up line says (bf16_panel: see below).
@@ -431,7 +436,8 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     """The fastest kernels verified against the reference that the settings allow here.
 
     kernels: "reference" plain torch; "mkl" MKL's packed GEMM for fp32 linears; "auto" the
-    fp32 weight panels where the fused kernels run with AVX-512. quantization (wins over
+    fp32 weight panels where the fused kernels run vectorised (AVX-512, or AVX2 + FMA: the
+    avx2 class and above), else MKL's packed GEMM. quantization (wins over
     kernels): "none"/None fp32, "bf16", "int8", or "auto": the CPU class's AUTO_WEIGHTS
     where its kernels are built and no dtype is named (None or "auto"), else fp32. The fused
     kernels apply (kernels != "reference") to a float32 model on the CPU only. The CPU
@@ -565,13 +571,18 @@ def _auto_weights(kernels: str, cpu_fp32: bool, ops, cpu: CpuClass,
 
 
 def _panels_usable(ops, cpu: CpuClass) -> bool:
-    """The weight-panel kernels: AVX-512 classes, the build vectorised (AVX-512F)."""
-    return cpu.at_least("avx512") and linear_kernels.panel_kernel_available(ops)
+    """The weight-panel kernels: the avx2 class and above, the build vectorised (AVX-512F,
+    or AVX2 + FMA).
+
+    NOTE: on the avx2 class the AVX2 panels ran one forward's linears 1.5-4x faster than
+    MKL's packed GEMM held to AVX2 at 1-64 rows, SmolLM2-135M's and Llama-3.2-1B's shapes
+    (benchmarks/cpu_classes.py --cpu-isa avx2)."""
+    return cpu.at_least("avx2") and linear_kernels.panel_kernel_available(ops)
 
 
 def _linear_kernel(weights: str, kernels: str, cpu_fp32: bool, ops, cpu: CpuClass) -> str:
     if weights == "bf16":
-        usable = cpu.at_least("avx512") and linear_kernels.bf16_panel_kernel_available(ops)
+        usable = cpu.at_least("avx2") and linear_kernels.bf16_panel_kernel_available(ops)
         return "bf16_panel" if usable else "bf16_rounded"
     if weights == "int8":
         return "int8" if ops is not None else "int8_torch"

@@ -8,22 +8,23 @@ then calls it instead (the original weight is released: one copy in memory, not 
 
 - PanelLinear: fp32, the fused CPU kernel `panel_linear` (csrc/panel_linear.cpp) over the
   weights kept in panels of 32 output columns; the default where the kernels are built with
-  AVX-512. Same math as the reference (fp32 accumulate), and a row's result does not depend
-  on how many rows are multiplied with it. Up to 1.6x MKL's packed GEMM on the decode
+  AVX-512 or AVX2 + FMA (the avx2 CPU class: smaller tiles, the same sums). Same math as
+  the reference (fp32 accumulate), and a row's result does not depend on how many rows are
+  multiplied with it. Up to 1.6x MKL's packed GEMM on the decode
   step's matmuls at 1-16 rows, level to 15% behind at 32-512 rows (benchmarks/PERF.md).
 - MKLPackedLinear: fp32, MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`,
   reached through `torch.ops.mkl`, the op torch's own inductor uses for frozen CPU linears).
   Same math as the reference (fp32 accumulate), a different blocking: 1.2-1.6x faster on
   the decode step's skinny matmuls here (benchmarks/PERF.md).
-- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on the AVX-512 CPU
-  classes (model/kernels.py). The weights rounded to bfloat16 once and kept in bf16 panels
+- Bf16PanelLinear: `quantization="bf16"`, and "auto" (the default) on the avx2 and AVX-512
+  CPU classes (model/kernels.py). The weights rounded to bfloat16 once and kept in bf16 panels
   (csrc/bf16_panels.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
   registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
-  over the rounded weights (the avx512 class). From 16 rows on, where AMX is usable, x is
+  over the rounded weights (the avx2 and avx512 classes). From 16 rows on, where AMX is usable, x is
   rounded to bf16 too and multiplied on AMX tiles (fp32 sums: the amx class); without AMX
   but with AVX512_BF16, x rounded to bf16 and vdpbf16ps at every size (the avx512bf16
-  class). Without the fused kernels (or with kernels="reference", or on the avx2 class)
-  Bf16RoundedLinear: the fp32 math over the rounded weights.
+  class). Without the fused kernels vectorised (or with kernels="reference", or on the
+  generic class) Bf16RoundedLinear: the fp32 math over the rounded weights.
 - Int8WeightOnlyLinear: opt-in `quantization="int8"`. Weights int8 per output channel
   (symmetric), activations int16 through the fused CPU kernel (bfloat16 through torch's
   kernel with kernels="reference"). 4x fewer weight bytes per decode step; held to a
@@ -51,8 +52,8 @@ TORCH_INT8_WIDTH_MULTIPLE = 64
 
 
 def panel_kernel_available(ops) -> bool:
-    """Whether `ops` runs panel_linear vectorised (built with AVX-512); without, its
-    plain-loop fallback is correct but slower than MKL's GEMM."""
+    """Whether `ops` runs panel_linear vectorised (built with AVX-512, or AVX2 + FMA);
+    without, its plain-loop fallback is correct but slower than MKL's GEMM."""
     return ops is not None and ops.panel_linear_vectorised()
 
 
@@ -163,7 +164,8 @@ class Bf16RoundedLinear:
 
 
 def bf16_panel_kernel_available(ops) -> bool:
-    """Whether `ops` runs panel_linear_bf16 (fp32 activations) vectorised (AVX-512)."""
+    """Whether `ops` runs panel_linear_bf16 (fp32 activations) vectorised (AVX-512, or
+    AVX2 + FMA)."""
     return ops is not None and ops.panel_bf16_vectorised()[0]
 
 
