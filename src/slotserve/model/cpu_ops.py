@@ -20,7 +20,7 @@ The module's functions, all fp32 on the CPU:
 - int8_linear(x (T, in), qweight (out, in) int8, scales (out,)) -> (T, out): the int8
   matmul of linear_kernels.Int8WeightOnlyLinear, activations quantized to int16 per token
 - pack_panels(weight (out, in)) -> panels; panel_linear(x (T, in), panels, out) -> (T, out):
-  the fp32 matmul of linear_kernels.PanelLinear (the default on CPUs with AVX-512)
+  the fp32 matmul of linear_kernels.PanelLinear (AVX-512 or AVX2 tiles, the same sums)
 - pack_panels_bf16(weight (out, in)) -> bf16 panels; panel_linear_bf16(x, panels, out,
   bf16_activations=False) -> (T, out) fp32: the matmul of linear_kernels.Bf16PanelLinear
   (quantization="bf16"); panel_bf16_vectorised() -> (fp32-activation mode, bf16-activation
