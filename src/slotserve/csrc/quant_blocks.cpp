@@ -182,8 +182,10 @@ struct PlainScales {
 struct FactoredScales {
   const int8_t* f;
   const float* s;
-  int64_t per_super;  // blocks per 256-weight super-block
-  const float* super_of(int64_t b) const { return s + (b / per_super) * 2 * QB_ROWS; }
+  int64_t super_shift;  // log2 of the blocks per 256-weight super-block (8 or 16)
+  // NOTE: a shift, not b / per_super: a 64-bit division per block cost the 1-row kernel
+  // more than its dot products
+  const float* super_of(int64_t b) const { return s + (b >> super_shift) * 2 * QB_ROWS; }
   float d(int64_t b, int64_t j) const {
     return super_of(b)[j] * float(f[b * 2 * QB_ROWS + j]);
   }
@@ -219,53 +221,73 @@ struct FactoredScales {
 #endif
 };
 
-// The 64 code bytes of step `k` of a block (4-bit: unpacked from its shared 64 bytes;
-// IQ4_NL: those indices looked up, the table in each 128-bit lane; 6-bit: the nibbles and
-// their top 2 bits from `tops`, the block's second part).
+// A block's codes, all of its L / 4 steps of 64 bytes (step k: rows' codes 4k..4k+3), as
+// the VNNI kernel multiplies them: 4-bit codes unpacked from the 64 bytes steps 2k and 2k+1
+// share (IQ4_NL: those indices looked up, the table in each 128-bit lane); 6-bit: those
+// nibbles and their top 2 bits from the block's second part (64 bytes per 4 steps, step
+// 4k+i's at bits 2i). NOTE: L and BITS are template constants: the steps unroll, each packed
+// byte is loaded once, every shift is an immediate. The step-at-a-time loop before (a
+// runtime step count, a branch and a reload per step, a variable shift, a division per
+// block) held the 1-row kernel to ~25 GB/s on one core of the 2-core EPYC (AVX-512 VNNI)
+// that reads ~43 GB/s; this form ~31 (Q4_K) and ~24 (Q6_K's blocks of 16), 2 cores
+// ~60 and ~46 against ~46 and ~33 before (benchmarks/gguf_1row.py's roles, and a
+// standalone copy of the loop).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-template <int BITS>
-inline __m512i load_step(const uint8_t* block, int64_t k, const uint8_t* tops) {
+template <int L, int BITS>
+inline void block_codes(const uint8_t* block, __m512i w[L / 4]) {
+  constexpr int steps = L / 4;
   if constexpr (BITS == 8) {
-    return _mm512_loadu_si512(block + 64 * k);
+    for (int k = 0; k < steps; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
+    return;
   } else {
-    const __m512i packed = _mm512_loadu_si512(block + 64 * (k / 2));
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i q = (k & 1) ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low)
-                              : _mm512_and_si512(packed, low);
+    for (int k2 = 0; k2 < steps / 2; ++k2) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * k2);
+      w[2 * k2] = _mm512_and_si512(packed, low);
+      w[2 * k2 + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
     if constexpr (BITS == QUANT_CODES_IQ4_NL) {
       const __m512i table = _mm512_broadcast_i32x4(
           _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
-      return _mm512_shuffle_epi8(table, q);
+      for (int k = 0; k < steps; ++k) w[k] = _mm512_shuffle_epi8(table, w[k]);
     } else if constexpr (BITS == 6) {
-      const __m512i two = _mm512_and_si512(
-          _mm512_srl_epi16(_mm512_loadu_si512(tops + 64 * (k / 4)),
-                           _mm_cvtsi32_si128(int(2 * (k % 4)))),
-          _mm512_set1_epi8(0x03));
-      return _mm512_or_si512(q, _mm512_slli_epi16(two, 4));  // NOTE: two <= 3: no carry
-    } else {
-      return q;
+      // NOTE: 16-bit shifts; a byte's bits that cross into its neighbour are masked off
+      const __m512i three = _mm512_set1_epi8(0x03), top_two = _mm512_set1_epi8(0x30);
+      for (int k4 = 0; k4 < steps / 4; ++k4) {
+        const __m512i tops = _mm512_loadu_si512(block + L * 8 + 64 * k4);
+        const __m512i tops2 = _mm512_srli_epi16(tops, 2);
+        w[4 * k4] =
+            _mm512_or_si512(w[4 * k4], _mm512_slli_epi16(_mm512_and_si512(tops, three), 4));
+        w[4 * k4 + 1] =
+            _mm512_or_si512(w[4 * k4 + 1], _mm512_slli_epi16(_mm512_and_si512(tops2, three), 4));
+        w[4 * k4 + 2] = _mm512_or_si512(w[4 * k4 + 2], _mm512_and_si512(tops, top_two));
+        w[4 * k4 + 3] = _mm512_or_si512(w[4 * k4 + 3], _mm512_and_si512(tops2, top_two));
+      }
     }
   }
 }
 
-// Rows t0..t0+N of y over one panel, vectorised.
-template <int N, int BITS, typename SM>
+// Rows t0..t0+N of y over one panel in blocks of L, vectorised.
+template <int N, int L, int BITS, typename SM>
 void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
+  constexpr int steps = L / 4;
+  constexpr int64_t block_bytes = L * QB_ROWS * (BITS == 8 ? 8 : BITS == 6 ? 6 : 4) / 8;
   __m512 acc[N];
   for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-  const int64_t steps = s.block_len / 4;
+  const int8_t* rows_a[N];
+  for (int t = 0; t < N; ++t) rows_a[t] = q.a.data() + (t0 + t) * s.in;
   for (int64_t b = 0; b < s.blocks; ++b) {
-    const uint8_t* block = codes + b * s.block_bytes();
-    __builtin_prefetch(block + 4 * s.block_bytes());
+    const uint8_t* block = codes + b * block_bytes;
+    __m512i w[steps];
+    block_codes<L, BITS>(block, w);
     __m512i dots[N];
     for (int t = 0; t < N; ++t) dots[t] = _mm512_setzero_si512();
-    for (int64_t k = 0; k < steps; ++k) {
-      const __m512i w = load_step<BITS>(block, k, block + s.block_len * 8);
+    for (int k = 0; k < steps; ++k) {
       for (int t = 0; t < N; ++t) {
         int32_t four;
-        std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
-        dots[t] = _mm512_dpbusd_epi32(dots[t], w, _mm512_set1_epi32(four));
+        std::memcpy(&four, rows_a[t] + b * L + 4 * k, 4);
+        dots[t] = _mm512_dpbusd_epi32(dots[t], w[k], _mm512_set1_epi32(four));
       }
     }
     const __m512 d = sm.d16(b);
@@ -406,23 +428,28 @@ void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                 const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (!plain) {
-    auto run = [&](auto bits) {
-      constexpr int B = decltype(bits)::value;
+    auto run = [&](auto bits, auto len) {
+      constexpr int B = decltype(bits)::value, L = decltype(len)::value;
       switch (n) {
-        case 8: return panel_rows_vnni<8, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 7: return panel_rows_vnni<7, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 6: return panel_rows_vnni<6, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 5: return panel_rows_vnni<5, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 4: return panel_rows_vnni<4, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 3: return panel_rows_vnni<3, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 2: return panel_rows_vnni<2, B, SM>(codes, sm, q, s, t0, acc_out);
-        default: return panel_rows_vnni<1, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 8: return panel_rows_vnni<8, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 7: return panel_rows_vnni<7, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 6: return panel_rows_vnni<6, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 5: return panel_rows_vnni<5, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 4: return panel_rows_vnni<4, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 3: return panel_rows_vnni<3, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 2: return panel_rows_vnni<2, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        default: return panel_rows_vnni<1, L, B, SM>(codes, sm, q, s, t0, acc_out);
       }
     };
-    if (s.bits == 8) run(std::integral_constant<int, 8>());
-    else if (s.bits == 6) run(std::integral_constant<int, 6>());
-    else if (s.bits == QUANT_CODES_IQ4_NL) run(std::integral_constant<int, QUANT_CODES_IQ4_NL>());
-    else run(std::integral_constant<int, 4>());
+    auto run_len = [&](auto bits) {
+      if (s.block_len == 16) run(bits, std::integral_constant<int, 16>());
+      else run(bits, std::integral_constant<int, 32>());
+    };
+    if (s.bits == 8) run_len(std::integral_constant<int, 8>());
+    else if (s.bits == 6) run_len(std::integral_constant<int, 6>());
+    else if (s.bits == QUANT_CODES_IQ4_NL)
+      run_len(std::integral_constant<int, QUANT_CODES_IQ4_NL>());
+    else run_len(std::integral_constant<int, 4>());
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -592,7 +619,7 @@ void with_panel_scales(const void* scales_mins, int64_t format, int64_t blocks,
       const uint8_t* panel = bytes + p * panel_bytes;
       return FactoredScales{reinterpret_cast<const int8_t*>(panel),
                             reinterpret_cast<const float*>(panel + blocks * 2 * QB_ROWS),
-                            QK_K_WEIGHTS / block_len};
+                            std::countr_zero(uint64_t(QK_K_WEIGHTS / block_len))};
     });
   } else if (format == QUANT_SCALES_F16) {
     const auto* half = static_cast<const c10::Half*>(scales_mins);
