@@ -80,6 +80,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tests: parallel_for's workers wait before claiming any chunk (the callers run all)");
   m.def("pool_worker_chunks", &pool_worker_chunks,
         "tests: the chunks parallel_for's workers (not its callers) have run so far");
+  m.def("set_pool_tuning", &set_pool_tuning,
+        "measurements: parallel_for's workers' spin before they sleep (us), chunks per thread, "
+        "its callers' spin on their last chunks before they sleep (us); < 0: unchanged",
+        py::arg("spin_us") = -1, py::arg("chunks_per_thread") = -1,
+        py::arg("caller_spin_us") = -1);
   m.def("pool_threads", &pool_threads, "the threads parallel_for runs a range on");
   m.def(
       "pool_cover",

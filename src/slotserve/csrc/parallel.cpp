@@ -25,7 +25,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -38,17 +37,31 @@ namespace {
 
 constexpr int INDEX_BITS = 16;
 constexpr uint64_t INDEX_MASK = (uint64_t(1) << INDEX_BITS) - 1;
-static_assert(POOL_CHUNKS_PER_THREAD * 1024 <= int64_t(INDEX_MASK), "chunk index overflows");
 
-// NOTE (spinning): a worker spins this long after its last job before it sleeps. A decode
-// step's regions come microseconds apart, and waking a sleeping thread takes tens of them:
-// sleeping between regions halved the quiet throughput of OMP_WAIT_POLICY=PASSIVE. Spinning
-// longer only burns a core that a neighbour (or torch's own OpenMP threads) could use
-// (benchmarks/PERF.md's "pool" section). SLOTSERVE_POOL_SPIN_US overrides it (measurements).
+// NOTE: chunks per thread: more lets the caller take over more of a late worker's share, fewer
+// cost fewer claims. 1, 4 and 8 measured the same (64 x 32 tokens of SmolLM2 in bf16 beside a
+// spinning process: 645, 670, 670 tok/s).
+constexpr int64_t POOL_CHUNKS_PER_THREAD = 4;
+
+// NOTE (spinning): after its last chunk a worker spins this long, then sleeps. A decode step's
+// regions come microseconds apart and waking a sleeping thread takes tens of them (the quiet
+// engine lost half its speed to OMP_WAIT_POLICY=PASSIVE when OpenMP ran these kernels). It
+// spins by yielding its core (sched_yield), not by pausing on it: torch's own OpenMP regions
+// (prefill's attention: bmm, softmax) run between our kernels on the same cores and wait for
+// every one of their threads, and a worker of ours spinning on the core an OpenMP thread was
+// queued on held that region back for a time slice (profiled: ~4 ms a bmm). Beside a
+// spinning process, 64 x 32 tokens of SmolLM2 in bf16 (interleaved, same process): 595-885
+// tok/s pausing, 730-1080 yielding; quiet, no difference within this shared machine's noise.
 constexpr int64_t DEFAULT_SPIN_US = 200;
-// The caller spins this many times on a chunk still running elsewhere, then yields its core
-// between checks (the worker it waits for may be queued behind it).
-constexpr int CALLER_SPINS = 4096;
+std::atomic<int64_t> spin_us{DEFAULT_SPIN_US};  // set_pool_tuning
+std::atomic<int64_t> chunks_per_thread{POOL_CHUNKS_PER_THREAD};
+// NOTE (the caller's wait): with every chunk claimed, the caller spins this long on the
+// chunks still running on workers, then sleeps until the last one ends. A worker that is
+// running ends its chunk within microseconds; one descheduled mid-chunk (its core shared with
+// another process) waits behind that process for a time slice (milliseconds), unless a core
+// goes idle: the caller's sleep idles its own core, and the kernel moves the worker there.
+constexpr int64_t DEFAULT_CALLER_SPIN_US = 50;
+std::atomic<int64_t> caller_spin_us{DEFAULT_CALLER_SPIN_US};
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -58,18 +71,11 @@ inline void cpu_relax() {
 #endif
 }
 
-int64_t spin_microseconds() {
-  const char* text = std::getenv("SLOTSERVE_POOL_SPIN_US");
-  return text ? std::max<int64_t>(0, std::atoll(text)) : DEFAULT_SPIN_US;
-}
-
 thread_local bool in_pool_worker = false;
 
 class Pool {
  public:
-  explicit Pool(int64_t threads) : spin_(std::chrono::microseconds(spin_microseconds())) {
-    resize(threads);
-  }
+  explicit Pool(int64_t threads) { resize(threads); }
 
   // Takes the pool for one job; false if another thread's job holds it.
   bool try_acquire() { return !busy_.exchange(true, std::memory_order_acquire); }
@@ -125,28 +131,43 @@ class Pool {
         if (!error_) error_ = std::current_exception();
       }
       if (in_pool_worker) worker_chunks_.fetch_add(1, std::memory_order_relaxed);
-      // NOTE: the last touch of this job: after it the caller may return
-      done_.fetch_add(1, std::memory_order_release);
+      // NOTE: the last touch of this job: after it the caller may return. seq_cst, paired
+      // with the caller's (wait_until_done): either the caller sees the count, or the thread
+      // that ends the job sees it sleeping and wakes it.
+      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == chunks &&
+          caller_sleeping_.load(std::memory_order_seq_cst)) {
+        { std::lock_guard<std::mutex> lock(done_mutex_); }
+        done_cv_.notify_all();
+      }
       word = claim_.load(std::memory_order_acquire);
     }
   }
 
   void wait_until_done(int64_t chunks) {
-    for (int spins = 0; done_.load(std::memory_order_acquire) != chunks; ++spins) {
-      if (spins < CALLER_SPINS) cpu_relax();
-      else std::this_thread::yield();
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::microseconds(caller_spin_us.load(std::memory_order_relaxed));
+    for (int spins = 1; done_.load(std::memory_order_acquire) != chunks; ++spins) {
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() >= deadline) {
+        std::unique_lock<std::mutex> lock(done_mutex_);
+        caller_sleeping_.store(true, std::memory_order_seq_cst);
+        done_cv_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst) == chunks; });
+        caller_sleeping_.store(false, std::memory_order_relaxed);
+        break;
+      }
+      cpu_relax();
     }
     std::lock_guard<std::mutex> lock(error_mutex_);  // error_ as the workers left it
   }
 
   // The generation of a job newer than `seen`, or 0 when the worker must stop.
   uint64_t wait_for_job(uint64_t seen) {
-    const auto deadline = std::chrono::steady_clock::now() + spin_;
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::microseconds(spin_us.load(std::memory_order_relaxed));
     for (int spins = 1;; ++spins) {
       const uint64_t generation = generation_of(claim_.load(std::memory_order_acquire));
       if (generation != seen && !paused_flag_.load(std::memory_order_relaxed)) return generation;
       if (spins % 64 == 0 && std::chrono::steady_clock::now() >= deadline) break;
-      cpu_relax();
+      std::this_thread::yield();  // NOTE (spinning)
     }
     std::unique_lock<std::mutex> lock(mutex_);
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
@@ -192,9 +213,11 @@ class Pool {
   std::mutex error_mutex_;
   std::exception_ptr error_;
   std::atomic<bool> busy_{false};
+  std::mutex done_mutex_;  // the caller's sleep until done_ == chunks
+  std::condition_variable done_cv_;
+  std::atomic<bool> caller_sleeping_{false};
 
   // sleeping and waking; stop_ and paused_ are written under mutex_
-  const std::chrono::steady_clock::duration spin_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<int> sleepers_{0};
@@ -225,6 +248,17 @@ Pool& pool() {
 }  // namespace
 
 int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
+
+int64_t pool_max_chunks() {
+  return std::min<int64_t>(chunks_per_thread.load(std::memory_order_relaxed) * pool_threads(),
+                           INDEX_MASK);
+}
+
+void set_pool_tuning(int64_t spin, int64_t chunks, int64_t caller_spin) {
+  if (spin >= 0) spin_us.store(spin);
+  if (chunks > 0) chunks_per_thread.store(chunks);
+  if (caller_spin >= 0) caller_spin_us.store(caller_spin);
+}
 
 void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
   const int64_t threads = pool_threads();

@@ -38,9 +38,8 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx);
 // The threads a range may run on, the caller included: at::get_num_threads().
 int64_t pool_threads();
 
-// NOTE: chunks per thread: more lets the caller take over more of a late worker's share, fewer
-// costs fewer claims (measured in benchmarks/PERF.md's "pool" section).
-constexpr int64_t POOL_CHUNKS_PER_THREAD = 4;
+// The most chunks a range is cut into: POOL_CHUNKS_PER_THREAD per thread (set_pool_tuning).
+int64_t pool_max_chunks();
 
 // fn(b, e) over [begin, end) in chunks of at least `grain` indices (the invariants above).
 template <typename F>
@@ -48,7 +47,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
   const int64_t chunks =
-      std::min(n / std::max<int64_t>(grain, 1), POOL_CHUNKS_PER_THREAD * pool_threads());
+      std::min(n / std::max<int64_t>(grain, 1), pool_max_chunks());
   if (chunks <= 1) {
     fn(begin, end);
     return;
@@ -70,6 +69,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
 // waits before claiming any chunk (a worker descheduled by a busy neighbour, made certain),
 // and the caller must finish the job alone.
 void set_pool_workers_paused(bool paused);
+// Measurements (benchmarks/PERF.md): how long a worker spins before it sleeps, the chunks per
+// thread, how long a caller spins on its last chunks before it sleeps (< 0: unchanged). The
+// defaults: DEFAULT_SPIN_US, POOL_CHUNKS_PER_THREAD, DEFAULT_CALLER_SPIN_US (parallel.cpp).
+void set_pool_tuning(int64_t spin_us, int64_t chunks_per_thread, int64_t caller_spin_us);
 // Chunks run so far by the pool's workers (not by callers).
 int64_t pool_worker_chunks();
 // counts[i] += 1 for every i in [0, n), through parallel_for(0, n, grain); nested: each chunk
