@@ -81,9 +81,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_worker_chunks", &pool_worker_chunks,
         "tests: the chunks parallel_for's workers (not its callers) have run so far");
   m.def("set_pool_tuning", &set_pool_tuning,
-        "measurements: parallel_for's workers' spin before they sleep (us), chunks per thread, "
-        "its callers' spin on their last chunks before they sleep (us); < 0: unchanged",
-        py::arg("spin_us") = -1, py::arg("chunks_per_thread") = -1,
+        "measurements: parallel_for's workers' spin before they sleep (us), the first part of "
+        "it on the core, not yielding it (us), its callers' spin on their last chunks before "
+        "they sleep (us); < 0: unchanged",
+        py::arg("spin_us") = -1, py::arg("pause_us") = -1,
         py::arg("caller_spin_us") = -1);
   m.def("pool_threads", &pool_threads, "the threads parallel_for runs a range on");
   m.def(

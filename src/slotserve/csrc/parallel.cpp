@@ -38,23 +38,21 @@ namespace {
 constexpr int INDEX_BITS = 16;
 constexpr uint64_t INDEX_MASK = (uint64_t(1) << INDEX_BITS) - 1;
 
-// NOTE: chunks per thread: more lets the caller take over more of a late worker's share, fewer
-// cost fewer claims. 1, 4 and 8 measured the same (64 x 32 tokens of SmolLM2 in bf16 beside a
-// spinning process: 645, 670, 670 tok/s).
-constexpr int64_t POOL_CHUNKS_PER_THREAD = 4;
-
 // NOTE (spinning): after its last chunk a worker spins this long, then sleeps. A decode step's
 // regions come microseconds apart and waking a sleeping thread takes tens of them (the quiet
 // engine lost half its speed to OMP_WAIT_POLICY=PASSIVE when OpenMP ran these kernels). It
-// spins by yielding its core (sched_yield), not by pausing on it: torch's own OpenMP regions
+// spins by yielding its core (sched_yield) after its first DEFAULT_PAUSE_US: torch's own OpenMP
+// regions
 // (prefill's attention: bmm, softmax) run between our kernels on the same cores and wait for
 // every one of their threads, and a worker of ours spinning on the core an OpenMP thread was
 // queued on held that region back for a time slice (profiled: ~4 ms a bmm). Beside a
 // spinning process, 64 x 32 tokens of SmolLM2 in bf16 (interleaved, same process): 595-885
 // tok/s pausing, 730-1080 yielding; quiet, no difference within this shared machine's noise.
-constexpr int64_t DEFAULT_SPIN_US = 200;
+// NOTE: the first microseconds pausing on the core: a yielding worker was slow to see a job
+// of a few microseconds (a 1-row matmul of 30 panels: 16 us where OpenMP took 10).
+constexpr int64_t DEFAULT_SPIN_US = 200, DEFAULT_PAUSE_US = 20;
 std::atomic<int64_t> spin_us{DEFAULT_SPIN_US};  // set_pool_tuning
-std::atomic<int64_t> chunks_per_thread{POOL_CHUNKS_PER_THREAD};
+std::atomic<int64_t> pause_us{DEFAULT_PAUSE_US};
 // NOTE (the caller's wait): with every chunk claimed, the caller spins this long on the
 // chunks still running on workers, then sleeps until the last one ends. A worker that is
 // running ends its chunk within microseconds; one descheduled mid-chunk (its core shared with
@@ -161,13 +159,20 @@ class Pool {
 
   // The generation of a job newer than `seen`, or 0 when the worker must stop.
   uint64_t wait_for_job(uint64_t seen) {
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::microseconds(spin_us.load(std::memory_order_relaxed));
+    const auto start = std::chrono::steady_clock::now();
+    const auto pausing = start + std::chrono::microseconds(pause_us.load(std::memory_order_relaxed));
+    const auto deadline = start + std::chrono::microseconds(spin_us.load(std::memory_order_relaxed));
+    bool yielding = false;
     for (int spins = 1;; ++spins) {
       const uint64_t generation = generation_of(claim_.load(std::memory_order_acquire));
       if (generation != seen && !paused_flag_.load(std::memory_order_relaxed)) return generation;
-      if (spins % 64 == 0 && std::chrono::steady_clock::now() >= deadline) break;
-      std::this_thread::yield();  // NOTE (spinning)
+      if (yielding || spins % 64 == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= deadline) break;
+        yielding = now >= pausing;
+      }
+      if (yielding) std::this_thread::yield();  // NOTE (spinning)
+      else cpu_relax();
     }
     std::unique_lock<std::mutex> lock(mutex_);
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
@@ -249,20 +254,15 @@ Pool& pool() {
 
 int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
 
-int64_t pool_max_chunks() {
-  return std::min<int64_t>(chunks_per_thread.load(std::memory_order_relaxed) * pool_threads(),
-                           INDEX_MASK);
-}
-
-void set_pool_tuning(int64_t spin, int64_t chunks, int64_t caller_spin) {
+void set_pool_tuning(int64_t spin, int64_t pause, int64_t caller_spin) {
   if (spin >= 0) spin_us.store(spin);
-  if (chunks > 0) chunks_per_thread.store(chunks);
+  if (pause >= 0) pause_us.store(pause);
   if (caller_spin >= 0) caller_spin_us.store(caller_spin);
 }
 
 void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
   const int64_t threads = pool_threads();
-  if (threads > 1 && !in_pool_worker) {
+  if (threads > 1 && !in_pool_worker && chunks <= int64_t(INDEX_MASK)) {
     Pool& p = pool();
     if (p.try_acquire()) {
       struct Release {
@@ -282,6 +282,8 @@ int64_t pool_worker_chunks() { return pool().worker_chunks(); }
 
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at) {
   auto cover = [&](int64_t begin, int64_t end) {
+    if (!nested && end - begin < grain && end - begin < n)
+      throw std::runtime_error("pool_cover: a chunk shorter than the grain");
     for (int64_t i = begin; i < end; ++i) {
       if (i == throw_at) throw std::runtime_error("pool_cover: index " + std::to_string(i));
       __atomic_fetch_add(counts + i, 1, __ATOMIC_RELAXED);  // a doubled index still counts

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace slotserve::kernels {
 
@@ -38,30 +39,58 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx);
 // The threads a range may run on, the caller included: at::get_num_threads().
 int64_t pool_threads();
 
-// The most chunks a range is cut into: POOL_CHUNKS_PER_THREAD per thread (set_pool_tuning).
-int64_t pool_max_chunks();
+// How a range is cut: in levels that halve, each level in `width` chunks but the last in
+// chunks of one grain. Level l < last covers [n - (n >> l), n - (n >> (l + 1))), the last
+// level the rest, [n - (n >> l), n).
+// NOTE (why halving levels): the first chunks are big (few claims), the last small, so the
+// threads end within a grain of each other. Equal chunks ended unevenly: 18 panels (a
+// 576-wide matmul) in 8 chunks of 2 or 3 took 231 us at 64 rows where OpenMP's two halves
+// took 207; chunks of one panel cost a claim each (a 1-row matmul of 30 panels: 11.8 us).
+struct ChunkLevels {
+  int64_t n, grain, width, levels, last_width;
+
+  // The cut of n indices for `threads` threads, every chunk at least `grain` long; width 1:
+  // run it whole.
+  static ChunkLevels of(int64_t n, int64_t grain, int64_t threads) {
+    const int64_t width = std::min(threads, n / grain);
+    if (width <= 1) return {n, grain, 1, 1, 1};
+    int64_t levels = 1;
+    while (levels < 62 && (n >> levels) / width >= grain &&
+           ((n >> (levels - 1)) - (n >> levels)) / width >= grain)
+      ++levels;
+    return {n, grain, width, levels, (n >> (levels - 1)) / grain};
+  }
+  int64_t chunks() const { return width * (levels - 1) + last_width; }
+  // [first, last) of chunk i, relative to the range's begin
+  std::pair<int64_t, int64_t> bounds(int64_t i) const {
+    const int64_t level = std::min(i / width, levels - 1);
+    const int64_t j = i - level * width, parts = level + 1 == levels ? last_width : width;
+    const int64_t start = n - (n >> level);
+    const int64_t stop = level + 1 == levels ? n : n - (n >> (level + 1));
+    return {start + j * (stop - start) / parts, start + (j + 1) * (stop - start) / parts};
+  }
+};
 
 // fn(b, e) over [begin, end) in chunks of at least `grain` indices (the invariants above).
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  const int64_t chunks =
-      std::min(n / std::max<int64_t>(grain, 1), pool_max_chunks());
-  if (chunks <= 1) {
+  const ChunkLevels cut = ChunkLevels::of(n, std::max<int64_t>(grain, 1), pool_threads());
+  if (cut.width <= 1) {
     fn(begin, end);
     return;
   }
   struct Range {
     const F* fn;
-    int64_t begin, n, chunks;
+    int64_t begin;
+    ChunkLevels cut;
   };
-  const Range range{&fn, begin, n, chunks};
-  // chunk i: [begin + i n / chunks, begin + (i + 1) n / chunks), the sizes within one of each
-  // other
-  run_chunks(chunks, [](const void* ctx, int64_t i) {
+  const Range range{&fn, begin, cut};
+  run_chunks(cut.chunks(), [](const void* ctx, int64_t i) {
     const Range& r = *static_cast<const Range*>(ctx);
-    (*r.fn)(r.begin + i * r.n / r.chunks, r.begin + (i + 1) * r.n / r.chunks);
+    const auto [first, last] = r.cut.bounds(i);
+    (*r.fn)(r.begin + first, r.begin + last);
   }, &range);
 }
 
@@ -69,14 +98,15 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
 // waits before claiming any chunk (a worker descheduled by a busy neighbour, made certain),
 // and the caller must finish the job alone.
 void set_pool_workers_paused(bool paused);
-// Measurements (benchmarks/PERF.md): how long a worker spins before it sleeps, the chunks per
-// thread, how long a caller spins on its last chunks before it sleeps (< 0: unchanged). The
-// defaults: DEFAULT_SPIN_US, POOL_CHUNKS_PER_THREAD, DEFAULT_CALLER_SPIN_US (parallel.cpp).
-void set_pool_tuning(int64_t spin_us, int64_t chunks_per_thread, int64_t caller_spin_us);
+// Measurements: how long a worker spins before it sleeps, how much of that on the core before
+// it yields the core between checks, how long a caller spins on its last chunks before it
+// sleeps (< 0: unchanged). The defaults: the DEFAULT_ constants in parallel.cpp.
+void set_pool_tuning(int64_t spin_us, int64_t pause_us, int64_t caller_spin_us);
 // Chunks run so far by the pool's workers (not by callers).
 int64_t pool_worker_chunks();
 // counts[i] += 1 for every i in [0, n), through parallel_for(0, n, grain); nested: each chunk
-// through a parallel_for of its own; an index == throw_at throws std::runtime_error.
+// through a parallel_for of its own; an index == throw_at throws std::runtime_error, and so
+// does a chunk shorter than the grain (not nested).
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at);
 
 }  // namespace slotserve::kernels
