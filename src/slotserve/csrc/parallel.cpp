@@ -38,18 +38,17 @@ namespace {
 constexpr int INDEX_BITS = 16;
 constexpr uint64_t INDEX_MASK = (uint64_t(1) << INDEX_BITS) - 1;
 
-// NOTE (spinning): after its last chunk a worker spins this long, then sleeps. A decode step's
-// regions come microseconds apart and waking a sleeping thread takes tens of them (the quiet
-// engine lost half its speed to OMP_WAIT_POLICY=PASSIVE when OpenMP ran these kernels). It
-// spins by yielding its core (sched_yield) after its first DEFAULT_PAUSE_US: torch's own OpenMP
-// regions
-// (prefill's attention: bmm, softmax) run between our kernels on the same cores and wait for
-// every one of their threads, and a worker of ours spinning on the core an OpenMP thread was
-// queued on held that region back for a time slice (profiled: ~4 ms a bmm). Beside a
-// spinning process, 64 x 32 tokens of SmolLM2 in bf16 (interleaved, same process): 595-885
-// tok/s pausing, 730-1080 yielding; quiet, no difference within this shared machine's noise.
-// NOTE: the first microseconds pausing on the core: a yielding worker was slow to see a job
-// of a few microseconds (a 1-row matmul of 30 panels: 16 us where OpenMP took 10).
+// NOTE (spinning): after its last chunk a worker spins DEFAULT_SPIN_US, then sleeps. A decode
+// step's regions come microseconds apart and waking a sleeping thread takes tens of them (the
+// quiet engine lost half its speed to OMP_WAIT_POLICY=PASSIVE when OpenMP ran these kernels).
+// It spins on the core (pause) for DEFAULT_PAUSE_US, then yields the core between checks
+// (sched_yield). Yielding: torch's own OpenMP regions (prefill's attention: bmm, softmax) run
+// between our kernels on the same cores and wait for every one of their threads, and a worker
+// of ours spinning on the core an OpenMP thread was queued on held that region back for a
+// time slice (profiled: ~4 ms a bmm). Beside a spinning process, 64 x 32 tokens of SmolLM2 in
+// bf16 (interleaved, one process): 595-885 tok/s pausing throughout, 730-1080 yielding.
+// Pausing first: a worker that only yielded was slow to see a job of a few microseconds (a
+// 1-row matmul of 30 panels: 16.5 us, 10.5 with 20 us of pausing first, OpenMP 10.0).
 constexpr int64_t DEFAULT_SPIN_US = 200, DEFAULT_PAUSE_US = 20;
 std::atomic<int64_t> spin_us{DEFAULT_SPIN_US};  // set_pool_tuning
 std::atomic<int64_t> pause_us{DEFAULT_PAUSE_US};
