@@ -380,11 +380,6 @@ class LinearKernelSwap:
                                    if isinstance(module.kernel, PANEL_KERNELS)])
 
 
-def swap_linear_kernels(model: nn.Module, kernel_set) -> None:
-    """Give every Linear of `model` the linear kernel of `kernel_set` (model/kernels.py)."""
-    LinearKernelSwap(model, kernel_set).finish()
-
-
 def place_panels_in_one_arena(kernels: list) -> None:
     """Move the weight panels of `kernels` (listed in the order a forward reads them) into
     one tensor per dtype, each kernel keeping a view of its part; the math is unchanged.
