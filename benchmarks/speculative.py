@@ -12,10 +12,14 @@ quoted back) and `free` (open questions, little to copy). Three kinds of cell, e
 running each setting once in an order that rotates round by round (a drift of the host's
 speed falls on every side):
 
-- batch (`--batches`, default 1 4 16 64): that many requests of a workload sent at once,
-  max_num_seqs 64, `--max-tokens` each. Per run: output tokens / wall time, TPOT p50 / p99
-  over the completions, and whether the tokens equal the off run's (greedy: they must, up
-  to the near-tie rule of docs/ARCHITECTURE.md).
+- batch (`--batches`, default 1 4 16 64): a run sends the workload's prompts in groups of
+  that many requests at once, one group after another, every prompt at least once
+  (`cell_groups`: batch 1 is the four prompts alone in turn, 4 one group of the four, 16
+  and 64 one group cycling through them), max_num_seqs 64, `--max-tokens` each. Per run:
+  output tokens / wall time over the groups, TPOT p50 / p99 over the completions, and
+  whether the tokens equal the off run's (greedy: they must, up to the near-tie rule of
+  docs/ARCHITECTURE.md); with several groups also the first group's ratio alone (what a
+  batch-1 cell measured before 2026-12-05: the first prompt only).
 - W (`benchmarks/perf.py`'s `workload_w`: 64 chat requests at t=0, lognormal output
   lengths, ignore_eos; `--no-w` skips it) at 64 slots.
 - online (`--online RATE...`, default 2 4 req/s; `--online` alone: none):
@@ -128,8 +132,9 @@ def chat_prompts(llm: LLM, texts: tuple[str, ...], count: int) -> list[list[int]
 
 
 def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
-    """One batch sent at once: tokens, wall time, tok/s, TPOT p50/p99, the token ids and
-    the run's iteration trace (`trace`: for the replay; not written to the report)."""
+    """One batch sent at once: tokens, wall time, tok/s, TPOT p50/p99 (and each
+    completion's TPOT in s, `tpots`), the token ids and the run's iteration trace
+    (`trace`: for the replay; not written to the report)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     spec = llm.engine.scheduler.speculator
     before = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
@@ -148,19 +153,60 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
             "tpot_p50_ms": 1000 * percentile(tpots, 50) if tpots else None,
             "tpot_p99_ms": 1000 * percentile(tpots, 99) if tpots else None,
             "draft_tokens": drafted[0], "accepted_tokens": drafted[1],
-            "token_ids": [list(c.token_ids) for c in completions], "trace": trace}
+            "token_ids": [list(c.token_ids) for c in completions], "trace": trace,
+            "tpots": tpots}
+
+
+def cell_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The groups of prompts a batch cell sends, one group after another, each group's
+    requests at once: every prompt of the workload at least once, `batch` at a time, cycling
+    through them. batch >= len(prompts): one group of `batch` (the prompts in turn); fewer:
+    ceil(len(prompts) / batch) groups (batch 1: each prompt alone, in turn).
+
+    NOTE: before 2026-12-05 a cell sent one group of `batch` prompts, so batch 1 measured
+    only the workload's first prompt.
+    """
+    if not prompts or batch < 1:
+        raise ValueError(f"cell_groups: need prompts and batch >= 1, got {len(prompts)} "
+                         f"prompts and batch {batch}")
+    count = max(1, math.ceil(len(prompts) / batch))
+    return [[prompts[(group * batch + i) % len(prompts)] for i in range(batch)]
+            for group in range(count)]
+
+
+def run_groups(llm: LLM, groups: list[list[list[int]]], max_tokens: int) -> dict:
+    """`run_once` on each group in turn, summed: output tokens / seconds over all groups,
+    TPOT p50/p99 over every completion, each group's own figures (`groups`), the token ids
+    in group order and the groups' traces (`trace`: a list, one per group)."""
+    parts = [run_once(llm, group, max_tokens) for group in groups]
+    tokens = sum(p["output_tokens"] for p in parts)
+    seconds = sum(p["seconds"] for p in parts)
+    tpots = [t for p in parts for t in p.pop("tpots")]
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "tpot_p50_ms": 1000 * percentile(tpots, 50) if tpots else None,
+            "tpot_p99_ms": 1000 * percentile(tpots, 99) if tpots else None,
+            "draft_tokens": sum(p["draft_tokens"] for p in parts),
+            "accepted_tokens": sum(p["accepted_tokens"] for p in parts),
+            "groups": [{k: p[k] for k in ("output_tokens", "seconds", "output_tok_s",
+                                          "draft_tokens", "accepted_tokens")} for p in parts],
+            "token_ids": [ids for p in parts for ids in p["token_ids"]],
+            "trace": [p["trace"] for p in parts]}
 
 
 def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
-             rounds: int, log, traces: dict[str, list[dict]] | None = None) -> dict:
-    """`rounds` runs of every setting on one workload and batch size, order rotating.
+             rounds: int, log, traces: dict[str, list[list[dict]]] | None = None,
+             batch: int | None = None) -> dict:
+    """`rounds` runs of every setting on one workload and batch size, order rotating; a
+    run sends the prompts in `cell_groups` of `batch` (None: all at once, one group).
 
-    traces: filled with each setting's run traces, in round order (for the replay)."""
+    traces: filled with each setting's runs' traces, in round order, each run's a list
+    (one trace per group; for the replay)."""
+    groups = cell_groups(prompts, batch or len(prompts))
     names = list(engines)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for number in range(rounds):
         for name in _rotated(names, number):
-            result = run_once(engines[name], prompts, max_tokens)
+            result = run_groups(engines[name], groups, max_tokens)
             runs[name].append(result)
             log(f"  round {number + 1} {name}: {result['output_tok_s']:.1f} tok/s, TPOT p99 "
                 f"{result['tpot_p99_ms'] or 0:.1f} ms, drafts {result['draft_tokens']} "
@@ -176,6 +222,10 @@ def run_cell(engines: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
     cell = compare_runs(runs)
     for name in names:
         cell[name]["identical_to_off"] = same[name]
+        if len(groups) > 1 and name != "off":
+            cell[name]["first_group_ratio"] = statistics.median(
+                on["groups"][0]["output_tok_s"] / off["groups"][0]["output_tok_s"]
+                for on, off in zip(runs[name], runs["off"]))
     return cell
 
 
@@ -305,7 +355,8 @@ def replay_cost_model(profile, traces: dict, log, clock: str = "knee", anchor: b
     per_run_base: `add_predictions` moves it to the cell's off run)."""
     if profile is not None:
         return profile, "profile"
-    off = [t for cells in traces.values() for cell in cells.values() for t in cell["off"]]
+    off = [t for cells in traces.values() for cell in cells.values() for run in cell["off"]
+           for t in group_traces(run)]
     model = fit_trace_cost(off, meta={"runs": len(off)},
                            knee="auto" if clock == "knee" else None,
                            per_run_base=anchor)
@@ -322,7 +373,7 @@ def cell_clock(cost_model, traces: dict, cell: tuple[str, str], log=None):
     whose ratio it predicts); as it is if they have too few verifications."""
     others = [t for workload, cells in traces.items() for batch, runs in cells.items()
               if (workload, batch) != cell for name, recorded in runs.items()
-              if name != "off" for t in recorded]
+              if name != "off" for run in recorded for t in group_traces(run)]
     try:
         return with_draft_pairs(cost_model, others)
     except ValueError as exc:
@@ -348,7 +399,7 @@ def add_predictions(report: dict, traces: dict, cost_model, anchor: bool = True,
             for name, config in report["settings"].items():
                 if config is None:
                     continue
-                rounds = [predict_ratio(off, on, config, clock, anchor=anchor) for off, on in
+                rounds = [predict_run(off, on, config, clock, anchor) for off, on in
                           zip(traces[workload][batch]["off"], traces[workload][batch][name])]
                 predicted = statistics.median(r["ratio"] for r in rounds)
                 off_tok_s = statistics.median(r["off_tok_s"] for r in rounds)
@@ -359,6 +410,29 @@ def add_predictions(report: dict, traces: dict, cost_model, anchor: bool = True,
                     "draft_pairs_s": clock.coefficients.get(DRAFT_PAIRS)
                     if hasattr(clock, "coefficients") else None,
                     "rounds": rounds}
+
+
+def group_traces(run) -> list[dict]:
+    """A run's traces: a batch cell's run recorded one per group (a list); W, online and
+    files saved before 2026-12-05 one (a dict)."""
+    return run if isinstance(run, list) else [run]
+
+
+def predict_run(off_run, on_run, config: str, clock, anchor: bool) -> dict:
+    """`predict_ratio` over a run's groups (`group_traces`): each group replayed off and on,
+    the run's tok/s its tokens over the groups' replayed seconds, as the benchmark measures
+    a run (one group: `predict_ratio`'s result as it is)."""
+    parts = [predict_ratio(off, on, config, clock, anchor=anchor)
+             for off, on in zip(group_traces(off_run), group_traces(on_run), strict=True)]
+    if len(parts) == 1:
+        return parts[0]
+    tokens = sum(p["output_tokens"] for p in parts)
+    off_s = sum(p["output_tokens"] / p["off_tok_s"] for p in parts)
+    on_s = sum(p["output_tokens"] / p["on_tok_s"] for p in parts)
+    summed = {key: sum(p[key] for p in parts) for key in
+              ("off_iterations", "on_iterations", "proposed", "accepted")}
+    return {"off_tok_s": tokens / off_s, "on_tok_s": tokens / on_s, "ratio": off_s / on_s,
+            "output_tokens": tokens, **summed}
 
 
 def within(report: dict, bound: float) -> dict[str, list[int]]:
@@ -399,6 +473,21 @@ def format_summary(report: dict) -> str:
             checked = [cell[n].get("identical_to_off") for n in settings]
             same = "-" if None in checked else all(checked)
             lines.append(f"| {workload} | {batch} | {' | '.join(values)} | {same} |")
+    return "\n".join(lines)
+
+
+def format_first_groups(report: dict) -> str:
+    """Per batch cell of several groups: each on setting's ratio over the whole cell and
+    over its first group alone (the cell before 2026-12-05)."""
+    lines = []
+    for workload, cells in report["results"].items():
+        for batch, cell in cells.items():
+            for name, result in cell.items():
+                if "first_group_ratio" in result:
+                    lines.append(f"{workload} batch {batch}: {name} / off "
+                                 f"{result['median_ratio']:.2f}x over every prompt, "
+                                 f"{result['first_group_ratio']:.2f}x on the first group "
+                                 "alone")
     return "\n".join(lines)
 
 
@@ -510,11 +599,12 @@ def measure(args, settings: dict[str, str | None], log) -> tuple[dict, dict]:
         results[workload], traces[workload] = {}, {}
         for batch in args.batches:
             log(f"{workload}, batch {batch}:")
-            prompts = chat_prompts(engines["off"], WORKLOADS[workload], batch)
+            texts = WORKLOADS[workload]
+            prompts = chat_prompts(engines["off"], texts, max(batch, len(texts)))
             traces[workload][str(batch)] = {}
             results[workload][str(batch)] = run_cell(engines, prompts, args.max_tokens,
                                                      args.rounds, log,
-                                                     traces[workload][str(batch)])
+                                                     traces[workload][str(batch)], batch)
     engines.clear()  # NOTE: their KV pools go before the fresh engines of W and online
     if args.w:
         log(f"W (benchmarks/perf.py's workload_w), {W_SLOTS} slots:")
@@ -630,6 +720,10 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = check_targets(report)
     print(format_summary(report))
     print()
+    first_groups = format_first_groups(report)
+    if first_groups:
+        print(first_groups)
+        print()
     print(format_latency(report))
     print()
     print(format_targets(report["targets"]))

@@ -112,9 +112,10 @@ def test_saved_traces_predict_again_without_a_model(tiny_llama, tmp_path, capsys
     results = {"grounded": {}}
     for batch in (1, 4):  # two batch sizes: the fit tells a row's cost from a step's
         traces["grounded"][str(batch)] = {}
+        # NOTE: batch 1 sends 2 prompts in turn: a run of two groups, predicted as one
         results["grounded"][str(batch)] = run_cell(
-            engines, repetitive_prompts(batch, seed=5), 16, 1, lambda _: None,
-            traces["grounded"][str(batch)])
+            engines, repetitive_prompts(max(batch, 2), seed=5), 16, 1, lambda _: None,
+            traces["grounded"][str(batch)], batch)
     report = {"settings": {"off": None, "auto": NGRAM}, "results": results, "rounds": 1}
     path, out = tmp_path / "traces.json.gz", tmp_path / "report.json"
     save_traces(str(path), report, traces)
@@ -124,8 +125,11 @@ def test_saved_traces_predict_again_without_a_model(tiny_llama, tmp_path, capsys
     written = json.loads(out.read_text())
     assert written["replay"]["clock"].startswith("linear fit")
     assert written["replay"]["within"]["auto"][1] == 2
-    predicted = written["results"]["grounded"]["4"]["auto"]["replay"]["predicted_ratio"]
-    assert math.isfinite(predicted) and predicted > 0
+    for batch in ("1", "4"):
+        replayed = written["results"]["grounded"][batch]["auto"]["replay"]
+        assert math.isfinite(replayed["predicted_ratio"]) and replayed["predicted_ratio"] > 0
+    rounds = written["results"]["grounded"]["1"]["auto"]["replay"]["rounds"]
+    assert rounds[0]["output_tokens"] == 2 * 16  # the two groups' tokens, replayed as one run
     assert any(t["target"].startswith("grounded batch 1 tok/s") for t in written["targets"])
     assert "| grounded | 4 |" in capsys.readouterr().out
 

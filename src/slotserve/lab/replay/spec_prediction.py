@@ -171,7 +171,8 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     a LinearCost only).
 
     Returns off_tok_s, on_tok_s (output tokens / replayed seconds), ratio (on / off), the
-    replays' iterations and the drafts the on replay proposed and accepted.
+    off replay's output_tokens, the replays' iterations and the drafts the on replay
+    proposed and accepted.
     """
     if anchor:
         cost_model = anchored(cost_model, off_trace)
@@ -188,6 +189,7 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     off_tok_s, on_tok_s = _tok_s(off), _tok_s(on)
     slots = [s for it in on.trace["iterations"] for s in it["slots"] if s and s.get("proposed")]
     return {"off_tok_s": off_tok_s, "on_tok_s": on_tok_s, "ratio": on_tok_s / off_tok_s,
+            "output_tokens": sum(len(o.token_times) for o in off.outcomes),
             "off_iterations": off.iterations, "on_iterations": on.iterations,
             "proposed": sum(s["proposed"] for s in slots),
             "accepted": sum(s["accepted"] for s in slots)}
