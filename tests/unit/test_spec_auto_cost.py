@@ -170,7 +170,9 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
     if decode_cost is DecodeStepCost:
         assert late_drafts <= 5, late_drafts
     else:
-        assert late_drafts >= 40, late_drafts  # the failure this guards against
+        # the failure this guards against (72 drafts with a fixed 0.5 prior; 23 since the
+        # prior is the pooled acceptance, ~0.4 here)
+        assert late_drafts >= 15, late_drafts
 
 
 def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost) -> dict:

@@ -9,7 +9,12 @@ import pytest
 
 from slotserve.cli import main
 from slotserve.config import engine_config
-from slotserve.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, parse
+from slotserve.spec.config import (
+    AUTO_MAX_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+    parse,
+)
 
 
 def test_off_by_default():
@@ -30,7 +35,7 @@ def test_vllms_json_form():
     same = engine_config(speculative_config=json.loads(text))
     assert same == config and isinstance(config.speculative_config, str)
     auto = engine_config(speculative_config={"method": "suffix"}).speculative
-    assert auto.auto and auto.method == "suffix" and auto.max_tokens == 8
+    assert auto.auto and auto.method == "suffix" and auto.max_tokens == AUTO_MAX_SPECULATIVE_TOKENS
     assert parse({"method": "ngram", "prompt_lookup_max": 3}).prompt_lookup_min == 3
     assert parse({"method": "ngram", "prompt_lookup_min": 3}).prompt_lookup_max == 3
 

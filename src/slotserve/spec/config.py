@@ -27,7 +27,7 @@ from typing import Any
 
 METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32  # a verification's rows: more would only cost (bounded work)
-AUTO_MAX_SPECULATIVE_TOKENS = 8  # what "auto" may pick per sequence and iteration
+AUTO_MAX_SPECULATIVE_TOKENS = 16  # what "auto" may pick per sequence and iteration
 MAX_NGRAM = 64
 MAX_TREE_DEPTH = 256
 MAX_CACHED_REQUESTS = 100_000
