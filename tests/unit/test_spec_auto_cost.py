@@ -10,6 +10,7 @@ not move the scheduler's cost (`DecodeStepCost`).
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -60,11 +61,15 @@ def test_no_drafts_in_a_large_batch_whose_acceptance_does_not_pay():
 
 def test_drafts_where_they_pay():
     """The same acceptance at batch 1 (a 6.4 ms step makes one token: a 0.4 ms draft row for
-    0.45 tokens pays), and 90% acceptance at 20 sequences (0.4 ms for 0.9 tokens)."""
+    0.45 tokens pays), and 90% acceptance at 20 sequences (0.4 ms for 0.9 tokens: a 14 ms
+    step's 20 sequences each 3% slower, one 90% faster: log1p(0.9) = 0.64 > 20 x 0.028).
+    A second draft each (0.81 tokens for one, after 20 rows more) no longer pays on the
+    geometric mean of the sequences' rates (log1p(0.81 / 1.9) = 0.36 < 20 x log(22.4 /
+    22)): the sum of tokens per second took it."""
     drafts = _speculator(0.45, 1).plan(_candidates(1), 512, 1, 1)
     assert len(drafts.get("s0", ())) >= 1
     drafts = _speculator(0.9, 20).plan(_candidates(20), 512, 20, 20)
-    assert len(drafts) == 20 and all(len(d) >= 2 for d in drafts.values())
+    assert len(drafts) == 20 and all(len(d) == 1 for d in drafts.values())
 
 
 def _tail_observations(model: CostModel) -> None:
@@ -176,21 +181,24 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
 
 
 def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost) -> dict:
-    """The planner's rule written plainly: every possible draft's gain (rate^j), sorted
-    best first (ties in candidate order), taken while it pays."""
+    """The planner's rule written plainly: every possible draft's gain (its sequence's log
+    expected tokens with it minus without: log1p(rate^j / (1 + ... + rate^(j-1)))), sorted
+    best first (ties in candidate order), taken while it outweighs the step's log cost
+    times the producing sequences."""
     gains = []
-    for cand in candidates:
+    for index, cand in enumerate(candidates):
         rate = spec.rate(cand.seq_id)
-        gains += [(rate ** j, cand.seq_id)
-                  for j in range(1, min(cand.max_tokens, spec.config.max_tokens) + 1)]
-    gains.sort(key=lambda g: -g[0])
-    tokens, produced = max(planned, 1), float(max(producing, 1))
+        for j in range(1, min(cand.max_tokens, spec.config.max_tokens) + 1):
+            before = sum(rate ** i for i in range(j))
+            gains.append((math.log1p(rate ** j / before), index, cand.seq_id))
+    gains.sort(key=lambda g: (-g[0], g[1]))
+    tokens, weight = max(planned, 1), max(producing, 1)
     seconds, wanted = cost.seconds(tokens), {}
-    for gain, seq_id in gains[:budget]:
+    for gain, _, seq_id in gains[:budget]:
         more = cost.seconds(tokens + 1)
-        if not (seconds > 0 and (produced + gain) * seconds > produced * more):
+        if not (seconds > 0 and more > 0 and gain > weight * math.log(more / seconds)):
             break
-        tokens, produced, seconds = tokens + 1, produced + gain, more
+        tokens, seconds = tokens + 1, more
         wanted[seq_id] = wanted.get(seq_id, 0) + 1
     return wanted
 

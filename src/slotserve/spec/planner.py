@@ -8,14 +8,16 @@ tokens (its last sampled token and the k drafts), with logits at each of them.
 How many:
 - fixed (`num_speculative_tokens` an integer): that many, fewer when the proposer has fewer,
   the sequence's max_tokens or length cap is closer, or the budget is short;
-- "auto": the plan that maximises expected tokens per second. A sequence whose drafts are
-  each accepted with probability a (given the ones before were: its observed rate in its
+- "auto": the plan that maximises the geometric mean of the producing sequences' expected
+  token rates (at batch 1: expected tokens per second). A sequence whose drafts are each
+  accepted with probability a (given the ones before were: its observed rate in its
   present state, see `AcceptanceStats`) gains a^j expected tokens from its j-th draft; the
-  iteration costs
-  `cost.seconds(tokens)`. Draft increments are taken in order of gain while they raise
-  (tokens produced) / (step seconds). With a step cost of overhead + per_token x n this is
-  the exact optimum, and it is zero when the batch is large: the j-th draft pays only while
-  a^j > per_token x produced / seconds, which approaches 1 as decodes fill the step.
+  iteration costs `cost.seconds(tokens)`. Draft increments are taken in order of gain
+  (log1p(a^j / the sequence's expected tokens so far)) while they raise the sum over the B
+  producing sequences of log(expected tokens / step seconds). It is zero when the batch is
+  large: a sequence's first draft pays only while log1p(a) > B x log1p(per_token /
+  seconds); B x per_token / seconds nears 1 as decodes fill the step, and past log 2 no
+  draft pays.
 
 NOTE: the proposer is only asked for the sequences that get drafts, so a large batch costs
 no proposal work.
@@ -246,35 +248,46 @@ class Speculator:
 
     def _auto_lengths(self, candidates: list[Candidate], budget: int, planned_tokens: int,
                       producing: int, cost: StepCost) -> dict[str, int]:
-        """Each sequence's draft count maximising expected tokens per unit of step cost:
-        increments taken best gain first (a sequence's j-th draft gains rate^j; ties in
-        candidate order) while they pay.
+        """Each sequence's draft count maximising the sum over the step's producing
+        sequences of log(the sequence's expected tokens / step cost), i.e. the geometric
+        mean of their token rates: increments taken best gain first (a sequence's j-th draft
+        raises its log tokens by log1p(rate^j / its expected tokens so far); ties in
+        candidate order) while they raise the sum.
 
-        NOTE: a heap holds each sequence's next increment only, so an iteration whose best
-        draft does not pay (a full batch: the usual case at 64 slots) costs one look at each
-        sequence's rate, not a sorted list of every possible draft.
+        NOTE: why not the sum of tokens over the step cost (the rule until 2026-12-05): a
+        draft row slows every sequence in the step, and that rule charged it to the step's
+        total, so sequences in a span took all the drafts: at batch 4 of the grounded
+        prompts two copying sequences drafted 16 each (36-row steps of ~39 ms against
+        9.4 ms decodes) while the other two, not yet copying, got none and ran at a quarter
+        of their speed, and the run ended on their tail (auto 0.87x of fixed length 4).
+        With one producing sequence the two rules are the same. A heap holds each
+        sequence's next increment only, so an iteration whose best draft does not pay (a
+        full batch: the usual case at 64 slots) costs one look at each sequence's rate.
         """
         heap = []
         for index, cand in enumerate(candidates):
             rate, limit = self.rate(cand.seq_id), min(cand.max_tokens, self.config.max_tokens)
             if limit > 0:
-                heap.append((-rate, index, 1, rate, limit))
+                heap.append((-math.log1p(rate), index, 1, rate, limit, 1.0))
         heapq.heapify(heap)
         tokens = max(planned_tokens, 1)
-        produced = float(max(producing, 1))
+        weight = float(max(producing, 1))  # NOTE: each producing sequence feels the step
         seconds = cost.seconds(tokens)
         wanted: dict[str, int] = {}
         while heap and budget > 0:
-            negative_gain, index, j, rate, limit = heapq.heappop(heap)
+            negative_gain, index, j, rate, limit, produced = heapq.heappop(heap)
             more = cost.seconds(tokens + 1)
-            if not (seconds > 0 and (produced - negative_gain) * seconds > produced * more):
+            if not (seconds > 0 and more > 0
+                    and -negative_gain > weight * math.log(more / seconds)):
                 break  # NOTE: gains only fall from here, so no later increment pays
-            tokens, produced, seconds = tokens + 1, produced - negative_gain, more
+            tokens, seconds = tokens + 1, more
+            produced += rate ** j
             seq_id = candidates[index].seq_id
             wanted[seq_id] = wanted.get(seq_id, 0) + 1
             budget -= 1
             if j < limit:
-                heapq.heappush(heap, (-(rate ** (j + 1)), index, j + 1, rate, limit))
+                gain = math.log1p(rate ** (j + 1) / produced)
+                heapq.heappush(heap, (-gain, index, j + 1, rate, limit, produced))
         return wanted
 
     def rate(self, seq_id: str) -> float:
