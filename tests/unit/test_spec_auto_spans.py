@@ -94,3 +94,18 @@ def test_sequences_not_in_a_span_still_get_drafts_beside_ones_that_are():
     drafts = spec.plan(cands, budget=512, planned_tokens=4, producing=4)
     assert all(len(drafts.get(s, ())) >= 1 for s in "cd"), drafts
     assert all(len(drafts[s]) < AUTO_MAX_SPECULATIVE_TOKENS for s in "ab"), drafts
+
+
+def test_a_first_guess_and_a_guess_after_a_miss_are_told_apart():
+    """Answers that quote their input: each one's first guess was right (it starts
+    copying at once), its guesses after a span ended were not. A new sequence drafts long
+    at once; one that has just missed drafts little (one 'fresh' record for both put them
+    at the same ~0.6)."""
+    spec = _speculator()
+    for seq_id in ("a", "b", "c"):
+        for verification in [(6, 6), (16, 16), (16, 3), (8, 0), (6, 0), (4, 1)]:
+            spec.observe(seq_id, *verification)
+    assert spec.stats["a"].state == "fresh"
+    assert spec.rate("new") > 0.8 and spec.rate("a") < 0.35
+    assert _plan_one(spec, "new") >= 6
+    assert _plan_one(spec, "a") <= 2

@@ -105,21 +105,25 @@ class DecodeStepCost(CostModel):
         super().observe(num_tokens, seconds)
 
 
+FIRST, FRESH, SPAN = "first", "fresh", "span"  # the states of `AcceptanceStats`
+
+
 @dataclass
 class AcceptanceStats:
-    """One sequence's record, in two states: drafts accepted and verifications that rejected
-    one, of verifications planned `fresh` (accepted, rejections: the first, or after a
-    verification that rejected a draft or an iteration without drafts) and of those planned
-    `in_span` (span_accepted, span_rejections: right after a verification that accepted
-    every draft, i.e. the sequence is copying a span its proposer follows).
+    """One sequence's record, in three states: its `first` verification (a guess before
+    anything is known of it: the engine's pooled rate alone), `fresh` ones (accepted,
+    rejections: after a verification that rejected a draft, or an iteration without
+    drafts) and those `in_span` (span_accepted, span_rejections: right after a verification
+    that accepted every draft, i.e. the sequence is copying a span its proposer follows).
 
     NOTE: a verification of k drafts that accepts a of them is a successes and, if a < k,
     one failure of a geometric law, so `rate_given` estimates the probability that a draft
-    is accepted given that the ones before it were. The two states differ several-fold on
-    text that copies its input (SmolLM2, the benchmark's grounded prompts: a draft right
-    after a fully accepted verification is right ~98% of the time, a fresh one ~50%); one
-    record mixing them drafted 8 tokens at ~0.9 into every fresh guess after a span ended,
-    each such verification ~2x a decode step's time for nothing.
+    is accepted given that the ones before it were. The states differ several-fold on text
+    that copies its input (SmolLM2, the benchmark's grounded prompts: a draft right after a
+    fully accepted verification is right ~98% of the time; a first guess at the start of an
+    answer that quotes its input nearly as often; a guess after a span ended rarely): one
+    record mixing them drafted 8-16 tokens into every guess after a span ended, each such
+    verification 2-3x a decode step's time for nothing.
     """
 
     accepted: int = 0
@@ -127,44 +131,58 @@ class AcceptanceStats:
     span_accepted: int = 0
     span_rejections: int = 0
     in_span: bool = False
+    verifications: int = 0
 
-    def record(self, verification: tuple[int, int], in_span: bool) -> None:
-        """Count a verification (drafts, accepted) planned in state `in_span`."""
+    @property
+    def state(self) -> str:
+        """FIRST, FRESH or SPAN: the state the sequence's next drafts are planned in."""
+        if self.in_span:
+            return SPAN
+        if self.verifications == 0 and self.accepted == 0 and self.rejections == 0:
+            return FIRST
+        return FRESH
+
+    def record(self, verification: tuple[int, int], state: str) -> None:
+        """Count a verification (drafts, accepted) planned in `state` (a first one only in
+        the pool: the sequence's own record of fresh guesses starts after it)."""
         drafts, accepted = verification
         rejected = int(accepted < drafts)
-        if in_span:
+        self.verifications += 1
+        if state == SPAN:
             self.span_accepted += accepted
             self.span_rejections += rejected
-        else:
+        elif state == FRESH:
             self.accepted += accepted
             self.rejections += rejected
 
     def rate_given(self, prior: float) -> float:
         """The present state's acceptance: its record and PRIOR_WEIGHT drafts at `prior`."""
-        accepted, rejections = ((self.span_accepted, self.span_rejections) if self.in_span
-                                else (self.accepted, self.rejections))
+        state = self.state
+        accepted, rejections = ((self.span_accepted, self.span_rejections) if state == SPAN
+                                else (self.accepted, self.rejections) if state == FRESH
+                                else (0, 0))
         return ((accepted + PRIOR_WEIGHT * prior)
                 / (accepted + rejections + PRIOR_WEIGHT))
 
 
 class PooledAcceptance:
-    """Every sequence's verifications in each state (fresh, in span), each one's weight
+    """Every sequence's verifications in each state (FIRST, FRESH, SPAN), each one's weight
     fading by POOL_FORGET per verification since: the prior of a sequence that has shown
     little (`rate`, with a Beta(1, 1) of its own)."""
 
     def __init__(self) -> None:
-        self._counts = {False: [0.0, 0.0], True: [0.0, 0.0]}  # accepted, rejections
+        self._counts = {state: [0.0, 0.0] for state in (FIRST, FRESH, SPAN)}
 
-    def observe(self, num_drafts: int, num_accepted: int, in_span: bool) -> None:
+    def observe(self, num_drafts: int, num_accepted: int, state: str) -> None:
         for counts in self._counts.values():
             counts[0] *= POOL_FORGET
             counts[1] *= POOL_FORGET
-        counts = self._counts[in_span]
+        counts = self._counts[state]  # accepted, rejections
         counts[0] += num_accepted
         counts[1] += int(num_accepted < num_drafts)
 
-    def rate(self, in_span: bool) -> float:
-        accepted, rejections = self._counts[in_span]
+    def rate(self, state: str) -> float:
+        accepted, rejections = self._counts[state]
         return (accepted + 1.0) / (accepted + rejections + 2.0)
 
 
@@ -291,12 +309,11 @@ class Speculator:
         return wanted
 
     def rate(self, seq_id: str) -> float:
-        """A sequence's per-draft acceptance in its present state (fresh or in a span):
-        its own record, the pooled rate of that state as the prior."""
+        """A sequence's per-draft acceptance in its present state (first, fresh or in a
+        span): its own record, the pooled rate of that state as the prior."""
         stats = self.stats.get(seq_id)
-        in_span = stats is not None and stats.in_span
         own = stats if stats is not None else AcceptanceStats()
-        return own.rate_given(self.pooled.rate(in_span))
+        return own.rate_given(self.pooled.rate(own.state))
 
     # ----------------------------------------------------------------- outcomes
     def observe(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -304,8 +321,9 @@ class Speculator:
         if num_drafts <= 0:
             return
         stats = self.stats.setdefault(seq_id, AcceptanceStats())
-        stats.record((num_drafts, num_accepted), stats.in_span)
-        self.pooled.observe(num_drafts, num_accepted, stats.in_span)
+        state = stats.state
+        stats.record((num_drafts, num_accepted), state)
+        self.pooled.observe(num_drafts, num_accepted, state)
         # NOTE: the state of the next drafts: in a span while every draft was accepted
         stats.in_span = num_accepted == num_drafts
         self.num_drafts += 1
