@@ -83,9 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool_tuning", &set_pool_tuning,
         "measurements: parallel_for's workers' spin before they sleep (us), the first part of "
         "it on the core, not yielding it (us), its callers' spin on their last chunks before "
-        "they sleep (us); < 0: unchanged",
+        "they sleep (us), the workers' pause before they sleep outside a decode stack (us); "
+        "< 0: unchanged",
         py::arg("spin_us") = -1, py::arg("pause_us") = -1,
-        py::arg("caller_spin_us") = -1);
+        py::arg("caller_spin_us") = -1, py::arg("cold_spin_us") = -1);
   m.def("pool_threads", &pool_threads, "the threads parallel_for runs a range on");
   m.def(
       "pool_cover",

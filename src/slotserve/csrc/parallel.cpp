@@ -59,6 +59,13 @@ std::atomic<int64_t> pause_us{DEFAULT_PAUSE_US};
 // goes idle: the caller's sleep idles its own core, and the kernel moves the worker there.
 constexpr int64_t DEFAULT_CALLER_SPIN_US = 50;
 std::atomic<int64_t> caller_spin_us{DEFAULT_CALLER_SPIN_US};
+// NOTE (outside a SpinScope): a worker pauses this long on the core, then sleeps. Spinning
+// there (yielding included) cost the quiet engine ~10% (SmolLM2 bf16, 64 x 32 tokens: 1377
+// tok/s against OpenMP's 1554): prefill's torch ops waited for an OpenMP thread queued behind
+// our spinning worker (an aten::add 314 us against 54).
+constexpr int64_t DEFAULT_COLD_SPIN_US = 5;
+std::atomic<int64_t> cold_spin_us{DEFAULT_COLD_SPIN_US};
+std::atomic<int> spin_scopes{0};  // SpinScopes alive
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -159,8 +166,11 @@ class Pool {
   // The generation of a job newer than `seen`, or 0 when the worker must stop.
   uint64_t wait_for_job(uint64_t seen) {
     const auto start = std::chrono::steady_clock::now();
-    const auto pausing = start + std::chrono::microseconds(pause_us.load(std::memory_order_relaxed));
-    const auto deadline = start + std::chrono::microseconds(spin_us.load(std::memory_order_relaxed));
+    const bool hot = spin_scopes.load(std::memory_order_relaxed) > 0;
+    const int64_t pause = (hot ? pause_us : cold_spin_us).load(std::memory_order_relaxed);
+    const int64_t spin = hot ? spin_us.load(std::memory_order_relaxed) : pause;
+    const auto pausing = start + std::chrono::microseconds(pause);
+    const auto deadline = start + std::chrono::microseconds(spin);
     bool yielding = false;
     for (int spins = 1;; ++spins) {
       const uint64_t generation = generation_of(claim_.load(std::memory_order_acquire));
@@ -168,6 +178,7 @@ class Pool {
       if (yielding || spins % 64 == 0) {
         const auto now = std::chrono::steady_clock::now();
         if (now >= deadline) break;
+        if (hot && spin_scopes.load(std::memory_order_relaxed) == 0) break;  // the stack ended
         yielding = now >= pausing;
       }
       if (yielding) std::this_thread::yield();  // NOTE (spinning)
@@ -253,11 +264,15 @@ Pool& pool() {
 
 int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
 
-void set_pool_tuning(int64_t spin, int64_t pause, int64_t caller_spin) {
+void set_pool_tuning(int64_t spin, int64_t pause, int64_t caller_spin, int64_t cold_spin) {
   if (spin >= 0) spin_us.store(spin);
   if (pause >= 0) pause_us.store(pause);
   if (caller_spin >= 0) caller_spin_us.store(caller_spin);
+  if (cold_spin >= 0) cold_spin_us.store(cold_spin);
 }
+
+SpinScope::SpinScope() { spin_scopes.fetch_add(1, std::memory_order_relaxed); }
+SpinScope::~SpinScope() { spin_scopes.fetch_sub(1, std::memory_order_relaxed); }
 
 void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
   const int64_t threads = pool_threads();

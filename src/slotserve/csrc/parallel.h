@@ -94,14 +94,28 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   }, &range);
 }
 
+// NOTE (spinning where it pays): the pool's workers spin between jobs only while a SpinScope
+// is alive somewhere (DecodeStack::forward: hundreds of jobs microseconds apart, no torch op
+// between them); elsewhere they pause briefly and sleep, so they leave the cores to torch's
+// own OpenMP threads, whose ops (prefill's adds, bmm, softmax) run between our kernels there.
+class SpinScope {
+ public:
+  SpinScope();
+  ~SpinScope();
+  SpinScope(const SpinScope&) = delete;
+  SpinScope& operator=(const SpinScope&) = delete;
+};
+
 // Test hooks (tests/model/test_parallel_pool.py): while paused, a worker that wakes for a job
 // waits before claiming any chunk (a worker descheduled by a busy neighbour, made certain),
 // and the caller must finish the job alone.
 void set_pool_workers_paused(bool paused);
 // Measurements: how long a worker spins before it sleeps, how much of that on the core before
 // it yields the core between checks, how long a caller spins on its last chunks before it
-// sleeps (< 0: unchanged). The defaults: the DEFAULT_ constants in parallel.cpp.
-void set_pool_tuning(int64_t spin_us, int64_t pause_us, int64_t caller_spin_us);
+// sleeps, how long a worker pauses before it sleeps outside any SpinScope (< 0: unchanged).
+// The defaults: the DEFAULT_ constants in parallel.cpp.
+void set_pool_tuning(int64_t spin_us, int64_t pause_us, int64_t caller_spin_us,
+                     int64_t cold_spin_us);
 // Chunks run so far by the pool's workers (not by callers).
 int64_t pool_worker_chunks();
 // counts[i] += 1 for every i in [0, n), through parallel_for(0, n, grain); nested: each chunk
