@@ -10,8 +10,11 @@ count (tests/model/test_kernels_gil.py's kernels, compared between 1, 2 and 3 th
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +146,30 @@ def test_kernel_bits_do_not_depend_on_the_thread_count(cpu_ops, threads):
                     assert torch.equal(kernel(x), want), (name, thread_count, paused, len(x))
         finally:
             cpu_ops.set_pool_workers_paused(False)
+
+
+def _stress(cpu_ops, *args: str, timeout: float) -> str:
+    """tests/model/pool_stress.py in a child process; its output (a hang fails by timeout)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run([sys.executable, "-m", "tests.model.pool_stress", *args], cwd=root,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pool_stress {args} hung (over {timeout} s)")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_worker_late_on_a_finished_job_claims_nothing_of_the_next(cpu_ops):
+    """The race that once hung the full suite, its windows widened (a worker descheduled
+    between the claim word and the job's fields, a caller between writing a job and
+    publishing it): without the close (parallel.cpp's NOTE), the worker claimed a chunk of
+    the next, unpublished job, which ran twice and counted one too many, and the caller
+    slept for ever; here every call covers its range once, and returns."""
+    assert "ok " in _stress(cpu_ops, "race", "300", timeout=60)
+
+
+def test_everything_at_once(cpu_ops):
+    """Two calling threads, nested calls, exceptions, thread-count changes, pauses, the race
+    hooks and forks, for a few seconds: no hang, every range covered once."""
+    assert "ok " in _stress(cpu_ops, "mixed", "3", "0", timeout=60)

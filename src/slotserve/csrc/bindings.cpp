@@ -78,6 +78,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0);
   m.def("set_pool_workers_paused", &set_pool_workers_paused,
         "tests: parallel_for's workers wait before claiming any chunk (the callers run all)");
+  m.def("set_pool_race_delays", &set_pool_race_delays,
+        "tests: a worker sleeps claim_us (us) between reading the claim word and the job it "
+        "names, a caller publish_us between writing a job and publishing it (0: none)",
+        py::arg("claim_us"), py::arg("publish_us"));
   m.def("pool_worker_chunks", &pool_worker_chunks,
         "tests: the chunks parallel_for's workers (not its callers) have run so far");
   m.def("set_pool_tuning", &set_pool_tuning,

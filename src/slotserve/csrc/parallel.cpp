@@ -3,17 +3,30 @@
 //
 // NOTE (the claim word): `claim_` packs the current job's generation (high 48 bits) and the
 // next unclaimed chunk (low 16). A thread claims chunk i of generation g by a compare-exchange
-// from (g, i) to (g, i + 1), and only while i < the job's chunk count. So a claim succeeds
-// only on the current job, and only while it is unfinished: a worker that read the job and
-// was then descheduled finds, on waking, either the next generation or no chunk left, and
-// never runs a chunk of a finished job (whose lambda is gone with its caller's frame). The
-// job's fields (`body_`, `ctx_`, `chunks_`) are written by the caller before it publishes
-// (g, 0) with a release store; a worker reads them after an acquire load of the claim word
-// and uses them only if its compare-exchange on that same (g, i) succeeds, which proves the
-// job was still unfinished, hence that no newer job had overwritten them.
+// from (g, i) to (g, i + 1), and only while i < the job's chunk count. The job's fields
+// (`body_`, `ctx_`, `chunks_`) are written by the caller before it publishes (g, 0) with a
+// release store; a worker reads them after an acquire load of the claim word (so it sees g's
+// fields or a newer job's) and uses them only if its compare-exchange on that same (g, i)
+// then succeeds.
+// NOTE (closing a job: the hang once seen in the full suite): a finished job's word stays (g, chunks_g)
+// until the next job is published. Before this was closed, a worker that read (g, chunks_g)
+// and was descheduled before reading chunks_ could read the NEXT job's (larger) chunk count,
+// written but not yet published, find chunks_g < it, and claim (g, chunks_g) -> (g, chunks_g
+// + 1) successfully: it ran a chunk of the next job that its own claims would run again and
+// added one to its `done_`, which then passed the chunk count, and the caller, waiting for
+// done_ == chunks, slept for ever (the engine thread in wait_until_done, the worker in
+// wait_for_job; tests/model/test_parallel_pool.py's race test widens both windows). Now a
+// caller first CLOSES the last job, storing (g, INDEX_MASK) (no chunk count reaches it:
+// chunks < INDEX_MASK), then a release fence, then writes the new fields; a worker reads
+// the fields, then an acquire fence, then compare-exchanges. If any field it read is the new
+// job's, the fences order the close before its compare-exchange, which so fails; if all are
+// g's, its (g, i) names g's chunk i under g's chunk count, claimed at most once because the
+// index only grows within a generation and generations never repeat (48 bits).
 // NOTE (the end): the caller returns when `done_` (chunks finished, counted after each ran)
 // reaches the job's chunk count, not when the workers have arrived: a worker that never woke
-// costs nothing, one descheduled mid-chunk costs that chunk.
+// costs nothing, one descheduled mid-chunk costs that chunk. Only a successful claim of the
+// current job adds to done_ (the close above), so done_ counts each of its chunks once and
+// reaches exactly the chunk count, after the last chunk's last touch of the job.
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
@@ -66,6 +79,14 @@ std::atomic<int64_t> caller_spin_us{DEFAULT_CALLER_SPIN_US};
 constexpr int64_t DEFAULT_COLD_SPIN_US = 5;
 std::atomic<int64_t> cold_spin_us{DEFAULT_COLD_SPIN_US};
 std::atomic<int> spin_scopes{0};  // SpinScopes alive
+// set_pool_race_delays (tests): a worker's wait between reading the claim word and the job
+// it names, a caller's between writing a job and publishing it
+std::atomic<int64_t> claim_delay_us{0}, publish_delay_us{0};
+
+inline void test_delay(const std::atomic<int64_t>& us) {
+  if (const int64_t wait = us.load(std::memory_order_relaxed))
+    std::this_thread::sleep_for(std::chrono::microseconds(wait));
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -88,11 +109,16 @@ class Pool {
   // Runs the job on `threads` threads (the caller included); the pool must be acquired.
   void run(int64_t threads, int64_t chunks, ChunkBody body, const void* ctx) {
     if (int64_t(workers_.size()) != threads - 1) resize(threads);
+    // NOTE (closing a job): no claim of the last job succeeds from here on, so no worker
+    // runs, or counts in done_, a chunk of the job written below before it is published.
+    claim_.store((generation_ << INDEX_BITS) | INDEX_MASK, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
     body_.store(body, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
     chunks_.store(chunks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
+    test_delay(publish_delay_us);
     const uint64_t generation = ++generation_;
     // NOTE: seq_cst, paired with the sleepers' (wait_for_job): either this thread sees a
     // sleeper and wakes it, or the sleeper sees the new generation before it sleeps.
@@ -121,9 +147,13 @@ class Pool {
     uint64_t word = claim_.load(std::memory_order_acquire);
     while (generation_of(word) == generation) {
       const int64_t index = int64_t(word & INDEX_MASK);
+      if (in_pool_worker) test_delay(claim_delay_us);
       const int64_t chunks = chunks_.load(std::memory_order_relaxed);
       const ChunkBody body = body_.load(std::memory_order_relaxed);
       const void* ctx = ctx_.load(std::memory_order_relaxed);
+      // NOTE (closing a job): paired with the caller's release fence; a field of a newer
+      // job read above makes the compare-exchange below see that job's close, and fail
+      std::atomic_thread_fence(std::memory_order_acquire);
       if (index >= chunks) return;
       if (!claim_.compare_exchange_weak(word, word + 1, std::memory_order_acquire,
                                         std::memory_order_acquire))
@@ -276,7 +306,7 @@ SpinScope::~SpinScope() { spin_scopes.fetch_sub(1, std::memory_order_relaxed); }
 
 void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
   const int64_t threads = pool_threads();
-  if (threads > 1 && !in_pool_worker && chunks <= int64_t(INDEX_MASK)) {
+  if (threads > 1 && !in_pool_worker && chunks < int64_t(INDEX_MASK)) {  // NOTE (closing)
     Pool& p = pool();
     if (p.try_acquire()) {
       struct Release {
@@ -288,6 +318,11 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
     }
   }
   for (int64_t i = 0; i < chunks; ++i) body(ctx, i);  // nested, busy or one thread: inline
+}
+
+void set_pool_race_delays(int64_t claim_us, int64_t publish_us) {
+  claim_delay_us.store(std::max<int64_t>(claim_us, 0));
+  publish_delay_us.store(std::max<int64_t>(publish_us, 0));
 }
 
 void set_pool_workers_paused(bool paused) { pool().set_paused(paused); }

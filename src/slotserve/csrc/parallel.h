@@ -110,6 +110,10 @@ class SpinScope {
 // waits before claiming any chunk (a worker descheduled by a busy neighbour, made certain),
 // and the caller must finish the job alone.
 void set_pool_workers_paused(bool paused);
+// Widens the windows of a race (tests): a worker sleeps claim_us between reading the claim
+// word and reading the job it names, a caller publish_us between writing a job's fields and
+// publishing its generation (0: no wait, the default).
+void set_pool_race_delays(int64_t claim_us, int64_t publish_us);
 // Measurements: how long a worker spins before it sleeps, how much of that on the core before
 // it yields the core between checks, how long a caller spins on its last chunks before it
 // sleeps, how long a worker pauses before it sleeps outside any SpinScope (< 0: unchanged).
