@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
     if ops is None:
         print("no kernels")
         return 2
+    ops.set_thread_pool(True)
     mode, amount = argv[0], float(argv[1])
     counts = race(ops, int(amount)) if mode == "race" else mixed(ops, amount, int(argv[2]))
     print(("ok " if counts["bad"] == 0 else "BAD ") + repr(counts), flush=True)

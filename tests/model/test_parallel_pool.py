@@ -1,4 +1,4 @@
-"""The kernels' thread pool (csrc/parallel.h's parallel_for, in place of OpenMP's).
+"""The kernels' thread pool (csrc/parallel.h's parallel_for on the pool: opt-in, off by default).
 
 Its promises: every index of a range runs exactly once, whatever the range, grain and thread
 count; a call returns when every chunk is done, not when every worker has arrived (a worker
@@ -10,6 +10,7 @@ count (tests/model/test_kernels_gil.py's kernels, compared between 1, 2 and 3 th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -23,6 +24,25 @@ from tests.model.test_kernels_gil import _inputs, kernels
 
 SIZES = (0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 100, 1000, 4097)
 GRAINS = (1, 2, 3, 16, 1000)
+
+
+@pytest.fixture(autouse=True)
+def pool_on(cpu_ops):
+    """parallel_for on the pool for the test (it is off by default), restored after."""
+    before = cpu_ops.thread_pool_on()
+    cpu_ops.set_thread_pool(True)
+    yield
+    cpu_ops.set_thread_pool(before)
+
+
+def test_the_pool_is_off_by_default():
+    """A fresh process runs at::parallel_for unless SLOTSERVE_THREAD_POOL=1."""
+    probe = "from slotserve.model.cpu_ops import load_cpu_ops as l; print(l().thread_pool_on())"
+    base = {k: v for k, v in os.environ.items() if k != "SLOTSERVE_THREAD_POOL"}
+    for extra, expected in (({}, "False"), ({"SLOTSERVE_THREAD_POOL": "1"}, "True")):
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env={**base, **extra}, timeout=300)
+        assert run.stdout.strip().splitlines()[-1:] == [expected], run.stderr[-2000:]
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@
 #endif
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -293,6 +294,17 @@ Pool& pool() {
 }  // namespace
 
 int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
+
+namespace {
+bool pool_on_from_environment() {
+  const char* value = std::getenv("SLOTSERVE_THREAD_POOL");
+  return value != nullptr && std::string(value) == "1";
+}
+std::atomic<bool> pool_on{pool_on_from_environment()};
+}  // namespace
+
+bool thread_pool_on() { return pool_on.load(std::memory_order_relaxed); }
+void set_thread_pool(bool on) { pool_on.store(on, std::memory_order_relaxed); }
 
 void set_pool_tuning(int64_t spin, int64_t pause, int64_t caller_spin, int64_t cold_spin) {
   if (spin >= 0) spin_us.store(spin);

@@ -23,6 +23,8 @@
 //   first one thrown, if several were).
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -38,6 +40,13 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx);
 
 // The threads a range may run on, the caller included: at::get_num_threads().
 int64_t pool_threads();
+
+// NOTE (opt-in): parallel_for runs on the pool only when it is on (SLOTSERVE_THREAD_POOL=1 in
+// the environment when the kernels load, or set_thread_pool(true)); off, it is
+// at::parallel_for (OpenMP), the default: faster on a quiet machine (the pool measured 0.89-
+// 0.96x there), ~2x slower beside a busy neighbour core (benchmarks/pool_ab.py).
+bool thread_pool_on();
+void set_thread_pool(bool on);
 
 // How a range is cut: in levels that halve, each level in `width` chunks but the last in
 // chunks of one grain. Level l < last covers [n - (n >> l), n - (n >> (l + 1))), the last
@@ -76,6 +85,10 @@ template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
+  if (!thread_pool_on()) {
+    at::parallel_for(begin, end, grain, fn);
+    return;
+  }
   const ChunkLevels cut = ChunkLevels::of(n, std::max<int64_t>(grain, 1), pool_threads());
   if (cut.width <= 1) {
     fn(begin, end);
