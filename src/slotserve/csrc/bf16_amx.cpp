@@ -108,7 +108,7 @@ torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
   round_rows_to_bf16(x.data_ptr<float>(), tokens, in, xbp, blocks * 2 * AMX_ROWS, ldx);
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float tmp[2 * AMX_ROWS * PANEL_WIDTH];
     for (int64_t p = begin; p < end; ++p) {

@@ -5,6 +5,7 @@
 
 #include "decode_stack.h"
 #include "ops.h"
+#include "parallel.h"
 
 using namespace slotserve::kernels;
 
@@ -75,6 +76,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "positions)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("window") = 0);
+  m.def("set_thread_pool", &set_thread_pool,
+        "parallel_for on the kernels' own thread pool (true) or at::parallel_for (false, the "
+        "default unless SLOTSERVE_THREAD_POOL=1)", py::arg("on"));
+  m.def("thread_pool_on", &thread_pool_on, "whether parallel_for runs on the thread pool");
+  m.def("set_pool_workers_paused", &set_pool_workers_paused,
+        "tests: parallel_for's workers wait before claiming any chunk (the callers run all)");
+  m.def("set_pool_race_delays", &set_pool_race_delays,
+        "tests: a worker sleeps claim_us (us) between reading the claim word and the job it "
+        "names, a caller publish_us between writing a job and publishing it (0: none)",
+        py::arg("claim_us"), py::arg("publish_us"));
+  m.def("pool_worker_chunks", &pool_worker_chunks,
+        "tests: the chunks parallel_for's workers (not its callers) have run so far");
+  m.def("set_pool_tuning", &set_pool_tuning,
+        "measurements: parallel_for's workers' spin before they sleep (us), the first part of "
+        "it on the core, not yielding it (us), its callers' spin on their last chunks before "
+        "they sleep (us), the workers' pause before they sleep outside a decode stack (us); "
+        "< 0: unchanged",
+        py::arg("spin_us") = -1, py::arg("pause_us") = -1,
+        py::arg("caller_spin_us") = -1, py::arg("cold_spin_us") = -1);
+  m.def("pool_threads", &pool_threads, "the threads parallel_for runs a range on");
+  m.def(
+      "pool_cover",
+      [](int64_t n, int64_t grain, bool nested, int64_t throw_at) {
+        TORCH_CHECK(n >= 0, "n must be >= 0");
+        auto counts = torch::zeros({n}, torch::kInt32);
+        pool_cover(counts.data_ptr<int32_t>(), n, grain, nested, throw_at);
+        return counts;
+      },
+      release_gil(),
+      "tests: how many times parallel_for(0, n, grain) ran each index (nested: each chunk "
+      "through a parallel_for of its own; the index throw_at throws)",
+      py::arg("n"), py::arg("grain"), py::arg("nested") = false, py::arg("throw_at") = -1);
   // NOTE: module_local: a process may load two builds (a CPU class forced lower gets its
   // own, model/cpu_ops.py), and pybind11 registers a class's name once per process.
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local());

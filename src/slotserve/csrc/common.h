@@ -7,6 +7,7 @@
 //
 // One file per kernel family, compiled together into one extension by model/cpu_ops.py:
 //   common.h            this file: the checks and small math every family uses
+//   parallel.h/.cpp     parallel_for: the kernels' thread pool (not OpenMP: see its NOTEs)
 //   ops.h               the kernel entry points (tensors, and the raw forms the stack calls)
 //   fused_ops.cpp       RMSNorm, SiLU * up, RoPE, each row's argmax
 //   paged_attention.cpp storing new K/V in the paged cache, decode attention over it
@@ -27,7 +28,7 @@
 
 #include <torch/types.h>
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif

@@ -296,6 +296,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
                                    const std::vector<torch::Tensor>& caches,
                                    torch::Tensor slot_mapping, torch::Tensor block_tables,
                                    torch::Tensor context_lens) const {
+  const SpinScope spinning;  // NOTE: the pool's workers stay hot between this step's jobs
   const int64_t hidden = final_norm_.numel(), half = head_dim_ / 2;
   const StepInputs in = check_step(input_ids, positions, caches, slot_mapping, block_tables,
                                    context_lens, embedding_, cos_, num_kv_heads_, head_dim_,

@@ -77,7 +77,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(lp + r * vocab, vocab);
   });
   return out;
@@ -86,7 +86,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // y (rows, H) = x / rms(x) * weight, row by row.
 void rms_norm_rows(const float* x, const float* weight, float* y, int64_t rows, int64_t hidden,
                    double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       rms_norm_row(x + r * hidden, weight, y + r * hidden, hidden, eps);
   });
@@ -107,7 +107,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // `x + delta` then rms_norm, to the last bit (tests/model/test_fused_ops.py).
 void add_rms_norm_rows(float* x, const float* delta, const float* weight, float* y,
                        int64_t rows, int64_t hidden, double eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = x + r * hidden;
       const float* dr = delta + r * hidden;
@@ -134,7 +134,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
 
 // gate_up (rows, 2I) -> silu(gate) * up (rows, I).
 void silu_mul_rows(const float* gate_up, float* y, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = gate_up + r * 2 * inter;
       const float* up = gate + inter;
@@ -159,7 +159,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // token's cos, sin (half each, token after token).
 void rotary_rows(float* x, int64_t tokens, int64_t heads, int64_t half, int64_t token_stride,
                  int64_t head_stride, const float* cos, const float* sin) {
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * half;
       const float* s = sin + t * half;

@@ -109,7 +109,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const float* ws = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // NOTE: tokens in fours, each weight row read once per four (the x rows stay in L1).
-  at::parallel_for(0, outs, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, outs, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < tokens; t0 += 4) {
       const int64_t n = std::min<int64_t>(4, tokens - t0);
       for (int64_t o = begin; o < end; ++o) {

@@ -404,7 +404,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
   const int64_t head_dim = cache.head_dim, group = num_heads / num_kv_heads;
   const int64_t head_stride = cache.head_stride;  // hd, or an int8 row's bytes
   const int64_t row = num_kv_heads * head_stride;  // elements between two cached positions
-  const int64_t kv_per_task = seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t kv_per_task = seqs >= 2 * pool_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * group;
   // NOTE: waking a second thread costs more than attending a very short context: tables of
@@ -420,7 +420,7 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
   // (kc, vc): the caches' elements, float, c10::BFloat16 or int8_t
   with_cache_elements(cache, [&](const auto* kc, const auto* vc) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
-    at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       const float* queries[MAX_ATTENTION_HEADS];
       float* outs[MAX_ATTENTION_HEADS];

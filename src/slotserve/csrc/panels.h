@@ -53,7 +53,7 @@ void for_each_panel_tile(int64_t tokens, int64_t num_panels, int64_t out_feature
   if (tokens == 0) return;
   const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
   const int64_t base = tokens / tiles, extra = tokens % tiles;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
       for (int64_t t = 0, row = 0; t < tiles; ++t) {

@@ -526,7 +526,7 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   const float* dp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   // NOTE: panels in parallel: a panel's bytes are its 16 rows' only
-  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+  parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
   for (int64_t o = first * QB_ROWS; o < std::min(out, last * QB_ROWS); ++o) {
     const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -637,7 +637,7 @@ void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const ui
   const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
   const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
   const QuantizedRows q = quantize_activations(x, rows, s.in, block_len);
-  at::parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
     float lanes[QB_TILE * QB_ROWS];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
