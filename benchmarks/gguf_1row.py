@@ -1,6 +1,6 @@
 """The GGUF block kernel at batch 1: GB/s per layer role against the memory's, and ms/token.
 
-    flock /tmp/bench.lock .venv/bin/python -m benchmarks.gguf_1row \
+    .venv/bin/python -m benchmarks.gguf_1row \
         --model /tmp/quant-bench/llama-3.2-1b-shaped-random-q4_k_m.gguf
 
 Loads the file as `LLM(model=path)` does (quantization auto: the file's own blocks), then, in

@@ -1,6 +1,6 @@
 """Two builds of the GGUF block kernel in one process, alternating pass by pass.
 
-    flock /tmp/bench.lock .venv/bin/python -m benchmarks.gguf_kernel_ab MODEL.gguf A.so B.so \
+    .venv/bin/python -m benchmarks.gguf_kernel_ab MODEL.gguf A.so B.so \
         --rows 1 64
 
 A.so, B.so: two builds of the fused CPU kernels (`load_cpu_ops().__file__` of each checkout;

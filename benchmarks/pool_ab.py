@@ -1,7 +1,7 @@
 """parallel_for on OpenMP against the kernels' thread pool, in one process, quiet and beside a
 busy neighbour.
 
-    flock /tmp/bench.lock .venv/bin/python -m benchmarks.pool_ab --rounds 5
+    .venv/bin/python -m benchmarks.pool_ab --rounds 5
 
 One LLM (SmolLM2-135M, bf16 weights, 64 slots); 64 prompts of 32 tokens, 32 new tokens each,
 with the pool off (at::parallel_for, the default) and on (`set_thread_pool`, as

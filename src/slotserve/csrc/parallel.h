@@ -43,7 +43,7 @@ int64_t pool_threads();
 
 // NOTE (opt-in): parallel_for runs on the pool only when it is on (SLOTSERVE_THREAD_POOL=1 in
 // the environment when the kernels load, or set_thread_pool(true)); off, it is
-// at::parallel_for (OpenMP), the default: faster on a quiet machine (the pool measured 0.89-
+// at::parallel_for (OpenMP), the default: faster on a quiet machine (the pool measured 0.88-
 // 0.96x there), ~2x slower beside a busy neighbour core (benchmarks/pool_ab.py).
 bool thread_pool_on();
 void set_thread_pool(bool on);
