@@ -55,11 +55,14 @@ def kernels_by_role(model) -> dict[str, list]:
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.kernel is None:
             continue
-        kernel = module.kernel
         role = name.rsplit(".", 1)[-1]
-        key = f"{role} {kernel.out_features}x{kernel.block_len * kernel.codes.shape[1]} " \
-              f"bits={kernel.bits} L={kernel.block_len} {'+'.join(kernel.types)}"
-        roles.setdefault(key, []).append(kernel)
+        segments = getattr(module.kernel, "segments", [module.kernel])  # SegmentedLinear's
+        for i, kernel in enumerate(segments):
+            part = f"[{i}]" if len(segments) > 1 else ""
+            key = f"{role}{part} {kernel.out_features}x" \
+                  f"{kernel.block_len * kernel.codes.shape[1]} bits={kernel.bits} " \
+                  f"L={kernel.block_len} {'+'.join(kernel.types)}"
+            roles.setdefault(key, []).append(kernel)
     return roles
 
 

@@ -1,11 +1,13 @@
 """The K-quants' block scales kept factored, as their files store them (issue 31, memory).
 
 Q2_K..Q6_K scale each block (16 or 32 weights) by an fp16 d of its 256-weight super-block
-times a small integer (sc, mn): kept as int8 factors per block and an fp32 pair per
-super-block, multiplied in the kernel, instead of an fp32 scale and min per block. The
-products are exact in fp32, so every output is bit-equal to the fp32 layout's, at 0.59
-bytes/weight for Q4_K instead of 0.75. And 5- and 6-bit codes (Q5_*, Q6_K) kept in 6 bits,
-not a byte: Q6_K 0.91 bytes/weight (1.5 with both a byte and fp32 scales).
+times a small integer (sc, mn): kept as int8 factors per block and an fp16 pair per
+super-block, multiplied in the kernel, instead of an fp32 scale and min per block (Q3_K's
+and Q6_K's mins are -4 d sc and -32 d sc: one factor serves both). The products are exact
+in fp32, so every output is bit-equal to the fp32 layout's, at 0.578 bytes/weight for Q4_K
+instead of 0.75 (the file's 0.5625). And 5- and 6-bit codes (Q5_*, Q6_K) kept in 6 bits,
+not a byte: Q6_K 0.828 bytes/weight (the file's 0.820; 1.5 with both a byte and fp32
+scales).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from slotserve.loader.gguf_blocks import K_QUANTS, concat_rows, to_blocks
+from slotserve.loader.gguf_blocks import K_QUANTS, SHARED_FACTOR_QUANTS, concat_rows, to_blocks
 from slotserve.model.linear_kernels import (
     GGUFBlockLinear,
     gguf_block_kernel_available,
@@ -56,7 +58,9 @@ def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
     blocks = _blocks(qtype)
     factored = GGUFBlockLinear(blocks, None, ops)
     full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops)
-    assert factored.scales_mins.dtype == torch.uint8 and full.scales_mins.dtype == torch.float32
+    shared = qtype in SHARED_FACTOR_QUANTS  # one int8 factor for the scale and the min
+    assert factored.scales_mins.dtype == (torch.int8 if shared else torch.uint8)
+    assert full.scales_mins.dtype == torch.float32
     torch.manual_seed(0)
     for tokens in (1, 3, 8, 9, 17):
         x = torch.randn(tokens, COLS)
@@ -69,8 +73,9 @@ def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
     assert torch.equal(factored.rows(ids), blocks.dequantize()[ids])
 
 
-@pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.59375), (Q.Q6_K, 0.90625),
-                                                 (Q.Q5_K, 0.84375), (Q.Q2_K, 0.65625)])
+@pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.578125), (Q.Q6_K, 0.828125),
+                                                 (Q.Q5_K, 0.828125), (Q.Q2_K, 0.640625),
+                                                 (Q.Q3_K, 0.578125)])
 def test_factored_scales_take_the_bytes_stated(ops, qtype, expected):
     blocks = _blocks(qtype, rows=48)  # 3 whole panels
     kernel = GGUFBlockLinear(blocks, None, ops)
@@ -88,6 +93,29 @@ def test_fusions_keep_factors_only_among_k_quants():
     supers = fused.factors.supers.repeat_interleave(per_super, dim=1)
     assert torch.equal(supers[..., 0] * fused.factors.scale_factors.float(), fused.scales)
     assert concat_rows([q4k, q8]).factors is None
+
+
+def test_shared_factors_only_where_the_mins_follow_the_scales():
+    """Q3_K's and Q6_K's min factors are their scale factors (one byte a block kept);
+    Q4_K's, Q5_K's and Q2_K's are their own."""
+    for qtype in K_QUANTS:
+        assert _blocks(qtype).factors.shared == (qtype in SHARED_FACTOR_QUANTS), qtype.name
+
+
+def test_supers_outside_fp16_fall_back_to_fp32_scales(ops):
+    """A super-block scale that is not an fp16 value (a -32 d past fp16's range) cannot be
+    kept in the factored panels' fp16: the kernel keeps fp32 scales and mins instead, the
+    same outputs."""
+    blocks = _blocks(Q.Q6_K)
+    supers = blocks.factors.supers.clone()
+    supers[0, 0, 1] = 70000.0 * 32  # m of row 0's first super-block
+    wide = dataclasses.replace(blocks, factors=dataclasses.replace(blocks.factors,
+                                                                   supers=supers))
+    assert not wide.factors.packable
+    kernel = GGUFBlockLinear(wide, None, ops)
+    assert kernel.scales_mins.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="fp16 values"):
+        ops.pack_factored_scales(wide.factors.scale_factors, None, supers)
 
 
 def test_bad_factors_are_refused(ops):

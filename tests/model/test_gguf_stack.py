@@ -22,7 +22,11 @@ from slotserve.config import ModelConfig, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.loader.gguf_blocks import GGUFBlockTensor, to_blocks
 from slotserve.model.layers import Linear
-from slotserve.model.linear_kernels import GGUFBlockLinear, gguf_block_kernel_available
+from slotserve.model.linear_kernels import (
+    GGUFBlockLinear,
+    SegmentedLinear,
+    gguf_block_kernel_available,
+)
 from tests.conftest import random_prompts
 from tests.model.test_decode_stack import run_comparing_stack_and_python
 
@@ -33,8 +37,9 @@ GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 _K_SCALES = {Q.Q4_K: ((0, 2), 2e-4), Q.Q5_K: ((0, 2), 1e-4), Q.Q6_K: ((208,), 2e-5),
              Q.Q2_K: ((80, 82), 1e-3), Q.Q3_K: ((108,), 5e-4)}
 
-# HF name (per layer) -> GGUF type, per model: every block format, fused q/k/v and gate/up of
-# mixed types (8-bit codes, blocks of 16 once Q6_K joins), all-4-bit fusions (4-bit codes),
+# HF name (per layer) -> GGUF type, per model: every block format, fused q/k/v of mixed types
+# (segments in their own formats), gate/up of mixed types (8-bit codes, blocks of 16 once
+# Q6_K joins), all-4-bit fusions (one segment of 4-bit codes),
 # and None: left as an fp32 tensor (a float linear beside block ones: the bf16 panels).
 LAYOUTS = {
     "k_quants": {"q_proj": Q.Q4_K, "k_proj": Q.Q6_K, "v_proj": Q.Q8_0, "o_proj": Q.Q5_K,
@@ -140,13 +145,20 @@ def test_stack_equals_python_layers_on_gguf_blocks(ops, layout, kind):
     assert model.decode_stack is not None and kernels.decode_stack
     assert kernels.describe_linears().startswith("GGUF blocks x int8 activations (")
     assert kernels.describe_linears().endswith("(decodes: one C++ call for all layers)")
-    block_linears = [m for m in model.modules()
-                     if isinstance(m, Linear) and isinstance(m.kernel, GGUFBlockLinear)]
+    block_linears = [m for m in model.modules() if isinstance(m, Linear)
+                     and isinstance(m.kernel, (GGUFBlockLinear, SegmentedLinear))]
     floats = sum(t is None for t in LAYOUTS[layout].values())
     # 3 layers x (qkv, o, gate_up, down) + the LM head; a float o_proj is 3 fewer
     assert len(block_linears) == 13 - (3 + 1 if floats else 0)
     fused = model.layers[0].self_attn.qkv_proj.kernel
-    assert fused.bits == (4 if layout == "legacy_4bit" else 8)
+    if layout == "legacy_4bit":  # Q4_0, Q4_1, Q4_0: one packing, one kernel of 4-bit codes
+        assert isinstance(fused, GGUFBlockLinear) and fused.bits == 4
+    else:  # three types of three packings: each keeps its own (k_quants: 4-bit blocks of 32,
+        # 6-bit of 16, 8-bit of 32)
+        assert isinstance(fused, SegmentedLinear)
+        expected = [(32, 4), (16, 6), (32, 8)] if layout == "k_quants" else [
+            (32, 6), (32, 8)]  # Q5_1 and Q5_0 pack alike: q and k one segment
+        assert [(s.block_len, s.bits) for s in fused.segments] == expected
 
     # contexts of 3-70 tokens growing by 24: tables of 1 to 6 blocks, batches of 1-5 rows
     decode_only = run_comparing_stack_and_python(engine, random_prompts(5), max_tokens=24)
@@ -219,18 +231,33 @@ def test_stack_rejects_bad_gguf_block_weights(ops):
         stack.add_layer(*norms, bad_bits, o_or_down, gate_up.cpp_weights(ops), o_or_down)
     stack.add_layer(*norms, qkv.cpp_weights(ops), o_or_down, gate_up.cpp_weights(ops),
                     o_or_down)  # the same layer, right: accepted
+    # segments: every one takes the layer's inputs, together the outputs it needs
+    q, kv = linear(Q.Q4_0, 32, 64, 4), linear(Q.Q8_0, 32, 64, 5)
+    segmented = ops.segmented_linear_weights([q.cpp_weights(ops), kv.cpp_weights(ops)])
+    stack.add_layer(*norms, segmented, o_or_down, gate_up.cpp_weights(ops), o_or_down)
+    short = ops.segmented_linear_weights([q.cpp_weights(ops)])
+    with pytest.raises(RuntimeError, match="gives 32 outputs where 64 are needed"):
+        stack.add_layer(*norms, short, o_or_down, gate_up.cpp_weights(ops), o_or_down)
+    wrong_inputs = ops.segmented_linear_weights([q.cpp_weights(ops), o_or_down])
+    with pytest.raises(RuntimeError, match="the blocks cover 32 inputs, not 64"):
+        stack.add_layer(*norms, wrong_inputs, o_or_down, gate_up.cpp_weights(ops), o_or_down)
+    with pytest.raises(RuntimeError, match="at least one segment"):
+        ops.segmented_linear_weights([])
+    with pytest.raises(RuntimeError, match="do not nest"):
+        ops.segmented_linear_weights([segmented])
 
 
 @pytest.mark.parametrize("qtype,dtype", [
     (Q.Q4_0, torch.float16), (Q.Q4_1, torch.float16), (Q.Q5_0, torch.float16),
     (Q.Q5_1, torch.float16), (Q.Q8_0, torch.float16), (Q.Q4_K, torch.uint8),
-    (Q.Q5_K, torch.uint8), (Q.Q6_K, torch.uint8), (Q.Q2_K, torch.uint8),
-    (Q.Q3_K, torch.uint8)], ids=lambda v: getattr(v, "name", str(v)))
+    (Q.Q5_K, torch.uint8), (Q.Q6_K, torch.int8), (Q.Q2_K, torch.uint8),
+    (Q.Q3_K, torch.int8)], ids=lambda v: getattr(v, "name", str(v)))
 def test_compact_scales_compute_as_fp32_ones(ops, qtype, dtype):
     """The legacy types' scales and mins (GGUF's fp16 d, m, -8d, -16d, -128d) are packed
-    in fp16, the K-quants' (d * sc) factored (int8 factors, fp32 per super-block: a uint8
-    tensor); both give the same bits as the same values in fp32, through the kernel and its
-    plain loops (tests/model/test_gguf_factored_scales.py has the factors' own tests)."""
+    in fp16, the K-quants' (d * sc) factored (int8 factors, fp16 per super-block: a uint8
+    tensor, int8 where one factor serves the scale and the min); both give the same bits
+    as the same values in fp32, through the kernel and its plain loops
+    (tests/model/test_gguf_factored_scales.py has the factors' own tests)."""
     values = 0.05 * torch.randn(40, 512, generator=torch.Generator().manual_seed(8))
     blocks = to_blocks(raw_blocks(qtype, values, 9), qtype, "w", "t.gguf")
     kernel = GGUFBlockLinear(blocks, None, ops)

@@ -39,8 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(packed codes, scales_mins) for quant_block_linear", py::arg("codes"),
         py::arg("scales"), py::arg("mins"), py::arg("bits"));
   m.def("pack_factored_scales", &pack_factored_scales,
-        "the K-quants' int8 scale and min factors (out, blocks) and fp32 super-block scales "
-        "(out, supers, 2) -> the factored scales_mins of quant_block_linear's panels",
+        "the K-quants' int8 scale and min factors (out, blocks) and super-block scales "
+        "(out, supers, 2, fp32 of fp16 values) -> the factored scales_mins of "
+        "quant_block_linear's panels; min_factors None: the scale factors serve the mins",
         py::arg("scale_factors"), py::arg("min_factors"), py::arg("supers"));
   m.def("quant_block_linear", &quant_block_linear, release_gil(),
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
@@ -115,6 +116,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
         py::arg("out_features") = -1, py::arg("amx_min_rows") = 0, py::arg("block_len") = 0,
         py::arg("bits") = 0);
+  m.def("segmented_linear_weights", &make_segments,
+        "one linear layer for DecodeStack of segments (linear_weights each) whose outputs "
+        "are concatenated", py::arg("segments"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"),

@@ -21,6 +21,11 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
     return mkl_linear.call(x, a, b, bias, x.size(0));
   }
   if (kind == Kind::kPlain) return bias ? torch::addmm(*bias, x, a) : torch::mm(x, a);
+  if (kind == Kind::kSegments) {
+    std::vector<torch::Tensor> parts;
+    for (const LinearWeights& segment : segments) parts.push_back(segment(x));
+    return torch::cat(parts, 1);
+  }
   torch::Tensor y = kind == Kind::kPanel      ? panel_linear(x, a, out_features)
                     : kind == Kind::kInt8     ? int8_linear(x, a, b)
                     : kind == Kind::kQuantBlocks
@@ -60,7 +65,23 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
   return weights;
 }
 
+LinearWeights make_segments(const std::vector<LinearWeights>& segments) {
+  TORCH_CHECK(!segments.empty(), "a segmented linear needs at least one segment");
+  for (const LinearWeights& segment : segments)
+    TORCH_CHECK(segment.kind != LinearWeights::Kind::kSegments, "segments do not nest");
+  LinearWeights weights{LinearWeights::Kind::kSegments, torch::Tensor(), torch::Tensor(),
+                        c10::nullopt, 0, 0};
+  weights.segments = segments;
+  weights.out_features = weights.outputs();
+  return weights;
+}
+
 int64_t LinearWeights::outputs() const {
+  if (kind == Kind::kSegments) {
+    int64_t total = 0;
+    for (const LinearWeights& segment : segments) total += segment.outputs();
+    return total;
+  }
   switch (kind) {
     case Kind::kPlain: return a.size(1);  // W (in, out)
     case Kind::kMkl: return b.size(0);    // (out, in)
@@ -70,6 +91,12 @@ int64_t LinearWeights::outputs() const {
 }
 
 void LinearWeights::check_shape(int64_t in, int64_t out) const {
+  if (kind == Kind::kSegments) {
+    for (const LinearWeights& segment : segments) segment.check_shape(in, -1);
+    TORCH_CHECK(out < 0 || outputs() == out, "a linear layer gives ", outputs(),
+                " outputs where ", out, " are needed");
+    return;
+  }
   TORCH_CHECK(out < 0 || outputs() == out, "a linear layer gives ", outputs(),
               " outputs where ", out, " are needed");
   const int64_t takes = kind == Kind::kPlain   ? a.size(0)
@@ -99,6 +126,23 @@ void LinearWeights::check_shape(int64_t in, int64_t out) const {
 
 void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) const {
   const int64_t outs = outputs();
+  if (kind == Kind::kSegments) {  // NOTE: one row's outputs are contiguous: no copy at batch 1
+    std::vector<float> part;
+    int64_t first = 0;
+    for (const LinearWeights& segment : segments) {
+      const int64_t width = segment.outputs();
+      if (rows == 1) {
+        segment.into(x, 1, in, y + first);
+      } else {
+        part.resize(rows * width);
+        segment.into(x, rows, in, part.data());
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(part.data() + r * width, width, y + r * outs + first);
+      }
+      first += width;
+    }
+    return;
+  }
   const bool amx = kind == Kind::kPanelBf16 && amx_min_rows > 0 && rows >= amx_min_rows &&
                    amx_bf16_usable();
   if (kind == Kind::kPanel) {

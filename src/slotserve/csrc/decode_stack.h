@@ -17,18 +17,23 @@ namespace slotserve::kernels {
 
 // One linear layer's weights, in whichever form its kernel (model/linear_kernels.py) keeps.
 struct LinearWeights {
-  enum class Kind { kPlain, kMkl, kInt8, kPanel, kPanelBf16, kPanelBf16Dot, kQuantBlocks };
+  enum class Kind {
+    kPlain, kMkl, kInt8, kPanel, kPanelBf16, kPanelBf16Dot, kQuantBlocks, kSegments
+  };
   Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
               // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W);
               // panel_bf16 (fp32 activations), panel_bf16_dot (bf16 activations):
               // a = pack_panels_bf16(W); gguf_blocks (GGUF blocks x int8 activations):
-              // a, b = pack_quant_blocks' codes and scales_mins
+              // a, b = pack_quant_blocks' codes and scales_mins; segments: `segments`
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
   int64_t out_features;  // panels and gguf_blocks only (the last panel may be padded)
   int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never);
                          // panel_bf16_dot: bf16 activations from this many rows on (0: all)
   int64_t block_len = 0, bits = 0;  // gguf_blocks only: the blocks' length, the codes' bits
+  // segments only: layers of the same inputs whose outputs follow each other (a fused q/k/v
+  // whose parts keep their own GGUF formats: Q4_K's q and k beside Q6_K's v)
+  std::vector<LinearWeights> segments;
   // panel_bf16_dot at `rows` rows: bf16 activations (vdpbf16ps), else widening.
   bool dot_rows(int64_t rows) const {
     return kind == Kind::kPanelBf16Dot && rows >= amx_min_rows;
@@ -47,6 +52,9 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
                           int64_t out_features, int64_t amx_min_rows, int64_t block_len,
                           int64_t bits);
+
+// One linear layer of `segments` (each its own kind, biases their own), outputs concatenated.
+LinearWeights make_segments(const std::vector<LinearWeights>& segments);
 
 struct DecoderLayerWeights {
   torch::Tensor input_norm, post_attention_norm;  // (H,)

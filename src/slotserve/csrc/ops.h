@@ -92,25 +92,32 @@ inline int64_t quant_codes_stored_bits(int64_t bits) {
   return bits == QUANT_CODES_IQ4_NL ? 4 : bits;
 }
 // The formats of a panel's block scales and mins (scales_mins), by its dtype: fp32 or fp16
-// (pack_quant_blocks: (panels, blocks, 2, 16)), or the K-quants' factors (uint8 bytes:
-// pack_factored_scales: int8 factors per block and fp32 scales per super-block of
-// QK_K_WEIGHTS weights, multiplied in the kernel).
-constexpr int64_t QUANT_SCALES_F32 = 0, QUANT_SCALES_F16 = 1, QUANT_SCALES_FACTORED = 2;
+// (pack_quant_blocks: (panels, blocks, 2, 16)), or the K-quants' factors (pack_factored_scales:
+// int8 factors per block and fp16 scales per super-block of QK_K_WEIGHTS weights, multiplied
+// in the kernel): uint8 bytes with a scale and a min factor per block, int8 bytes with one
+// factor per block that serves both (Q3_K's and Q6_K's mins are -4 d x sc and -32 d x sc:
+// their min factor is the scale factor, their super-block min -4 d or -32 d).
+constexpr int64_t QUANT_SCALES_F32 = 0, QUANT_SCALES_F16 = 1, QUANT_SCALES_FACTORED = 2,
+                  QUANT_SCALES_FACTORED_SHARED = 3;
 constexpr int64_t QK_K_WEIGHTS = 256;
 inline int64_t quant_scale_format(const torch::Tensor& scales_mins) {
   const auto dtype = scales_mins.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kUInt8,
-              "scales_mins must be float32, float16 or (factored) uint8");
-  return dtype == torch::kFloat32 ? QUANT_SCALES_F32
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kUInt8 ||
+                  dtype == torch::kInt8,
+              "scales_mins must be float32, float16 or (factored) uint8 or int8");
+  return dtype == torch::kFloat32   ? QUANT_SCALES_F32
          : dtype == torch::kFloat16 ? QUANT_SCALES_F16
-                                    : QUANT_SCALES_FACTORED;
+         : dtype == torch::kUInt8   ? QUANT_SCALES_FACTORED
+                                    : QUANT_SCALES_FACTORED_SHARED;
 }
 bool quant_blocks_vectorised();
 std::string quant_blocks_isa();  // "avx512vnni", "avx2" or "plain" (this build's path)
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits);
-torch::Tensor pack_factored_scales(torch::Tensor scale_factors, torch::Tensor min_factors,
+// min_factors none: one factor per block serves both (QUANT_SCALES_FACTORED_SHARED).
+torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
+                                   c10::optional<torch::Tensor> min_factors,
                                    torch::Tensor supers);
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,

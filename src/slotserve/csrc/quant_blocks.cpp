@@ -26,9 +26,9 @@
 // in one of three formats (ops.h's QuantScaleFormat): fp16 where every value of the tensor
 // is one (the legacy types' d, m, -8d, -16d, -128d: GGUF's own fp16 scales, widened
 // exactly); for the K-quants, factored as the file stores them: an int8 factor per block
-// and row (sc, mn) and an fp32 d and m per 256-weight super-block and row (d, -dmin; Q6_K's
-// m -32 d), multiplied in the kernel (exact: an fp16 times an integer of at most 8 bits);
-// else fp32. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
+// and row (sc, mn; Q3_K's and Q6_K's one sc, their mins being -4 d sc and -32 d sc) and an
+// fp16 d and m per 256-weight super-block and row (d, -dmin; Q6_K's m -32 d), multiplied in
+// the kernel (exact: an fp16 times an integer of at most 8 bits); else fp32. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
 // the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
 // the plain-loop fallback get the same exact integer sums and do the same float operations
@@ -74,10 +74,11 @@ struct QuantBlockShape {
   int64_t block_bytes() const { return block_len * QB_ROWS * quant_codes_stored_bits(bits) / 8; }
 };
 
-// Bytes of one panel's factored scales (FactoredScales) for `blocks` blocks of block_len.
-inline int64_t factored_panel_bytes(int64_t blocks, int64_t block_len) {
+// Bytes of one panel's factored scales (FactoredScales) for `blocks` blocks of block_len:
+// 2 factors per block and row (shared: 1), then an fp16 d and m per super-block and row.
+inline int64_t factored_panel_bytes(int64_t blocks, int64_t block_len, bool shared) {
   const int64_t supers = blocks * block_len / QK_K_WEIGHTS;
-  return blocks * 2 * QB_ROWS + supers * 2 * QB_ROWS * int64_t(sizeof(float));
+  return blocks * (shared ? 1 : 2) * QB_ROWS + supers * 2 * QB_ROWS * int64_t(sizeof(c10::Half));
 }
 
 QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, int64_t in,
@@ -93,11 +94,12 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
   TORCH_CHECK(s.blocks * block_len == in, "the blocks cover ", s.blocks * block_len,
               " inputs, not ", in);
   TORCH_CHECK(codes.size(2) == s.block_bytes(), "codes do not match block_len and bits");
-  if (format == QUANT_SCALES_FACTORED) {
+  if (format == QUANT_SCALES_FACTORED || format == QUANT_SCALES_FACTORED_SHARED) {
     TORCH_CHECK(in % QK_K_WEIGHTS == 0, "factored scales need whole super-blocks of ",
                 QK_K_WEIGHTS, " inputs");
+    const bool shared = format == QUANT_SCALES_FACTORED_SHARED;
     TORCH_CHECK(sm.dim() == 2 && sm.size(0) == s.panels &&
-                    sm.size(1) == factored_panel_bytes(s.blocks, block_len),
+                    sm.size(1) == factored_panel_bytes(s.blocks, block_len, shared),
                 "scales_mins must come from pack_factored_scales");
   } else {
     TORCH_CHECK(sm.dim() == 4 && sm.size(0) == s.panels && sm.size(1) == s.blocks &&
@@ -177,32 +179,31 @@ struct PlainScales {
 #endif
 };
 
-// The K-quants' factored scales: per panel, int8 factors (blocks, 2, 16), then fp32
-// super-block scales (blocks / per_super, 2, 16); d = scale x factor, m likewise.
+// The K-quants' factored scales: per panel, int8 factors (blocks, 2, 16), or (blocks, 16)
+// where one factor serves the scale and the min (SHARED), then fp16 super-block scales
+// (blocks / per_super, 2, 16); d = scale x factor, m likewise.
+template <bool SHARED>
 struct FactoredScales {
+  static constexpr int64_t kStride = SHARED ? QB_ROWS : 2 * QB_ROWS;  // factors per block
+  static constexpr int64_t kMinAt = SHARED ? 0 : QB_ROWS;  // the min factors' offset
   const int8_t* f;
-  const float* s;
+  const c10::Half* s;
   int64_t super_shift;  // log2 of the blocks per 256-weight super-block (8 or 16)
   // NOTE: a shift, not b / per_super: a 64-bit division per block cost the 1-row kernel
   // more than its dot products
-  const float* super_of(int64_t b) const { return s + (b >> super_shift) * 2 * QB_ROWS; }
-  float d(int64_t b, int64_t j) const {
-    return super_of(b)[j] * float(f[b * 2 * QB_ROWS + j]);
-  }
+  const c10::Half* super_of(int64_t b) const { return s + (b >> super_shift) * 2 * QB_ROWS; }
+  float d(int64_t b, int64_t j) const { return float(super_of(b)[j]) * float(f[b * kStride + j]); }
   float m(int64_t b, int64_t j) const {
-    return super_of(b)[QB_ROWS + j] * float(f[b * 2 * QB_ROWS + QB_ROWS + j]);
+    return float(super_of(b)[QB_ROWS + j]) * float(f[b * kStride + kMinAt + j]);
   }
 #if defined(__AVX512F__)
   static __m512 widen16(const int8_t* q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(q))));
   }
-  __m512 d16(int64_t b) const {
-    return _mm512_mul_ps(_mm512_loadu_ps(super_of(b)), widen16(f + b * 2 * QB_ROWS));
-  }
+  __m512 d16(int64_t b) const { return _mm512_mul_ps(load16(super_of(b)), widen16(f + b * kStride)); }
   __m512 m16(int64_t b) const {
-    return _mm512_mul_ps(_mm512_loadu_ps(super_of(b) + QB_ROWS),
-                         widen16(f + b * 2 * QB_ROWS + QB_ROWS));
+    return _mm512_mul_ps(load16(super_of(b) + QB_ROWS), widen16(f + b * kStride + kMinAt));
   }
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
@@ -211,12 +212,11 @@ struct FactoredScales {
         reinterpret_cast<const __m128i*>(q))));
   }
   __m256 d8(int64_t b, int h) const {
-    return _mm256_mul_ps(_mm256_loadu_ps(super_of(b) + 8 * h),
-                         widen8(f + b * 2 * QB_ROWS + 8 * h));
+    return _mm256_mul_ps(load8(super_of(b) + 8 * h), widen8(f + b * kStride + 8 * h));
   }
   __m256 m8(int64_t b, int h) const {
-    return _mm256_mul_ps(_mm256_loadu_ps(super_of(b) + QB_ROWS + 8 * h),
-                         widen8(f + b * 2 * QB_ROWS + QB_ROWS + 8 * h));
+    return _mm256_mul_ps(load8(super_of(b) + QB_ROWS + 8 * h),
+                         widen8(f + b * kStride + kMinAt + 8 * h));
   }
 #endif
 };
@@ -555,14 +555,18 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
 }
 
 // scale_factors, min_factors (out, blocks) int8 and supers (out, blocks * block_len / 256, 2)
-// fp32 (each super-block's d and m) -> the factored scales_mins of pack_quant_blocks' panels:
-// (panels, bytes) uint8, per panel the factors (blocks, 2, 16) then the supers' (S, 2, 16)
-// fp32. Row j of block b: d = supers[b / per_super][0] * scale_factors[b], m likewise.
-torch::Tensor pack_factored_scales(torch::Tensor scale_factors, torch::Tensor min_factors,
+// fp32 fp16 values (each super-block's d and m) -> the factored scales_mins of
+// pack_quant_blocks' panels: (panels, bytes), per panel the factors (blocks, 2, 16) then the
+// supers' (S, 2, 16) fp16; uint8. min_factors none (the scale factors serve the mins too):
+// the factors (blocks, 16), int8 (QUANT_SCALES_FACTORED_SHARED). Row j of block b:
+// d = supers[b / per_super][0] * scale_factors[b], m likewise.
+torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
+                                   c10::optional<torch::Tensor> min_factors,
                                    torch::Tensor supers) {
-  TORCH_CHECK(scale_factors.scalar_type() == torch::kInt8 &&
-                  min_factors.scalar_type() == torch::kInt8 && scale_factors.dim() == 2 &&
-                  min_factors.sizes() == scale_factors.sizes(),
+  const bool shared = !min_factors.has_value();
+  TORCH_CHECK(scale_factors.scalar_type() == torch::kInt8 && scale_factors.dim() == 2 &&
+                  (shared || (min_factors->scalar_type() == torch::kInt8 &&
+                              min_factors->sizes() == scale_factors.sizes())),
               "scale_factors and min_factors must be int8 (out, blocks)");
   check_cpu_float(supers, "supers");
   const int64_t out = scale_factors.size(0), blocks = scale_factors.size(1);
@@ -573,24 +577,28 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors, torch::Tensor mi
   TORCH_CHECK(QK_K_WEIGHTS % per_super == 0 && (QK_K_WEIGHTS / per_super == 16 ||
                                                 QK_K_WEIGHTS / per_super == 32),
               "a super-block is ", QK_K_WEIGHTS, " weights in blocks of 16 or 32");
+  const torch::Tensor halves = supers.to(torch::kFloat16).contiguous();
+  TORCH_CHECK(halves.to(torch::kFloat32).equal(supers),
+              "supers must be fp16 values (the K-quants' d and dmin, -4 d, -32 d)");
   const int64_t block_len = QK_K_WEIGHTS / per_super;
   scale_factors = scale_factors.contiguous();
-  min_factors = min_factors.contiguous();
-  supers = supers.contiguous();
+  const torch::Tensor mins = shared ? scale_factors : min_factors->contiguous();
   const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
-  const int64_t panel_bytes = factored_panel_bytes(blocks, block_len);
-  auto packed = torch::zeros({panels, panel_bytes}, torch::dtype(torch::kUInt8));
-  uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = factored_panel_bytes(blocks, block_len, shared);
+  const int64_t stride = shared ? QB_ROWS : 2 * QB_ROWS;
+  auto packed = torch::zeros({panels, panel_bytes},
+                             torch::dtype(shared ? torch::kInt8 : torch::kUInt8));
+  auto* pp = static_cast<uint8_t*>(packed.data_ptr());
   const int8_t* sf = scale_factors.data_ptr<int8_t>();
-  const int8_t* mf = min_factors.data_ptr<int8_t>();
-  const float* sp = supers.data_ptr<float>();
+  const int8_t* mf = mins.data_ptr<int8_t>();
+  const c10::Half* sp = halves.data_ptr<c10::Half>();
   for (int64_t o = 0; o < out; ++o) {
     const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
     auto* factors = reinterpret_cast<int8_t*>(pp + p * panel_bytes);
-    auto* scales = reinterpret_cast<float*>(pp + p * panel_bytes + blocks * 2 * QB_ROWS);
+    auto* scales = reinterpret_cast<c10::Half*>(pp + p * panel_bytes + blocks * stride);
     for (int64_t b = 0; b < blocks; ++b) {
-      factors[b * 2 * QB_ROWS + j] = sf[o * blocks + b];
-      factors[b * 2 * QB_ROWS + QB_ROWS + j] = mf[o * blocks + b];
+      factors[b * stride + j] = sf[o * blocks + b];
+      if (!shared) factors[b * stride + QB_ROWS + j] = mf[o * blocks + b];
     }
     for (int64_t g = 0; g < nsuper; ++g) {
       scales[g * 2 * QB_ROWS + j] = sp[(o * nsuper + g) * 2];
@@ -612,15 +620,22 @@ namespace {
 template <typename Fn>
 void with_panel_scales(const void* scales_mins, int64_t format, int64_t blocks,
                        int64_t block_len, Fn&& fn) {
-  if (format == QUANT_SCALES_FACTORED) {
+  if (format == QUANT_SCALES_FACTORED || format == QUANT_SCALES_FACTORED_SHARED) {
     const auto* bytes = static_cast<const uint8_t*>(scales_mins);
-    const int64_t panel_bytes = factored_panel_bytes(blocks, block_len);
-    fn([=](int64_t p) {
-      const uint8_t* panel = bytes + p * panel_bytes;
-      return FactoredScales{reinterpret_cast<const int8_t*>(panel),
-                            reinterpret_cast<const float*>(panel + blocks * 2 * QB_ROWS),
-                            std::countr_zero(uint64_t(QK_K_WEIGHTS / block_len))};
-    });
+    const int64_t shift = std::countr_zero(uint64_t(QK_K_WEIGHTS / block_len));
+    auto factored = [&](auto shared) {
+      constexpr bool SHARED = decltype(shared)::value;
+      const int64_t panel_bytes = factored_panel_bytes(blocks, block_len, SHARED);
+      const int64_t factor_bytes = blocks * FactoredScales<SHARED>::kStride;
+      fn([=](int64_t p) {
+        const uint8_t* panel = bytes + p * panel_bytes;
+        return FactoredScales<SHARED>{reinterpret_cast<const int8_t*>(panel),
+                                      reinterpret_cast<const c10::Half*>(panel + factor_bytes),
+                                      shift};
+      });
+    };
+    if (format == QUANT_SCALES_FACTORED_SHARED) factored(std::true_type());
+    else factored(std::false_type());
   } else if (format == QUANT_SCALES_F16) {
     const auto* half = static_cast<const c10::Half*>(scales_mins);
     fn([=](int64_t p) { return PlainScales<c10::Half>{half + p * blocks * 2 * QB_ROWS}; });

@@ -76,21 +76,27 @@ IQ4_NL_KERNEL_BITS = int(Q.IQ4_NL)
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 # The K-quants: scales and mins factored per 256-weight super-block (BlockFactors).
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-FACTORED = 1  # bytes_per_weight's scale_bytes: an int8 factor each, an fp32 pair per QK_K
+# The K-quants whose min is minus a multiple of the block's scale (-4 d sc, -32 d sc): one
+# factor per block serves both (csrc/ops.h's QUANT_SCALES_FACTORED_SHARED).
+SHARED_FACTOR_QUANTS = (Q.Q3_K, Q.Q6_K)
+FACTORED = 1  # bytes_per_weight's scale_bytes: an int8 scale and min factor each
+SHARED_FACTOR = 0.5  # the same, one int8 factor serving both
 
 
-def bytes_per_weight(block_len: int, bits: int, scale_bytes: int = 4) -> float:
+def bytes_per_weight(block_len: int, bits: int, scale_bytes: float = 4) -> float:
     """Memory per weight of the packed blocks: the codes and a scale and min per block, of
-    `scale_bytes` each (4: fp32, 2: fp16; FACTORED: int8 factors, plus an fp32 scale and min
-    per super-block of QK_K weights)."""
-    supers = 2 * 4 / QK_K if scale_bytes == FACTORED else 0.0
+    `scale_bytes` each (4: fp32, 2: fp16; FACTORED: int8 factors, SHARED_FACTOR: one int8
+    factor for both, each plus an fp16 scale and min per super-block of QK_K weights)."""
+    supers = 2 * 2 / QK_K if scale_bytes in (FACTORED, SHARED_FACTOR) else 0.0
     return bits / 8 + 2 * scale_bytes / block_len + supers
 
 
 def type_bytes_per_weight(qtype: GGMLQuantizationType) -> float:
     """Memory per weight of one GGUF type's packed blocks (the K-quants' factored)."""
     block_len, bits, scale_bytes = BLOCK_FORMATS[qtype]
-    return bytes_per_weight(block_len, bits, FACTORED if qtype in K_QUANTS else scale_bytes)
+    if qtype in K_QUANTS:
+        scale_bytes = SHARED_FACTOR if qtype in SHARED_FACTOR_QUANTS else FACTORED
+    return bytes_per_weight(block_len, bits, scale_bytes)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,18 @@ class BlockFactors:
     scale_factors: torch.Tensor
     min_factors: torch.Tensor
     supers: torch.Tensor
+
+    @property
+    def shared(self) -> bool:
+        """One factor per block serves the scale and the min (Q3_K, Q6_K: the kernel then
+        keeps one byte a block, not two)."""
+        return torch.equal(self.scale_factors, self.min_factors)
+
+    @property
+    def packable(self) -> bool:
+        """The kernel keeps the super-blocks' d and m in fp16: they must be fp16 values (every
+        GGUF's are, but for a -32 d past fp16's range)."""
+        return torch.equal(self.supers.half().float(), self.supers)
 
     def split(self, parts: int) -> BlockFactors:
         """Each block as `parts` blocks of the same factors (BlockWeights.with_block_len)."""
@@ -155,8 +173,10 @@ class BlockWeights:
     def bytes_per_weight(self) -> float:
         """Packed (GGUFBlockLinear): factored scales where it has factors, fp16 where every
         type's are fp16 values, else fp32."""
-        scale_bytes = (FACTORED if self.factors is not None
-                       else max(BLOCK_FORMATS[Q[t]][2] for t in self.types))
+        if self.factors is not None and self.factors.packable:
+            scale_bytes = SHARED_FACTOR if self.factors.shared else FACTORED
+        else:
+            scale_bytes = max(BLOCK_FORMATS[Q[t]][2] for t in self.types)
         return bytes_per_weight(self.block_len, self.bits, scale_bytes)
 
     @property
@@ -455,6 +475,19 @@ def _convert_into(converted, part: slice, bits: int, codes, scales, mins, factor
         factors[2][part, 1:2] = m
 
 
+def packing(types: tuple[str, ...]) -> tuple:
+    """What the kernel keeps of blocks of GGUF `types`: block length, code bits, IQ4_NL's
+    indices or not, and the scales' form (factored, shared factors, or bytes each). Weights
+    of one packing concatenate (concat_rows) with nothing widened."""
+    def one(name: str) -> tuple:
+        qtype = Q[name]
+        block_len, bits, scale_bytes = BLOCK_FORMATS[qtype]
+        scales = ("shared" if qtype in SHARED_FACTOR_QUANTS else
+                  "factored" if qtype in K_QUANTS else scale_bytes)
+        return block_len, bits, qtype == Q.IQ4_NL, scales
+    return tuple(sorted({one(t) for t in types}))
+
+
 # -- carrying blocks through load_hf_weights -------------------------------------------------
 
 
@@ -468,9 +501,25 @@ class LazyBlocks:
     types: tuple[str, ...]
     shape: tuple[int, int]
     make: Callable[[], BlockWeights]
+    parts: tuple[LazyBlocks, ...] = ()  # a fusion's parts (LazyBlocks.fused), in row order
 
     def load(self) -> BlockWeights:
         return self.make()
+
+    def segments(self) -> list[LazyBlocks]:
+        """This weight as row segments that each keep one format: consecutive parts whose
+        types pack alike (`packing`) fused, so a q/k/v of Q4_K, Q4_K and Q6_K is [q+k, v]
+        (concat_rows would widen q and k to v's 6-bit blocks of 16), one of Q4_0, Q4_1 and
+        Q4_0 stays one. One segment for a weight that is no fusion."""
+        if len({packing(p.types) for p in self.parts}) <= 1:
+            return [self]
+        groups: list[list[LazyBlocks]] = []
+        for part in self.parts:
+            if groups and packing(groups[-1][-1].types) == packing(part.types):
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        return [g[0] if len(g) == 1 else LazyBlocks.fused(g) for g in groups]
 
     @staticmethod
     def of(blocks: BlockWeights) -> LazyBlocks:
@@ -483,7 +532,7 @@ class LazyBlocks:
         types = tuple(dict.fromkeys(t for p in parts for t in p.types))
         rows = sum(p.shape[0] for p in parts)
         return LazyBlocks(types, (rows, parts[0].shape[1]),
-                          lambda: concat_rows([p.load() for p in parts]))
+                          lambda: concat_rows([p.load() for p in parts]), tuple(parts))
 
 # Tensor attribute names a GGUFBlockTensor answers itself (shape checks in the loading code).
 _METADATA = frozenset({"shape", "size", "dim", "numel", "dtype", "device", "ndim", "is_sparse",

@@ -394,8 +394,8 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...],
 def gguf_bytes_text(types: tuple[str, ...]) -> str:
     """Memory per weight of GGUF types `types` as packed blocks, e.g. "0.75-1.25 bytes/weight".
 
-    NOTE: per type; a fused q/k/v or gate/up of two types takes the wider codes and the
-    shorter blocks of the two.
+    NOTE: per type; a fused gate/up of two types takes the wider codes and the shorter
+    blocks of the two (a fused q/k/v keeps each type's: linear_kernels.SegmentedLinear).
     """
     sizes = sorted({round(gguf_blocks.type_bytes_per_weight(gguf_blocks.Q[t]), 3)
                     for t in types})
@@ -421,8 +421,8 @@ def _with_gguf_blocks(factory, ops):
 
     def make(weight, bias):
         blocks = getattr(weight, gguf_blocks.BLOCKS_ATTRIBUTE, None)
-        if isinstance(blocks, gguf_blocks.LazyBlocks):
-            blocks = blocks.load()  # NOTE: made here, packed, then dropped (LazyBlocks)
+        if isinstance(blocks, gguf_blocks.LazyBlocks):  # NOTE: made, packed, then dropped
+            return linear_kernels.gguf_block_linear(blocks, bias, ops)
         if blocks is not None:
             return linear_kernels.GGUFBlockLinear(blocks, bias, ops)
         return fallback(weight, bias)

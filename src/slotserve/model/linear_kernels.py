@@ -245,8 +245,9 @@ class GGUFBlockLinear:
 
     The blocks (4-, 6- or 8-bit unsigned codes, or IQ4_NL's 4-bit indices that the kernel looks
     up as codes; a scale and min per block of 16 or 32: fp16 where they are fp16 values, as
-    GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, the K-quants' as int8 factors of an fp32
-    scale per super-block (`ops.pack_factored_scales`), else fp32) are packed into
+    GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL ones, the K-quants' as int8 factors of an fp16
+    scale per super-block (`ops.pack_factored_scales`; Q3_K's and Q6_K's one factor for the
+    scale and the min), else fp32) are packed into
     panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
     x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
     or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
@@ -261,10 +262,11 @@ class GGUFBlockLinear:
         self.bits = blocks.kernel_bits  # 4, 6, 8 or IQ4_NL's indices (csrc/ops.h)
         self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales,
                                                              blocks.mins, self.bits)
-        if blocks.factors is not None:  # NOTE: the same d and m, bit for bit (BlockFactors)
-            factors = blocks.factors
-            self.scales_mins = ops.pack_factored_scales(factors.scale_factors,
-                                                        factors.min_factors, factors.supers)
+        factors = blocks.factors
+        if factors is not None and factors.packable:  # NOTE: the same d and m, bit for bit
+            self.scales_mins = ops.pack_factored_scales(
+                factors.scale_factors, None if factors.shared else factors.min_factors,
+                factors.supers)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
 
@@ -283,6 +285,42 @@ class GGUFBlockLinear:
         an embedding lookup in the blocks (BlockEmbedding)."""
         return self.ops.quant_block_rows(self.codes, self.scales_mins, self.out_features,
                                          self.block_len, self.bits, ids)
+
+
+class SegmentedLinear:
+    """y = [x @ W_1 | x @ W_2 | ...]: one linear layer (a fused q/k/v) whose row segments
+    keep their own GGUF formats (`LazyBlocks.segments`), so a Q4_K q and k beside a Q6_K v
+    are read at 4 bits, not widened to v's 6-bit blocks of 16 (concat_rows). Each segment is
+    a GGUFBlockLinear with its rows' bias; the decode stack runs them in turn (its
+    `segments` kind: a row's outputs written in place, no copy at batch 1)."""
+
+    def __init__(self, segments: list[GGUFBlockLinear]) -> None:
+        self.segments = segments
+        self.out_features = sum(s.out_features for s in segments)
+        self.types = tuple(dict.fromkeys(t for s in segments for t in s.types))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return torch.cat([segment(x) for segment in self.segments], dim=1)
+
+    def cpp_weights(self, ops):
+        """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
+        return ops.segmented_linear_weights([s.cpp_weights(ops) for s in self.segments])
+
+
+def gguf_block_linear(lazy, bias: torch.Tensor | None, ops):
+    """The kernel of a weight in GGUF blocks (`lazy`: a LazyBlocks): a GGUFBlockLinear, or a
+    SegmentedLinear where a fusion's parts differ in type. NOTE: each segment is made,
+    packed, then dropped: one segment's converted blocks at a time."""
+    segments = lazy.segments()
+    if len(segments) == 1:
+        return GGUFBlockLinear(lazy.load(), bias, ops)
+    kernels, first = [], 0
+    for segment in segments:
+        rows = segment.shape[0]
+        part_bias = None if bias is None else bias[first:first + rows]
+        kernels.append(GGUFBlockLinear(segment.load(), part_bias, ops))
+        first += rows
+    return SegmentedLinear(kernels)
 
 
 class BlockEmbedding(nn.Module):
@@ -321,8 +359,10 @@ def held_bytes(kernel) -> int:
 
     NOTE: a tensor's own elements, not its storage's: the panels are views of one arena
     (place_panels_in_one_arena); a zero-stride view (MKLPackedLinear's `shape_only`) holds
-    nothing.
+    nothing. A SegmentedLinear holds its segments'.
     """
+    if isinstance(kernel, SegmentedLinear):
+        return sum(held_bytes(segment) for segment in kernel.segments)
     return sum(value.numel() * value.element_size() for value in vars(kernel).values()
                if isinstance(value, torch.Tensor)
                and (value.numel() <= 1 or 0 not in value.stride()))
