@@ -29,6 +29,7 @@ from slotserve.spec.planner import (
     DecodeStepCost,
     LinearStepCost,
     Speculator,
+    lookahead_window,
 )
 from tests.unit.test_spec_scheduler import FakeModel, next_token
 
@@ -63,13 +64,16 @@ def test_drafts_where_they_pay():
     """The same acceptance at batch 1 (a 6.4 ms step makes one token: a 0.4 ms draft row for
     0.45 tokens pays), and 90% acceptance at 20 sequences (0.4 ms for 0.9 tokens: a 14 ms
     step's 20 sequences each 3% slower, one 90% faster: log1p(0.9) = 0.64 > 20 x 0.028).
-    A second draft each (0.81 tokens for one, after 20 rows more) no longer pays on the
-    geometric mean of the sequences' rates (log1p(0.81 / 1.9) = 0.36 < 20 x log(22.4 /
-    22)): the sum of tokens per second took it."""
+    A second draft for one sequence alone does not pay (log1p(0.81 / 1.9) = 0.36 < 20 x
+    log(22.4 / 22)), but one for each does (20 x 0.36 = 7.1 > 20 x log(30 / 22) = 6.2; 54
+    tokens in 30 ms against 38 in 22), and so does a third each (69 in 38 ms); a fourth
+    each does not (82 in 46 ms: the sum of log rates falls). The planner looks past the
+    first increment that does not pay (`lookahead_window`); before, it stopped at one
+    each."""
     drafts = _speculator(0.45, 1).plan(_candidates(1), 512, 1, 1)
     assert len(drafts.get("s0", ())) >= 1
     drafts = _speculator(0.9, 20).plan(_candidates(20), 512, 20, 20)
-    assert len(drafts) == 20 and all(len(d) == 1 for d in drafts.values())
+    assert len(drafts) == 20 and all(2 <= len(d) <= 3 for d in drafts.values()), drafts
 
 
 def _tail_observations(model: CostModel) -> None:
@@ -183,8 +187,9 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
 def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost) -> dict:
     """The planner's rule written plainly: every possible draft's gain (its sequence's log
     expected tokens with it minus without: log1p(rate^j / (1 + ... + rate^(j-1)))), sorted
-    best first (ties in candidate order), taken while it outweighs the step's log cost
-    times the producing sequences."""
+    best first (ties in candidate order), within the budget; the plan is the prefix with the
+    highest sum of gains less the producing sequences times the step's log cost, among the
+    prefixes up to `lookahead_window` past the best one before them."""
     gains = []
     for index, cand in enumerate(candidates):
         rate = spec.rate(cand.seq_id)
@@ -192,13 +197,24 @@ def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost)
             before = sum(rate ** i for i in range(j))
             gains.append((math.log1p(rate ** j / before), index, cand.seq_id))
     gains.sort(key=lambda g: (-g[0], g[1]))
+    gains = gains[:max(budget, 0)]
     tokens, weight = max(planned, 1), max(producing, 1)
-    seconds, wanted = cost.seconds(tokens), {}
-    for gain, _, seq_id in gains[:budget]:
-        more = cost.seconds(tokens + 1)
-        if not (seconds > 0 and more > 0 and gain > weight * math.log(more / seconds)):
+    window = lookahead_window(sum(1 for c in candidates
+                                  if min(c.max_tokens, spec.config.max_tokens) > 0))
+    base, sums = cost.seconds(tokens), [0.0]
+    for count, (gain, _, _) in enumerate(gains, 1):
+        if not (base > 0 and cost.seconds(tokens + count) > 0):
             break
-        tokens, seconds = tokens + 1, more
+        sums.append(sums[-1] + gain)
+    best = 0
+    for count in range(1, len(sums)):
+        if count - best > window:
+            break
+        value = sums[count] - weight * math.log(cost.seconds(tokens + count) / base)
+        if value > sums[best] - weight * math.log(cost.seconds(tokens + best) / base) + 1e-12:
+            best = count
+    wanted: dict[str, int] = {}
+    for _, _, seq_id in gains[:best]:
         wanted[seq_id] = wanted.get(seq_id, 0) + 1
     return wanted
 

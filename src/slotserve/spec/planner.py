@@ -12,12 +12,14 @@ How many:
   token rates (at batch 1: expected tokens per second). A sequence whose drafts are each
   accepted with probability a (given the ones before were: its observed rate in its
   present state, see `AcceptanceStats`) gains a^j expected tokens from its j-th draft; the
-  iteration costs `cost.seconds(tokens)`. Draft increments are taken in order of gain
-  (log1p(a^j / the sequence's expected tokens so far)) while they raise the sum over the B
-  producing sequences of log(expected tokens / step seconds). It is zero when the batch is
-  large: a sequence's first draft pays only while log1p(a) > B x log1p(per_token /
-  seconds); B x per_token / seconds nears 1 as decodes fill the step, and past log 2 no
-  draft pays.
+  iteration costs `cost.seconds(tokens)` (the scheduler's `DecodeStepCost`: a line with a
+  knee). Draft increments are taken in order of gain (log1p(a^j / the sequence's expected
+  tokens so far)); the plan is the prefix of them with the highest sum over the B
+  producing sequences of log(expected tokens / step seconds), looked for until
+  `lookahead_window` increments bring no higher sum. It is zero when the batch is large: a
+  sequence's first draft pays only while log1p(a) > B x log1p(per_token / seconds); B x
+  per_token / seconds nears 1 as decodes fill a compute-bound step, and past log 2 no
+  draft pays (nor do more: past the knee a step's cost is nearly proportional to its rows).
 
 NOTE: the proposer is only asked for the sequences that get drafts, so a large batch costs
 no proposal work.
@@ -38,6 +40,8 @@ from slotserve.spec.proposers import NgramProposer, Proposer, SuffixProposer
 # A sequence's acceptance prior in each state: PRIOR_WEIGHT drafts at the engine's pooled
 # rate of that state (`PooledAcceptance`; Beta(1, 1), i.e. 0.5, before it has seen any).
 PRIOR_WEIGHT = 2.0
+# The most drafts the pooled prior of a span counts as (`span_prior_weight`).
+MAX_SPAN_PRIOR_WEIGHT = 100.0
 # The pooled record forgets a verification's weight by this factor at each new one (a memory
 # of ~1/(1 - f) verifications: it follows a change of workload).
 POOL_FORGET = 0.99
@@ -71,8 +75,22 @@ class LinearStepCost:
 
 
 class DecodeStepCost(CostModel):
-    """The scheduler's cost of an iteration of decodes and their drafts, for "auto": the
-    recency-weighted line of `CostModel` over the iterations it observes, deaf to stalls.
+    """The scheduler's cost of an iteration of decodes and their drafts, for "auto": a
+    recency-weighted fit over the iterations it observes, with a knee, deaf to stalls.
+
+    The fit (`seconds`): a hinge t(n) = a + b n + c max(0, n - knee) (b, c >= 0) over the
+    recency-weighted mean time of each row count seen (`_bins`; 8 bins an octave past 16
+    rows), the knee the row count that fits best; a line (`CostModel`'s, kept as
+    `overhead` / `per_token`) until four row counts were seen or where the hinge does not
+    fit clearly better (HINGE_GAIN).
+
+    NOTE: why a knee: a decode step of few rows reads the weights once whatever its rows
+    (memory-bound), past ~12 rows every row costs its multiplies. Measured in process on
+    grounded batch 4 (SmolLM2-135M, Zen 4, 2 cores): 10.6 ms at 4 rows, 13.2 at 12, 20.9 at
+    20, 30.8 at 32, 60.8 at 64; the line through them (7.0 ms + 0.82 ms a row) priced the
+    drafts of a 4-row step at 0.82 ms (0.33 measured up to the knee), so auto drafted less
+    than a fixed 4 where those drafts paid; past the knee both price ~0.9 ms a row, so a
+    full batch still drafts nothing.
 
     NOTE: a pause of the whole process (~330 ms ones in the in-process benchmark's traces,
     against 15 ms steps; a garbage collection; the host taking the core) is no cost of the
@@ -81,13 +99,15 @@ class DecodeStepCost(CostModel):
     its prior and drafted at 23 sequences), then all fixed cost (drafts looked free), and
     auto drafted where each draft row cost ~0.4 ms for ~0.5 tokens. An iteration slower than
     STALL_FACTOR x the estimate is left out, unless MAX_STALLS come in a row (then the host
-    is slower now, and the line follows it).
+    is slower now, and the fit follows it).
     """
 
     def __init__(self, forget: float = 0.98) -> None:
         super().__init__(forget)
         self.stalls_skipped = 0  # observations left out as stalls, since start
         self._slow_in_a_row = 0
+        self._bins: dict[int, list[float]] = {}  # bin -> [weight, weight x n, weight x t]
+        self.hinge: tuple[float, float, float, float] | None = None  # a, b, c, knee
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds >= 0:
@@ -103,6 +123,117 @@ class DecodeStepCost(CostModel):
                 self.stalls_skipped += 1
                 return
         super().observe(num_tokens, seconds)
+        self._observe_bin(num_tokens, seconds)
+        self.hinge = fit_hinge([(w, wn / w, wt / w) for w, wn, wt in self._bins.values()])
+
+    def _observe_bin(self, num_tokens: int, seconds: float) -> None:
+        """Fade every bin by `forget` (dropping those under BIN_MIN_WEIGHT), add this one."""
+        for key in list(self._bins):
+            sums = self._bins[key]
+            sums[:] = [self.forget * value for value in sums]
+            if sums[0] < BIN_MIN_WEIGHT:
+                del self._bins[key]
+        sums = self._bins.setdefault(row_bin(num_tokens), [0.0, 0.0, 0.0])
+        sums[0] += 1.0
+        sums[1] += num_tokens
+        sums[2] += seconds
+
+    def seconds(self, num_tokens: int) -> float:
+        """Estimated time of a decode iteration of num_tokens rows (the hinge, else the
+        line; 0 before any observation)."""
+        if self.hinge is None:
+            return super().seconds(num_tokens)
+        a, b, c, knee = self.hinge
+        return a + b * num_tokens + c * max(0.0, num_tokens - knee)
+
+
+# `Speculator._auto_lengths` looks this many draft increments past its best plan so far (at
+# least; one per candidate sequence past that: one more draft for each).
+MIN_LOOKAHEAD = 4
+
+
+def lookahead_window(num_candidates: int) -> int:
+    """How many increments past the best plan so far auto looks before it stops."""
+    return max(MIN_LOOKAHEAD, num_candidates)
+
+
+# `DecodeStepCost`'s bins: exact row counts up to 16, then 8 an octave; a bin whose weight
+# faded under BIN_MIN_WEIGHT (~230 iterations at forget 0.98) is dropped.
+BIN_MIN_WEIGHT = 0.01
+# The hinge replaces the line only where its weighted squared error is under this share
+# of the line's (noise alone bends a line a little at every knee).
+HINGE_GAIN = 0.8
+
+
+def row_bin(num_tokens: int) -> int:
+    """The bin of a row count: itself up to 16, then the nearest of 8 an octave."""
+    if num_tokens <= 16:
+        return num_tokens
+    step = 1 << (num_tokens.bit_length() - 4)  # 8 bins an octave
+    return step * round(num_tokens / step)
+
+
+def fit_hinge(points: list[tuple[float, float, float]]
+              ) -> tuple[float, float, float, float] | None:
+    """The weighted least-squares hinge t = a + b n + c max(0, n - knee) through `points`
+    (weight, n, mean t), a, b, c >= 0, the knee at one of the points' n with at least two
+    points on each side of it beyond it; (a, b, c, knee) if it fits better than a line by
+    HINGE_GAIN, else None (the caller keeps its line).
+
+    NOTE: each candidate knee is solved from the points' sums above it (suffix sums over
+    the points sorted by n), so a fit is O(points) (at most ~70 bins).
+    """
+    if len(points) < 4:
+        return None
+    points = sorted(points, key=lambda p: p[1])
+    total = [0.0] * 6  # w, wn, wnn, wt, wnt, wtt
+    for w, n, t in points:
+        for i, value in enumerate((w, w * n, w * n * n, w * t, w * n * t, w * t * t)):
+            total[i] += value
+    s, sn, snn, st, snt, stt = total
+    det = s * snn - sn * sn
+    if det <= 0:
+        return None
+    b_line = (s * snt - sn * st) / det
+    line_sse = stt - ((st * snn - sn * snt) / det * st + b_line * snt)
+    if line_sse <= 1e-9 * (stt - st * st / s):
+        return None  # NOTE: the line is exact (up to rounding): nothing to bend
+    best, best_sse = None, HINGE_GAIN * max(line_sse, 0.0)
+    above = [0.0] * 5  # w, wn, wnn, wt, wnt of the points past the candidate knee
+    for index in range(len(points) - 1, 1, -1):
+        w, n, t = points[index]
+        for i, value in enumerate((w, w * n, w * n * n, w * t, w * n * t)):
+            above[i] += value
+        if len(points) - index < 2:
+            continue
+        knee = points[index - 1][1]  # NOTE: two points or more at or below it
+        w1, n1, nn1, t1, nt1 = above
+        sh, shh = n1 - knee * w1, nn1 - 2 * knee * n1 + knee * knee * w1
+        snh, sht = nn1 - knee * n1, nt1 - knee * t1
+        beta = _solve3(((s, sn, sh), (sn, snn, snh), (sh, snh, shh)), (st, snt, sht))
+        if beta is None or min(beta) < 0 or beta[2] <= 0:
+            continue
+        sse = stt - (beta[0] * st + beta[1] * snt + beta[2] * sht)
+        if sse < best_sse:
+            best, best_sse = (*beta, knee), sse
+    return best
+
+
+def _solve3(m, rhs) -> tuple[float, float, float] | None:
+    """The solution of the 3x3 system m x = rhs (Cramer's rule; None if near singular)."""
+    def det(a):
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+    d = det(m)
+    scale = abs(m[0][0] * m[1][1] * m[2][2])
+    if scale <= 0 or abs(d) <= 1e-12 * scale:
+        return None
+    columns = []
+    for j in range(3):
+        replaced = [[rhs[i] if k == j else m[i][k] for k in range(3)] for i in range(3)]
+        columns.append(det(replaced) / d)
+    return columns[0], columns[1], columns[2]
 
 
 FIRST, FRESH, SPAN = "first", "fresh", "span"  # the states of `AcceptanceStats`
@@ -156,13 +287,28 @@ class AcceptanceStats:
             self.rejections += rejected
 
     def rate_given(self, prior: float) -> float:
-        """The present state's acceptance: its record and PRIOR_WEIGHT drafts at `prior`."""
+        """The present state's acceptance: its record and, as a prior, PRIOR_WEIGHT drafts
+        at `prior` (in a span: one span at `prior`, `span_prior_weight`)."""
         state = self.state
         accepted, rejections = ((self.span_accepted, self.span_rejections) if state == SPAN
                                 else (self.accepted, self.rejections) if state == FRESH
                                 else (0, 0))
-        return ((accepted + PRIOR_WEIGHT * prior)
-                / (accepted + rejections + PRIOR_WEIGHT))
+        weight = span_prior_weight(prior) if state == SPAN else PRIOR_WEIGHT
+        return (accepted + weight * prior) / (accepted + rejections + weight)
+
+
+def span_prior_weight(prior: float) -> float:
+    """The weight (in drafts) of the pooled prior in a span: one whole span at that rate,
+    1 / (1 - prior) drafts ending in one rejection (at most MAX_SPAN_PRIOR_WEIGHT).
+
+    NOTE: a sequence's span record is censored: it counts every accepted draft of the span
+    it is in but that span's rejection only once it ends, so against PRIOR_WEIGHT drafts of
+    prior a first span's record alone ruled: 40 drafts copied put it at 0.998 (16 drafts
+    planned, 15.8 expected) where the engine's spans had shown ~0.96 (10.7 expected); at
+    grounded batch 4 three of four sequences then verified 16 drafts at the end of their
+    spans and accepted 4 each (a 68-row step, ~7 decodes' time).
+    """
+    return min(MAX_SPAN_PRIOR_WEIGHT, 1.0 / max(1.0 - prior, 1e-9))
 
 
 class PooledAcceptance:
@@ -268,9 +414,22 @@ class Speculator:
                       producing: int, cost: StepCost) -> dict[str, int]:
         """Each sequence's draft count maximising the sum over the step's producing
         sequences of log(the sequence's expected tokens / step cost), i.e. the geometric
-        mean of their token rates: increments taken best gain first (a sequence's j-th draft
-        raises its log tokens by log1p(rate^j / its expected tokens so far); ties in
-        candidate order) while they raise the sum.
+        mean of their token rates: increments are taken best gain first (a sequence's j-th
+        draft raises its log tokens by log1p(rate^j / its expected tokens so far); ties in
+        candidate order), and the plan is the prefix of them with the highest sum. The walk
+        stops when `lookahead_window` increments in a row found no higher sum.
+
+        NOTE: why not stop at the first increment that does not pay (the rule until
+        2026-12-05, afternoon): one more row costs every sequence of the step
+        log(cost(n + 1) / cost(n)), less the larger the step, so one draft more for each
+        sequence can pay where one draft more for one does not. At grounded batch 4 on a
+        knee-shaped cost (SmolLM2, Zen 4: 13.0 ms at 12 rows, ~0.95 ms a row past them)
+        four sequences copying at ~0.96 stopped at 2 drafts each (the third's gain 0.27
+        against 4 x log(13.95 / 13.0) = 0.28) where 3 each raise the sum (1.08 against
+        1.02). The window (one increment per sequence, at least MIN_LOOKAHEAD) misses
+        plans several rounds further on: 4 sequences at 0.98 on that cost get 3 drafts
+        each where 7 each is best by ~3% of each one's rate (a longer window costs a walk
+        of up to 16 increments a sequence at 64 slots, where nothing pays).
 
         NOTE: why not the sum of tokens over the step cost (the rule until 2026-12-05): a
         draft row slows every sequence in the step, and that rule charged it to the step's
@@ -279,8 +438,8 @@ class Speculator:
         9.4 ms decodes) while the other two, not yet copying, got none and ran at a quarter
         of their speed, and the run ended on their tail (auto 0.87x of fixed length 4).
         With one producing sequence the two rules are the same. A heap holds each
-        sequence's next increment only, so an iteration whose best draft does not pay (a
-        full batch: the usual case at 64 slots) costs one look at each sequence's rate.
+        sequence's next increment only, so an iteration where no draft pays (a full batch:
+        the usual case at 64 slots) costs a look at each sequence's rate and the window.
         """
         heap = []
         for index, cand in enumerate(candidates):
@@ -291,21 +450,29 @@ class Speculator:
         tokens = max(planned_tokens, 1)
         weight = float(max(producing, 1))  # NOTE: each producing sequence feels the step
         seconds = cost.seconds(tokens)
-        wanted: dict[str, int] = {}
-        while heap and budget > 0:
+        window = lookahead_window(len(heap))
+        taken: list[int] = []  # candidate index of each increment, in order
+        total = best = 0.0  # the sum's change from no drafts: now, and at the best prefix
+        best_length = 0
+        while heap and budget > 0 and len(taken) - best_length < window:
             negative_gain, index, j, rate, limit, produced = heapq.heappop(heap)
             more = cost.seconds(tokens + 1)
-            if not (seconds > 0 and more > 0
-                    and -negative_gain > weight * math.log(more / seconds)):
-                break  # NOTE: gains only fall from here, so no later increment pays
+            if not (seconds > 0 and more > 0):
+                break
+            total += -negative_gain - weight * math.log(more / seconds)
             tokens, seconds = tokens + 1, more
             produced += rate ** j
-            seq_id = candidates[index].seq_id
-            wanted[seq_id] = wanted.get(seq_id, 0) + 1
+            taken.append(index)
             budget -= 1
+            if total > best + 1e-12:
+                best, best_length = total, len(taken)
             if j < limit:
                 gain = math.log1p(rate ** (j + 1) / produced)
                 heapq.heappush(heap, (-gain, index, j + 1, rate, limit, produced))
+        wanted: dict[str, int] = {}
+        for index in taken[:best_length]:
+            seq_id = candidates[index].seq_id
+            wanted[seq_id] = wanted.get(seq_id, 0) + 1
         return wanted
 
     def rate(self, seq_id: str) -> float:
