@@ -8,7 +8,9 @@ costs ~0.95 ms. Three rules the planner got wrong there, each tested here:
 - a sequence 40 drafts into its first span rated itself 0.998 (its record cannot show the
   span's end until it comes): `span_prior_weight`;
 - the walk over draft increments stopped at the first that did not pay, though one more
-  draft for each of the four did: `lookahead_window`.
+  draft for each of the four did: `lookahead_window`;
+and one seen in a benchmark run at batch 1: a cost that prices drafts too dear never sees
+a draft and never learns: `Speculator._auto_wanted`'s exploration.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import math
 
 import pytest
 
+from slotserve.config import SchedulerConfig
+from slotserve.core.kv_manager import KVCacheManager
+from slotserve.core.scheduler import Scheduler
+from slotserve.request import Request
+from slotserve.sampling import SamplingParams
 from slotserve.spec.config import AUTO_MAX_SPECULATIVE_TOKENS, parse
 from slotserve.spec.planner import (
     AcceptanceStats,
@@ -25,7 +32,9 @@ from slotserve.spec.planner import (
     Speculator,
     expected_tokens,
 )
+from tests.unit.test_spec_auto_cost import _Proposer
 from tests.unit.test_spec_proposers import FixedProposer
+from tests.unit.test_spec_scheduler import FakeModel
 
 AUTO = parse({"method": "ngram", "num_speculative_tokens": "auto"})
 # Decode steps of grounded batch 4 by rows (median ms over the in-process probe's runs).
@@ -136,3 +145,45 @@ def test_one_more_draft_for_each_is_found(count, span_accepted, span_rejections)
     best_equal = max(_objective(spec, dict.fromkeys(seq_ids, k), seq_ids, cost, count)
                      for k in range(AUTO_MAX_SPECULATIVE_TOKENS + 1))
     assert _objective(spec, plan, seq_ids, cost, count) >= best_equal - 1e-9, plan
+
+
+class _Clock:
+    """The scheduler's clock: a decode step of n rows takes 8 ms + 0.3 ms x n."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, rows: int) -> None:
+        self.now += 0.008 + 0.0003 * rows
+
+
+def test_a_cost_that_prices_drafts_too_dear_learns_from_an_exploration():
+    """A warm-up's few slow steps of 2 sequences (13 ms against 8 ms for 1) leave a line that
+    prices a batch-1 draft at 5 ms (it costs 0.3): no draft pays on it, so none is planned
+    and the line never learns (a benchmark run drafted nothing for ~430 iterations). After
+    EXPLORE_AFTER dry iterations one draft is planned on the prior; the steps it shows
+    bring the price down and the drafts back."""
+    clock = _Clock()
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                             max_prefill_tokens_while_decoding=None)
+    speculator = Speculator(AUTO, proposer=_Proposer(0.9, 3))
+    sched = Scheduler(config, KVCacheManager(1024, 16), clock=clock, speculator=speculator)
+    for step in range(40):
+        sched.decode_cost.observe(1 if step % 5 else 2, 0.008 if step % 5 else 0.013)
+    assert sched.decode_cost.seconds(2) / sched.decode_cost.seconds(1) > 1.5
+    sched.add_request(Request("r", [3, 4, 5, 6],
+                              SamplingParams(max_tokens=1500, temperature=0.0,
+                                             ignore_eos=True)))
+    model = FakeModel(sched)
+    late_drafts = 0
+    for step in range(80):
+        plan = sched.schedule()
+        clock.run(plan.num_batched_tokens)
+        if step >= 40:
+            late_drafts += sum(len(s.spec_token_ids) for s in plan.seqs)
+        sched.update(plan, model(plan))
+    assert late_drafts >= 100, late_drafts  # ~10 a step once learnt
+    assert speculator.explorations >= 1

@@ -177,7 +177,10 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
             late_drafts += sum(len(s.spec_token_ids) for s in plan.seqs)
         sched.update(plan, model(plan))
     if decode_cost is DecodeStepCost:
-        assert late_drafts <= 5, late_drafts
+        # NOTE: <= 5 before the exploration (`EXPLORE_AFTER`): one draft on the prior every
+        # 16 dry iterations; here 3 explorations and 3 drafts of a sequence that one of them
+        # found in a span (rate 0.78-0.83: they pay on the fitted cost), 6 in all
+        assert late_drafts <= 8, late_drafts
     else:
         # the failure this guards against (72 drafts with a fixed 0.5 prior; 23 since the
         # prior is the pooled acceptance, ~0.4 here)

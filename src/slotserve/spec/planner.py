@@ -49,6 +49,9 @@ POOL_FORGET = 0.99
 # iteration costs as much as DEFAULT_OVERHEAD_TOKENS tokens' work besides its tokens (reading
 # the weights; a small model on a CPU measured 20-60; a GPU is in the hundreds).
 DEFAULT_OVERHEAD_TOKENS = 32.0
+# "auto": after this many iterations in a row without drafts on a fitted step cost, one
+# is planned on the prior (`Speculator._auto_wanted`).
+EXPLORE_AFTER = 16
 # `DecodeStepCost`: an iteration slower than STALL_FACTOR x the line's estimate is a stall,
 # not its tokens' cost; after MAX_STALLS such iterations in a row the host's speed changed
 # and they count again.
@@ -372,6 +375,8 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.max_tokens
+        self.explorations = 0  # "auto" plans made on the prior after EXPLORE_AFTER dry ones
+        self._dry_iterations = 0
 
     # ----------------------------------------------------------------- planning
     def plan(self, candidates: list[Candidate], budget: int, planned_tokens: int,
@@ -386,8 +391,8 @@ class Speculator:
         if budget <= 0 or not candidates:
             return {}
         if self.config.auto:
-            wanted = self._auto_lengths(candidates, budget, planned_tokens, producing,
-                                        self.step_cost or cost or LinearStepCost())
+            wanted = self._auto_wanted(candidates, budget, planned_tokens, producing,
+                                       self.step_cost or cost)
         else:
             wanted = {c.seq_id: min(c.max_tokens, self.config.max_tokens) for c in candidates}
         drafts: dict[str, list[int]] = {}
@@ -401,6 +406,41 @@ class Speculator:
                 budget -= len(drafts[cand.seq_id])
         self._end_spans(candidates, drafts)
         return drafts
+
+    def _auto_wanted(self, candidates: list[Candidate], budget: int, planned_tokens: int,
+                     producing: int, cost: StepCost | None) -> dict[str, int]:
+        """"auto"'s plan on `cost` (None: the prior, `LinearStepCost()`); after
+        EXPLORE_AFTER iterations in a row that planned nothing on a fitted cost, the plan on
+        the prior, cut to one draft for its sequence of the highest rate (`explorations`
+        counts them): the price of a draft row is learnt from one row.
+
+        NOTE: a fitted cost learns what a draft row costs only from steps that had drafts.
+        One that prices them too dear from decodes alone (a line through a few slow steps of
+        2 sequences during a warm-up: 2 rows at 1.5x a 1-row step) plans none, so it never
+        sees one and stays wrong: a benchmark run at grounded batch 1 drafted nothing for
+        ~430 iterations (1.01x off, 2.2x with fixed 4) until the warm-up's steps had faded.
+        An exploration costs one row every EXPLORE_AFTER iterations at most (a 16-row step
+        priced on the prior would give each of 16 guessing sequences one, ~1.9x the step);
+        where the step is compute-bound (64 sequences) the prior plans nothing either.
+        """
+        if cost is None:
+            return self._auto_lengths(candidates, budget, planned_tokens, producing,
+                                      LinearStepCost())
+        wanted = self._auto_lengths(candidates, budget, planned_tokens, producing, cost)
+        if wanted:
+            self._dry_iterations = 0
+            return wanted
+        self._dry_iterations += 1
+        if self._dry_iterations < EXPLORE_AFTER:
+            return wanted
+        self._dry_iterations = 0
+        prior = self._auto_lengths(candidates, budget, planned_tokens, producing,
+                                   LinearStepCost())
+        if not prior:
+            return wanted
+        self.explorations += 1
+        best = max(prior, key=self.rate)  # NOTE: ties: the first in candidate order
+        return {best: 1}
 
     def _end_spans(self, candidates: list[Candidate], drafts: dict[str, list[int]]) -> None:
         """A decoding sequence without drafts this iteration is no longer in a span: it
