@@ -291,6 +291,16 @@ class SchedulerConfig:
         nothing to decode prefills at the whole budget. It bounds the time between two tokens;
         a request's mean TPOT gains only while the prompts' work is large next to its decodes.
         None: no cap.
+    hold_first_tokens: a prompt's last token (the one that samples its first output token)
+        waits while a request that arrived before that prompt was ready is still computing
+        its own prompt, so a burst's first tokens come together and no request decodes
+        through the others' prefill chunks (whose time would count in its TPOT). The hold
+        ends as soon as an iteration plans no prompt work of those requests (a full batch,
+        no free blocks): never a wait on what cannot run. Only a burst holds (at least two
+        such requests, with more than one budget of prompt work left; online arrivals are
+        left alone), and never a request with a TTFT SLO. On by default, by measurement
+        (docs/ARCHITECTURE.md). False: each first token as soon as
+        its prompt is computed.
     max_model_len: longest sequence (prompt + output) a request may reach.
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
@@ -336,6 +346,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
+    hold_first_tokens: bool = True
     max_model_len: int = 4096
     # NOTE: the setting is `batching` (one word per idea: "policy" also names the queue
     # order); the attribute keeps its name for the code that reads it.
@@ -372,8 +383,9 @@ class SchedulerConfig:
         for name in ("min_slo_ttft_ms", "min_slo_tpot_ms"):
             if getattr(self, name) is None:
                 raise ValueError(f"{name} must be a positive number of milliseconds")
-        if not isinstance(self.tenant_slot_share, bool):
-            raise ValueError(f"tenant_slot_share must be a bool, got {self.tenant_slot_share!r}")
+        for name in ("tenant_slot_share", "hold_first_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         bound = self.max_waiting_per_tenant
         if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)
                                   or bound < 1):

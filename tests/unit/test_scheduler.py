@@ -234,14 +234,16 @@ def test_output_capped_by_pool_size():
     num_blocks=st.integers(6, 40),
     n=st.integers(1, 12),
     cap=st.one_of(st.none(), st.integers(1, 40)),
+    hold=st.booleans(),
 )
 # A prompt's last one-token chunk is labelled a decode: the cap holds beside it too.
-@example(seed=0, policy="continuous", slots=2, budget=3, num_blocks=6, n=4, cap=1)
-def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_blocks, n, cap):
+@example(seed=0, policy="continuous", slots=2, budget=3, num_blocks=6, n=4, cap=1, hold=True)
+def test_random_workloads_keep_invariants(seed, policy, slots, budget, num_blocks, n, cap,
+                                          hold):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=slots,
                            max_num_batched_tokens=budget, policy=policy,
-                           max_prefill_tokens_while_decoding=cap)
+                           max_prefill_tokens_while_decoding=cap, hold_first_tokens=hold)
     pending = [(rng.randint(0, 30), make_request(f"r{i}", rng.randint(1, 20),
                                                  rng.randint(1, 20))) for i in range(n)]
     pending.sort(key=lambda x: x[0])

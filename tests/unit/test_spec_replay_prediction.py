@@ -33,7 +33,10 @@ from tests.unit.test_spec_engine import repetitive_prompts
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                    "prompt_lookup_max": 3})
 # A small budget: prefill chunks beside verifications (the general path's pricing too).
-RUN = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512)
+# NOTE: no held first tokens: their iterations are pinned by test_hold_first_tokens; here the
+# decodes must run beside prefill chunks (the trace records the setting, the replay reads it).
+RUN = dict(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=512,
+           hold_first_tokens=False)
 # A clock with every feature priced, so a fit has something to recover.
 KNOWN = LinearCost(0.004, {"prefill_tokens": 2e-5, "decode_seqs": 3e-4,
                            "attention_pairs": 1e-7, "sampled_rows": 5e-5})

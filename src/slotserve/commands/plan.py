@@ -97,7 +97,8 @@ def verify(winner, workload, slo, args: argparse.Namespace) -> None:
         args.model, batching=s.batching, max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=s.max_prefill_tokens_while_decoding,
-        max_model_len=s.max_model_len, block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
+        hold_first_tokens=s.hold_first_tokens, max_model_len=s.max_model_len,
+        block_size=s.block_size, num_blocks=s.resolved_num_blocks(),
         enable_prefix_caching=s.enable_prefix_caching,
         speculative_config=s.speculative_config, seed=args.seed)
     timed = with_poisson_arrivals(workload, winner.rate, args.seed)

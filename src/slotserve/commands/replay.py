@@ -25,14 +25,14 @@ from slotserve.paths import last_calibration_path
 
 # Flags only a replay reads: `simulate` without --trace refuses them (replay_requested).
 REPLAY_ONLY = ("max_num_seqs", "max_num_batched_tokens",
-               "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
+               "max_prefill_tokens_while_decoding", "hold_first_tokens", "num_blocks", "block_size",
                "max_model_len", "enable_prefix_caching", "scheduling_policy", "slo_ttft_ms",
                "slo_tpot_ms", "slo_reject", "rate_scale", "request_rate", "profile",
                "save_trace", "clock", "speculative_config")
 # ReplaySettings fields a flag of the same name overrides (else the trace's, else default).
 SETTINGS_FLAGS = ("max_num_seqs", "max_num_batched_tokens",
-                  "max_prefill_tokens_while_decoding", "num_blocks", "block_size",
-                  "max_model_len", "enable_prefix_caching", "scheduling_policy",
+                  "max_prefill_tokens_while_decoding", "hold_first_tokens", "num_blocks",
+                  "block_size", "max_model_len", "enable_prefix_caching", "scheduling_policy",
                   "slo_ttft_ms", "slo_tpot_ms", "slo_reject", "speculative_config")
 # The model's settings a trace records that no flag changes (the replay keeps them).
 RECORDED_ONLY = ("sliding_window",)
@@ -97,6 +97,9 @@ def _add_settings_args(g) -> None:
                    help="prefill tokens of an iteration that also runs decodes at most "
                    "(default: the trace's, else "
                    f"{ReplaySettings().max_prefill_tokens_while_decoding})")
+    g.add_argument("--hold-first-tokens", action=argparse.BooleanOptionalAction, default=None,
+                   help="a burst's first tokens held until its prompts are computed, as the "
+                   "engine's (default: the trace's, else on)")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool in blocks (default: the trace's, else enough for every slot)")
     g.add_argument("--block-size", type=int, default=None,

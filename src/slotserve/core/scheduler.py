@@ -7,6 +7,8 @@ is free. The scheduling policy (core/queue_policy.py: fcfs, priority, deadline, 
 the order of both loops, the preemption victim, and caps an iteration's prefill tokens
 while requests decode (stall-free batching: `max_prefill_tokens_while_decoding`, tightened
 by `deadline` for TPOT SLOs), so admitting many prompts at once does not stall decodes.
+With `hold_first_tokens`, a prompt's last token waits while requests that arrived before it
+was ready still compute their prompts: a burst's first tokens come together (`_holds`).
 
 Prefix caching: a request starts after the longest prefix of full blocks found in the KV
 cache, so only its uncached tokens take budget. A request whose next block is being computed
@@ -31,6 +33,7 @@ blocks are hashed for the prefix cache only once their tokens are accepted.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -51,6 +54,11 @@ from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
 from slotserve.spec.planner import Candidate, DecodeStepCost, Speculator
+
+# hold_first_tokens holds a first token for a burst of at least this many other prompts: one
+# long prompt beside a short one is the online case, where the short one's first token should
+# not wait (its TPOT pays for that prompt's few iterations instead).
+HOLD_MIN_GANG = 2
 
 
 class Scheduler:
@@ -90,6 +98,14 @@ class Scheduler:
             lambda request, drafts: drafts)
         self._drafts: dict[str, list[int]] = {}  # the plan being built: drafts by request
         self.last_extra_tokens = 0  # accepted drafts appended by the last update
+        # hold_first_tokens: each request's arrival number, and for a prompt whose last token
+        # came due, the arrivals seen then (its gang: those that arrived before)
+        self._arrivals = 0
+        self._arrival_of: dict[str, int] = {}
+        self._ready_marks: dict[str, int] = {}
+        self._prompt_work: list[tuple[int, int]] = []  # this iteration: see _begin_holds
+        self._held: list[Request] = []  # this iteration's requests whose last token waits
+        self._prompt_planned = False  # this iteration planned prompt work of a first token
 
     # ----------------------------------------------------------------- requests in / out
     @property
@@ -120,6 +136,8 @@ class Scheduler:
         request.max_total_tokens = limit
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._arrival_of[request.request_id] = self._arrivals
+        self._arrivals += 1
         self.waiting.append(request)
         self.load.move(request.tenant, waiting=1)
         self.queue_policy.on_add(request, self.waiting)
@@ -147,6 +165,8 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._arrival_of.pop(request_id, None)
+        self._ready_marks.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.finish(request_id, request.output_token_ids, completed=status in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
@@ -197,6 +217,7 @@ class Scheduler:
         self.queue_policy.begin_iteration()
         self.queue_policy.order_running(self.running)
         self._prefill_allowance = self.queue_policy.prefill_allowance(self.running, now)
+        self._begin_holds()
         budget = self._schedule_running(budget, plan, preempted)
         self._drafts = {}
         # NOTE: no drafts in an iteration that had to preempt: memory is short.
@@ -211,9 +232,77 @@ class Scheduler:
         # _schedule_waiting, after this check.)
         if may_admit and not preempted:
             self._schedule_waiting(budget, plan, preempted, now)
+        if self._held and not self._prompt_planned:
+            self._release_held(plan)
         output = self._build_output(plan, preempted)
         self._scheduled_at = self.clock()
         return output
+
+    # ----------------------------------------------------------------- hold_first_tokens
+    def _begin_holds(self) -> None:
+        """This iteration's view for `_holds`: (arrival number, prompt tokens left before
+        the last one) of each request with such work that can run while first tokens are
+        held, as the iteration starts: the running ones and as many waiting ones (in queue
+        order) as there are free slots. NOTE: a request waiting for a slot that held
+        requests keep is no reason to hold them."""
+        self._held, self._prompt_planned = [], False
+        if not self.config.hold_first_tokens:
+            return
+        free = max(self.config.max_num_seqs - len(self.running), 0)
+        can_run = self.running + list(itertools.islice(self.waiting, free))
+        self._prompt_work = [
+            (self._arrival_of[r.request_id], r.num_tokens - r.num_computed_tokens - 1)
+            for r in can_run if not r.output_token_ids and r.num_tokens - r.num_computed_tokens > 1]
+
+    def _holds(self, request: Request, computed_after: int) -> bool:
+        """Whether a chunk that computes `request` up to computed_after tokens must stop one
+        short: it would sample the request's first token while the requests that arrived
+        before this prompt's last token came due (its gang) are a burst, at least
+        HOLD_MIN_GANG of them with more prompt work left than one iteration's budget: work
+        the request would otherwise decode through (one iteration of it costs little; a
+        burst's, many). A request with a TTFT SLO is never held. NOTE: the gang is fixed
+        when the last token comes due: later arrivals never extend a hold, so it ends once
+        those prompts are (nearly) computed, or (`_release_held`) when none of them can run."""
+        if (not self.config.hold_first_tokens or request.output_token_ids
+                or request.slo_ttft_ms is not None or computed_after != request.num_tokens):
+            return False
+        mark = self._ready_marks.setdefault(request.request_id, self._arrivals)
+        own = self._arrival_of[request.request_id]
+        gang = [left for arrival, left in self._prompt_work if arrival < mark and arrival != own]
+        return len(gang) >= HOLD_MIN_GANG and sum(gang) > self.config.max_num_batched_tokens
+
+    def _hold_last_token(self, request: Request, start: int, num_new: int) -> int:
+        """num_new, one fewer where the chunk from `start` would sample a first token that
+        `_holds` keeps back; a request held whole goes to `_held`. NOTE: the token goes back
+        to the prefill allowance only if `_cap_prefill` charged it (a chunk of a prompt's
+        last token alone counts as a decode)."""
+        if num_new == 0 or not self._holds(request, start + num_new):
+            return num_new
+        if self._prefill_allowance is not None and not is_decode_step(start, num_new, True):
+            self._prefill_allowance += 1
+        if num_new == 1:
+            self._held.append(request)
+        return num_new - 1
+
+    def _note_prompt_work(self, request: Request) -> None:
+        if not request.output_token_ids:
+            self._prompt_planned = True
+
+    def _release_held(self, plan: dict[str, int]) -> None:
+        """An iteration that could plan no prompt work for the held requests' gangs (a full
+        batch, no free blocks, the budget spent): the held last tokens run now, as far as the
+        budget and free blocks allow (never preempting for them)."""
+        budget = self.config.max_num_batched_tokens - sum(plan.values())
+        for request in self._held:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING or request.request_id in plan:
+                continue  # preempted later in this iteration
+            if self.kv.allocate_slots(request, request.num_computed_tokens + 1) is None:
+                continue
+            plan[request.request_id] = 1
+            self.queue_policy.on_planned(request, 1)
+            budget -= 1
 
     def _cap_prefill(self, request: Request, num_new: int) -> int:
         """num_new, cut to the iteration's prefill allowance if it is a prefill chunk."""
@@ -232,6 +321,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new = self._cap_prefill(request, min(request.num_pending_tokens, budget))
+            num_new = self._hold_last_token(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 index += 1  # a prefill past the iteration's prefill cap: it waits a turn
                 continue
@@ -239,6 +329,7 @@ class Scheduler:
                 break  # the request preempted itself: it was the newest
             plan[request.request_id] = num_new
             self.queue_policy.on_planned(request, num_new)
+            self._note_prompt_work(request)
             budget -= num_new
             index += 1
         return budget
@@ -324,6 +415,7 @@ class Scheduler:
             waits = self.kv.next_block_in_flight(request, len(computed_blocks))
             num_new = 0 if waits else min(request.num_tokens - num_hit, max(budget, 0))
             num_new = self._cap_prefill(request, num_new)
+            num_new = self._hold_last_token(request, num_hit, num_new)
             if slots_full or self.kv.allocate_slots(
                     request, num_hit + num_new, computed_blocks) is None:
                 self._uncap_prefill(request, num_new)
@@ -336,6 +428,7 @@ class Scheduler:
             self._remove_waiting(request)
             request.num_computed_tokens = num_hit
             self._admit(request)
+            self._note_prompt_work(request)  # NOTE: admitted: its gang progresses
             if num_new > 0:
                 plan[request.request_id] = num_new
                 self.queue_policy.on_planned(request, num_new)
@@ -429,6 +522,7 @@ class Scheduler:
         self.running.remove(request)
         self._release_slot(request)
         self.kv.free(request.request_id)
+        self._ready_marks.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -603,6 +697,8 @@ class Scheduler:
                 request.num_computed_tokens - self.kv.sliding_window + 1), (
                 f"{request.request_id}: {freed} blocks freed at "
                 f"{request.num_computed_tokens} computed")
+        assert set(self._arrival_of) == set(self.requests), "arrival numbers"
+        assert set(self._ready_marks) <= set(self.requests), "a finished request's mark"
         if not self.requests:
             assert self.kv.num_free_blocks == self.kv.num_blocks, "idle, but blocks are held"
         active: dict[str, int] = {}

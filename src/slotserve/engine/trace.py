@@ -184,8 +184,8 @@ def policy_fields_of(request) -> dict:
 
 
 TRACE_SETTINGS = ("max_num_batched_tokens", "max_prefill_tokens_while_decoding",
-                  "max_model_len", "scheduling_policy", "slo_ttft_ms", "slo_tpot_ms",
-                  "slo_reject")
+                  "hold_first_tokens", "max_model_len", "scheduling_policy", "slo_ttft_ms",
+                  "slo_tpot_ms", "slo_reject")
 
 
 def trace_settings(scheduler_config, cache_config, sliding_window: int | None = None) -> dict:

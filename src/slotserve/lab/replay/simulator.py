@@ -113,6 +113,7 @@ class ReplaySettings:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_prefill_tokens_while_decoding: int | None = DEFAULT_PREFILL_TOKENS_WHILE_DECODING
+    hold_first_tokens: bool = True
     max_model_len: int = 4096
     block_size: int = 16
     num_blocks: int | None = None
@@ -134,6 +135,7 @@ class ReplaySettings:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+            hold_first_tokens=self.hold_first_tokens,
             max_model_len=self.max_model_len, policy=self.batching,
             scheduling_policy=self.scheduling_policy, slo_ttft_ms=self.slo_ttft_ms,
             slo_tpot_ms=self.slo_tpot_ms, slo_reject=self.slo_reject)
