@@ -187,3 +187,40 @@ def test_a_cost_that_prices_drafts_too_dear_learns_from_an_exploration():
         sched.update(plan, model(plan))
     assert late_drafts >= 100, late_drafts  # ~10 a step once learnt
     assert speculator.explorations >= 1
+
+
+class _HalfProposer:
+    """Drafts for the even-numbered sequences only (the others' n-grams found nothing)."""
+
+    def propose(self, seq_id, prompt_ids, output_ids, max_tokens):
+        return list(range(max_tokens)) if int(seq_id[1:]) % 2 == 0 else []
+
+    def finish(self, seq_id, output_ids):
+        pass
+
+    def forget(self, seq_id):
+        pass
+
+
+def test_a_plan_that_pays_only_whole_is_not_cut_by_the_proposer():
+    """16 sequences copying at ~0.93 on the measured cost: one draft each pays as a whole
+    (16 x log1p(0.93) against 16 x log(cost(32) / cost(16))), but the proposer has drafts
+    for 8 of them, and 8 drafts in a 24-row step do not pay: nothing is planned (it
+    planned the 16, and verified the 8 it got)."""
+    cost = Measured()
+    spec = Speculator(AUTO, proposer=_HalfProposer(), step_cost=cost)
+    seq_ids = [f"s{i}" for i in range(16)]
+    for s in seq_ids:
+        spec.stats[s] = AcceptanceStats(span_accepted=60, span_rejections=3, in_span=True)
+    assert 0.93 < spec.rate("s0") < 0.94
+    every = dict.fromkeys(seq_ids, 1)
+    half = {s: 1 for s in seq_ids[::2]}
+    assert (_objective(spec, every, seq_ids, cost, 16) > _objective(spec, {}, seq_ids, cost, 16)
+            > _objective(spec, half, seq_ids, cost, 16))
+    assert spec.plan(_candidates(16), 512, 16, 16) == {}
+    # with drafts for every sequence, the whole plan is taken (the spans were ended by
+    # the iteration without drafts: set again)
+    spec.proposer = FixedProposer(list(range(100)))
+    for s in seq_ids:
+        spec.stats[s] = AcceptanceStats(span_accepted=60, span_rejections=3, in_span=True)
+    assert len(spec.plan(_candidates(16), 512, 16, 16)) == 16

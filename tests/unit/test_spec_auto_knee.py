@@ -1,7 +1,7 @@
 """"auto" speculation on a knee-shaped clock (issue 35): a decode step of few rows costs
 the same however many (the weights are read once), past the knee every row costs its
 multiplies. The scheduler plans drafts with its own cost fit (`Scheduler.decode_cost`: a
-line over the decode iterations it has just seen, recency-weighted), not the knee; these
+hinge, else a line, over the decode iterations it has just seen, recency-weighted); these
 replays check that this local line does not share a global line's flaw (one slope for
 every batch size: drafts priced too dear at small batch) and plans about as well as the
 true curve where the batch is, never losing at 64 slots; and that drafts are priced
@@ -107,7 +107,9 @@ def test_auto_plans_on_a_local_line_not_a_global_one(rate):
         # the geometric-mean rule): at batch 4 own 1.19x / 1.38x (rate 0.6 / 0.9), the
         # global line 1.18x / 1.40x, the true curve 1.29x / 1.41x: the local line (~5.7 ms
         # + 0.35 ms a row over the 4-12 rows it sees) prices the rows past the knee (0.6 ms)
-        # low
+        # low. With the hinge (DecodeStepCost, 2026-12-05 afternoon) own 1.19x / 1.33x,
+        # true 1.29x / 1.40x: fit over the 7-12 rows the planner plans, its knee lands at
+        # ~11 rows and prices the rows past it at ~0.87 ms (0.6), so batch 4 stays there
         if batch == 1:
             assert own > _auto_ratio(requests, 0, GLOBAL_LINE) + 0.02, (batch, rate)
         # (and the planner on the true curve gained more: at rate 0.6, batch 4, own 1.075x

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from slotserve.core.queue_policy import CostModel
@@ -49,6 +49,9 @@ POOL_FORGET = 0.99
 # iteration costs as much as DEFAULT_OVERHEAD_TOKENS tokens' work besides its tokens (reading
 # the weights; a small model on a CPU measured 20-60; a GPU is in the hundreds).
 DEFAULT_OVERHEAD_TOKENS = 32.0
+# "auto" plans again at most this many times when the proposer has fewer drafts than planned
+# (`Speculator._proposed_lengths`).
+PROPOSAL_ROUNDS = 3
 # "auto": after this many iterations in a row without drafts on a fitted step cost, one
 # is planned on the prior (`Speculator._auto_wanted`).
 EXPLORE_AFTER = 16
@@ -390,9 +393,10 @@ class Speculator:
         """
         if budget <= 0 or not candidates:
             return {}
+        proposals: dict[str, list[int]] = {}  # "auto": asked while planning
         if self.config.auto:
             wanted = self._auto_wanted(candidates, budget, planned_tokens, producing,
-                                       self.step_cost or cost)
+                                       self.step_cost or cost, proposals)
         else:
             wanted = {c.seq_id: min(c.max_tokens, self.config.max_tokens) for c in candidates}
         drafts: dict[str, list[int]] = {}
@@ -400,7 +404,8 @@ class Speculator:
             k = min(wanted.get(cand.seq_id, 0), budget)
             if k <= 0:
                 continue
-            tokens = self.proposer.propose(cand.seq_id, cand.prompt_ids, cand.output_ids, k)
+            tokens = (proposals[cand.seq_id] if cand.seq_id in proposals else
+                      self.proposer.propose(cand.seq_id, cand.prompt_ids, cand.output_ids, k))
             if tokens:
                 drafts[cand.seq_id] = tokens[:k]
                 budget -= len(drafts[cand.seq_id])
@@ -408,7 +413,8 @@ class Speculator:
         return drafts
 
     def _auto_wanted(self, candidates: list[Candidate], budget: int, planned_tokens: int,
-                     producing: int, cost: StepCost | None) -> dict[str, int]:
+                     producing: int, cost: StepCost | None,
+                     proposals: dict[str, list[int]]) -> dict[str, int]:
         """"auto"'s plan on `cost` (None: the prior, `LinearStepCost()`); after
         EXPLORE_AFTER iterations in a row that planned nothing on a fitted cost, the plan on
         the prior, cut to one draft for its sequence of the highest rate (`explorations`
@@ -424,9 +430,10 @@ class Speculator:
         where the step is compute-bound (64 sequences) the prior plans nothing either.
         """
         if cost is None:
-            return self._auto_lengths(candidates, budget, planned_tokens, producing,
-                                      LinearStepCost())
-        wanted = self._auto_lengths(candidates, budget, planned_tokens, producing, cost)
+            return self._proposed_lengths(candidates, budget, planned_tokens, producing,
+                                          LinearStepCost(), proposals)
+        wanted = self._proposed_lengths(candidates, budget, planned_tokens, producing, cost,
+                                        proposals)
         if wanted:
             self._dry_iterations = 0
             return wanted
@@ -434,13 +441,45 @@ class Speculator:
         if self._dry_iterations < EXPLORE_AFTER:
             return wanted
         self._dry_iterations = 0
-        prior = self._auto_lengths(candidates, budget, planned_tokens, producing,
-                                   LinearStepCost())
+        prior = self._proposed_lengths(candidates, budget, planned_tokens, producing,
+                                       LinearStepCost(), proposals)
         if not prior:
             return wanted
         self.explorations += 1
         best = max(prior, key=self.rate)  # NOTE: ties: the first in candidate order
         return {best: 1}
+
+    def _proposed_lengths(self, candidates: list[Candidate], budget: int,
+                          planned_tokens: int, producing: int, cost: StepCost,
+                          proposals: dict[str, list[int]]) -> dict[str, int]:
+        """`_auto_lengths` within what the proposer has: the sequences a plan gives drafts
+        are asked (each once, for as many as it may take: `proposals` keeps them); where
+        one has fewer than planned, the plan is made again with each asked sequence capped
+        at its proposal (at most PROPOSAL_ROUNDS plans).
+
+        NOTE: a plan is priced as a whole: 16 sequences copying at ~0.93 on a 16-row step
+        (~1 ms a row past the knee) paid only if all 16 drafted one (16 x log1p(0.93) =
+        10.5 against 16 x log(30.4 / 16.1) = 10.2); the proposer had drafts for 8 of
+        them, and the 24-row step slowed all 16 for 7.4 expected tokens (grounded 16,
+        in the benchmark's flow: 456 drafts in a run where the others had 60-70).
+        """
+        wanted: dict[str, int] = {}
+        for _ in range(PROPOSAL_ROUNDS):
+            capped = [replace(c, max_tokens=min(c.max_tokens, len(proposals[c.seq_id])))
+                      if c.seq_id in proposals else c for c in candidates]
+            wanted = self._auto_lengths(capped, budget, planned_tokens, producing, cost)
+            short = False
+            for cand in candidates:
+                k = wanted.get(cand.seq_id, 0)
+                if k and cand.seq_id not in proposals:
+                    proposals[cand.seq_id] = self.proposer.propose(
+                        cand.seq_id, cand.prompt_ids, cand.output_ids,
+                        min(cand.max_tokens, self.config.max_tokens))
+                short = short or k > len(proposals.get(cand.seq_id, ()))
+            if not short:
+                return wanted
+        return {seq_id: min(k, len(proposals[seq_id])) for seq_id, k in wanted.items()
+                if proposals.get(seq_id)}
 
     def _end_spans(self, candidates: list[Candidate], drafts: dict[str, list[int]]) -> None:
         """A decoding sequence without drafts this iteration is no longer in a span: it
