@@ -217,7 +217,7 @@ class Scheduler:
         self.queue_policy.begin_iteration()
         self.queue_policy.order_running(self.running)
         self._prefill_allowance = self.queue_policy.prefill_allowance(self.running, now)
-        self._begin_holds()
+        self._begin_holds(may_admit)
         budget = self._schedule_running(budget, plan, preempted)
         self._drafts = {}
         # NOTE: no drafts in an iteration that had to preempt: memory is short.
@@ -239,17 +239,19 @@ class Scheduler:
         return output
 
     # ----------------------------------------------------------------- hold_first_tokens
-    def _begin_holds(self) -> None:
+    def _begin_holds(self, may_admit: bool) -> None:
         """This iteration's view for `_holds`: (arrival number, prompt tokens left before
         the last one) of each request with such work that can run while first tokens are
-        held, as the iteration starts: the running ones and as many waiting ones (in queue
-        order) as there are free slots. NOTE: a request waiting for a slot that held
-        requests keep is no reason to hold them."""
+        held, as the iteration starts: the running ones and, where admission is open, as
+        many admissible waiting ones (in queue order; tenant shares) as there are free
+        slots. NOTE: a request waiting for a slot that held requests keep, or that its
+        tenant's share keeps out, is no reason to hold them."""
         self._held, self._prompt_planned = [], False
         if not self.config.hold_first_tokens:
             return
-        free = max(self.config.max_num_seqs - len(self.running), 0)
-        can_run = self.running + list(itertools.islice(self.waiting, free))
+        free = max(self.config.max_num_seqs - len(self.running), 0) if may_admit else 0
+        admissible = self._admissible_waiting(self.load.shares()) if free else ()
+        can_run = self.running + list(itertools.islice(admissible, free))
         self._prompt_work = [
             (self._arrival_of[r.request_id], r.num_tokens - r.num_computed_tokens - 1)
             for r in can_run if not r.output_token_ids and r.num_tokens - r.num_computed_tokens > 1]
