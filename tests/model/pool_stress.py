@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
     if ops is None:
         print("no kernels")
         return 2
+    os.environ["SLOTSERVE_THREAD_POOL"] = "1"  # every range on the pool (parallel.h's NOTE)
     ops.set_thread_pool(True)
     mode, amount = argv[0], float(argv[1])
     counts = race(ops, int(amount)) if mode == "race" else mixed(ops, amount, int(argv[2]))

@@ -41,12 +41,24 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx);
 // The threads a range may run on, the caller included: at::get_num_threads().
 int64_t pool_threads();
 
-// NOTE (opt-in): parallel_for runs on the pool only when it is on (SLOTSERVE_THREAD_POOL=1 in
-// the environment when the kernels load, or set_thread_pool(true)); off, it is
-// at::parallel_for (OpenMP), the default: faster on a quiet machine (the pool measured 0.88-
-// 0.96x there), ~2x slower beside a busy neighbour core (benchmarks/pool_ab.py).
+// NOTE (where the pool runs): on by default; SLOTSERVE_THREAD_POOL=0 (when the kernels load)
+// or set_thread_pool(false) runs every range on at::parallel_for (OpenMP), as before the pool.
+// On, a range runs on the pool while other processes take CPU time on this process's CPUs
+// (over 0.3 of a core in the last 200 ms: parallel.cpp's NOTE (busy neighbours)), else on
+// at::parallel_for. Why not the pool always: torch's own ops (prefill's attention, adds,
+// sampling) run on OpenMP between our kernels, and after each one OpenMP's idle thread spins
+// on a core for ~8 ms (libgomp's default wait): on a quiet machine it is hot and free for
+// our ranges, and a pool worker of ours beside it gets only part of a core (pool_micro.py:
+// 64 chunks of 3 us with an OpenMP region between calls, 170 us a call on OpenMP, 234 on the
+// pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its decode 2-8% slower,
+// the pool everywhere x0.92 quiet in pool_ab). Beside a busy process every OpenMP region
+// waits for its slowest thread, and the pool (the NOTE at the top) is faster everywhere.
+// SLOTSERVE_THREAD_POOL=1 (set when set_thread_pool(true) is called, or when the kernels
+// load) runs every range on the pool (tests, measurements).
 bool thread_pool_on();
 void set_thread_pool(bool on);
+// Whether a range starting now runs on the pool (the NOTE above); cheap (a clock read).
+bool run_on_pool();
 
 // How a range is cut: in levels that halve, each level in `width` chunks but the last in
 // chunks of one grain. Level l < last covers [n - (n >> l), n - (n >> (l + 1))), the last
@@ -85,7 +97,7 @@ template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  if (!thread_pool_on()) {
+  if (!run_on_pool()) {
     at::parallel_for(begin, end, grain, fn);
     return;
   }
