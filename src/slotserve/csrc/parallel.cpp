@@ -462,7 +462,9 @@ int64_t pool_worker_chunks() { return pool().worker_chunks(); }
 
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at) {
   auto cover = [&](int64_t begin, int64_t end) {
-    if (!nested && end - begin < grain && end - begin < n)
+    // NOTE: the grain is the pool's promise (at::parallel_for may cut a shorter last chunk)
+    const bool on_pool = in_pool_worker || in_pool_call;
+    if (on_pool && !nested && end - begin < grain && end - begin < n)
       throw std::runtime_error("pool_cover: a chunk shorter than the grain");
     for (int64_t i = begin; i < end; ++i) {
       if (i == throw_at) throw std::runtime_error("pool_cover: index " + std::to_string(i));

@@ -149,7 +149,7 @@ void set_pool_tuning(int64_t spin_us, int64_t pause_us, int64_t caller_spin_us,
 int64_t pool_worker_chunks();
 // counts[i] += 1 for every i in [0, n), through parallel_for(0, n, grain); nested: each chunk
 // through a parallel_for of its own; an index == throw_at throws std::runtime_error, and so
-// does a chunk shorter than the grain (not nested).
+// does a chunk shorter than the grain (not nested, run on the pool).
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at);
 
 }  // namespace slotserve::kernels
