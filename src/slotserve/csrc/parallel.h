@@ -50,7 +50,7 @@ int64_t pool_threads();
 // on a core for ~8 ms (libgomp's default wait): on a quiet machine it is hot and free for
 // our ranges, and a pool worker of ours beside it gets only part of a core (pool_micro.py:
 // 64 chunks of 3 us with an OpenMP region between calls, 170 us a call on OpenMP, 234 on the
-// pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its decode 2-8% slower,
+// pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its decode 2-5% slower,
 // the pool everywhere x0.92 quiet in pool_ab). Beside a busy process every OpenMP region
 // waits for its slowest thread, and the pool (the NOTE at the top) is faster everywhere.
 // SLOTSERVE_THREAD_POOL=1 (set when set_thread_pool(true) is called, or when the kernels
