@@ -1,4 +1,5 @@
-// parallel_for: the kernels' own thread pool, in place of at::parallel_for (OpenMP).
+// parallel_for: the kernels' own thread pool, in place of at::parallel_for (OpenMP) while
+// other processes busy the CPUs (NOTE (where the pool runs)).
 //
 // NOTE (why not OpenMP): an OpenMP region splits its range statically, one part per thread,
 // and ends at a barrier that every thread must reach. A decode step runs hundreds of regions;
@@ -49,10 +50,11 @@ int64_t pool_threads();
 // sampling) run on OpenMP between our kernels, and after each one OpenMP's idle thread spins
 // on a core for ~8 ms (libgomp's default wait): on a quiet machine it is hot and free for
 // our ranges, and a pool worker of ours beside it gets only part of a core (pool_micro.py:
-// 64 chunks of 3 us with an OpenMP region between calls, 170 us a call on OpenMP, 234 on the
-// pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its decode 2-5% slower,
-// the pool everywhere x0.92 quiet in pool_ab). Beside a busy process every OpenMP region
-// waits for its slowest thread, and the pool (the NOTE at the top) is faster everywhere.
+// 64 chunks of 3 us with an OpenMP region between calls, 168-170 us a call on OpenMP,
+// 234-274 on the pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its
+// decode 2-5% slower, the pool everywhere x0.92 quiet in pool_ab). Beside a busy process
+// every OpenMP region waits for its slowest thread, and the pool (the NOTE at the top) is
+// faster everywhere.
 // SLOTSERVE_THREAD_POOL=1 (set when set_thread_pool(true) is called, or when the kernels
 // load) runs every range on the pool (tests, measurements).
 bool thread_pool_on();
