@@ -6,7 +6,8 @@ worker sleeps between reading the claim word and the job it names, the caller be
 a job and publishing it), across jobs of few chunks then more.
 mixed SECONDS: two Python threads calling at once, nested calls, exceptions in chunks, thread
 counts changed between calls (a resize of the pool), the workers paused and resumed, the race
-hooks switched on and off, and forks whose child runs jobs on a pool of its own.
+hooks switched on and off, forks whose child runs jobs on a pool of its own, and the mode
+switched (OpenMP, the pool everywhere, the default) while calls run.
 Prints one line `ok <counts>` when every call covered its range exactly once.
 """
 
@@ -80,10 +81,20 @@ def _fork(ops) -> bool:
     return False
 
 
+def _set_mode(ops, variable: str | None) -> None:
+    """SLOTSERVE_THREAD_POOL=variable (None: unset, the default), then set_thread_pool: 0 every
+    range on OpenMP, 1 every range on the pool, unset the pool while others busy the CPUs."""
+    if variable is None:
+        os.environ.pop("SLOTSERVE_THREAD_POOL", None)
+    else:
+        os.environ["SLOTSERVE_THREAD_POOL"] = variable
+    ops.set_thread_pool(variable != "0")
+
+
 def mixed(ops, seconds: float, seed: int = 0) -> dict[str, int]:
     """Everything at once for `seconds` (see the module's docstring)."""
     rng = random.Random(seed)
-    keys = ("calls", "raised", "resizes", "pauses", "forks", "bad")
+    keys = ("calls", "raised", "resizes", "pauses", "forks", "modes", "bad")
     counts = dict.fromkeys(keys, 0)
     own = [dict.fromkeys(keys, 0) for _ in range(2)]  # each caller's
     stop = threading.Event()
@@ -106,12 +117,16 @@ def mixed(ops, seconds: float, seed: int = 0) -> dict[str, int]:
             elif action < 0.65:
                 counts["forks"] += 1
                 counts["bad"] += not _fork(ops)
+            elif action < 0.75:
+                _set_mode(ops, rng.choice(("0", "1", None)))
+                counts["modes"] += 1
     finally:
         stop.set()
         for caller in callers:
             caller.join()
         ops.set_pool_race_delays(0, 0)
         ops.set_pool_workers_paused(False)
+        _set_mode(ops, "1")
     return {k: counts[k] + sum(c[k] for c in own) for k in keys}
 
 
@@ -120,7 +135,7 @@ def main(argv: list[str]) -> int:
     if ops is None:
         print("no kernels")
         return 2
-    ops.set_thread_pool(True)
+    _set_mode(ops, "1")  # every range on the pool (parallel.h's NOTE); mixed switches too
     mode, amount = argv[0], float(argv[1])
     counts = race(ops, int(amount)) if mode == "race" else mixed(ops, amount, int(argv[2]))
     print(("ok " if counts["bad"] == 0 else "BAD ") + repr(counts), flush=True)

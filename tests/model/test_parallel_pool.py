@@ -1,4 +1,4 @@
-"""The kernels' thread pool (csrc/parallel.h's parallel_for on the pool: opt-in, off by default).
+"""The kernels' thread pool (csrc/parallel.h's parallel_for on the pool; every range on it here).
 
 Its promises: every index of a range runs exactly once, whatever the range, grain and thread
 count; a call returns when every chunk is done, not when every worker has arrived (a worker
@@ -27,22 +27,51 @@ GRAINS = (1, 2, 3, 16, 1000)
 
 
 @pytest.fixture(autouse=True)
-def pool_on(cpu_ops):
-    """parallel_for on the pool for the test (it is off by default), restored after."""
+def pool_on(cpu_ops, monkeypatch):
+    """Every range of parallel_for on the pool for the test (by default only the decode
+    stack's and those beside busy processes are: parallel.h's NOTE), restored after."""
     before = cpu_ops.thread_pool_on()
+    monkeypatch.setenv("SLOTSERVE_THREAD_POOL", "1")
     cpu_ops.set_thread_pool(True)
     yield
+    monkeypatch.undo()
     cpu_ops.set_thread_pool(before)
 
 
-def test_the_pool_is_off_by_default():
-    """A fresh process runs at::parallel_for unless SLOTSERVE_THREAD_POOL=1."""
-    probe = "from slotserve.model.cpu_ops import load_cpu_ops as l; print(l().thread_pool_on())"
+def test_the_pool_is_on_by_default():
+    """A fresh process has the pool on unless SLOTSERVE_THREAD_POOL=0; set_thread_pool(True)
+    with the variable at 1 runs a range outside any SpinScope on the pool's workers."""
+    probe = ("import os; from slotserve.model.cpu_ops import load_cpu_ops as l; o = l(); "
+             "print(o.thread_pool_on()); os.environ['SLOTSERVE_THREAD_POOL'] = '1'; "
+             "o.set_thread_pool(True); b = o.pool_worker_chunks(); "
+             "[o.pool_cover(200_000, 1) for _ in range(200)]; print(o.pool_worker_chunks() > b)")
     base = {k: v for k, v in os.environ.items() if k != "SLOTSERVE_THREAD_POOL"}
-    for extra, expected in (({}, "False"), ({"SLOTSERVE_THREAD_POOL": "1"}, "True")):
+    for extra, expected in (({}, "True"), ({"SLOTSERVE_THREAD_POOL": "1"}, "True"),
+                            ({"SLOTSERVE_THREAD_POOL": "0"}, "False")):
         run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              env={**base, **extra}, timeout=300)
-        assert run.stdout.strip().splitlines()[-1:] == [expected], run.stderr[-2000:]
+        assert run.stdout.strip().splitlines()[-2:] == [expected, "True"], run.stderr[-2000:]
+
+
+def test_beside_a_busy_process_ranges_outside_the_stack_run_on_the_pool(cpu_ops, threads,
+                                                                       monkeypatch):
+    """The default (the pool on, no variable): outside any SpinScope a range runs on the pool
+    while another process takes CPU time (a spinning one here), so its workers run chunks.
+    (The quiet case, at::parallel_for, is not checked: this machine is shared.)"""
+    threads(2)
+    monkeypatch.delenv("SLOTSERVE_THREAD_POOL")
+    cpu_ops.set_thread_pool(True)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        before = cpu_ops.pool_worker_chunks()
+        deadline = time.monotonic() + 30
+        while cpu_ops.pool_worker_chunks() == before and time.monotonic() < deadline:
+            assert torch.equal(cpu_ops.pool_cover(200_000, 1), ones(200_000))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert cpu_ops.pool_worker_chunks() > before
 
 
 @pytest.fixture

@@ -78,8 +78,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("window") = 0);
   m.def("set_thread_pool", &set_thread_pool,
-        "parallel_for on the kernels' own thread pool (true) or at::parallel_for (false, the "
-        "default unless SLOTSERVE_THREAD_POOL=1)", py::arg("on"));
+        "true: parallel_for on the kernels' own thread pool while other processes busy this "
+        "process's CPUs, else at::parallel_for (the default; SLOTSERVE_THREAD_POOL=1: the "
+        "pool always); false: at::parallel_for always", py::arg("on"));
   m.def("thread_pool_on", &thread_pool_on, "whether parallel_for runs on the thread pool");
   m.def("set_pool_workers_paused", &set_pool_workers_paused,
         "tests: parallel_for's workers wait before claiming any chunk (the callers run all)");

@@ -7,7 +7,8 @@
 //
 // One file per kernel family, compiled together into one extension by model/cpu_ops.py:
 //   common.h            this file: the checks and small math every family uses
-//   parallel.h/.cpp     parallel_for: the kernels' thread pool (not OpenMP: see its NOTEs)
+//   parallel.h/.cpp     parallel_for: the kernels' thread pool while the CPUs are busy, else
+//                       OpenMP (see its NOTEs)
 //   ops.h               the kernel entry points (tensors, and the raw forms the stack calls)
 //   fused_ops.cpp       RMSNorm, SiLU * up, RoPE, each row's argmax
 //   paged_attention.cpp storing new K/V in the paged cache, decode attention over it

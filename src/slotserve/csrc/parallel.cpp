@@ -31,12 +31,17 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -98,6 +103,7 @@ inline void cpu_relax() {
 }
 
 thread_local bool in_pool_worker = false;
+thread_local bool in_pool_call = false;  // a caller, while its job runs
 
 class Pool {
  public:
@@ -296,15 +302,124 @@ Pool& pool() {
 int64_t pool_threads() { return std::max(1, at::get_num_threads()); }
 
 namespace {
-bool pool_on_from_environment() {
+// Where parallel_for runs its ranges (parallel.h's NOTE (where the pool runs)).
+enum class PoolMode { kOff, kAuto, kEverywhere };
+
+// The mode SLOTSERVE_THREAD_POOL names for a pool that is on: "1" everywhere, else auto.
+PoolMode on_mode_from_environment() {
   const char* value = std::getenv("SLOTSERVE_THREAD_POOL");
-  return value != nullptr && std::string(value) == "1";
+  return value != nullptr && std::string(value) == "1" ? PoolMode::kEverywhere : PoolMode::kAuto;
 }
-std::atomic<bool> pool_on{pool_on_from_environment()};
+PoolMode mode_from_environment() {
+  const char* value = std::getenv("SLOTSERVE_THREAD_POOL");
+  if (value != nullptr && std::string(value) == "0") return PoolMode::kOff;
+  return on_mode_from_environment();
+}
+std::atomic<PoolMode> pool_mode{mode_from_environment()};
+
+// NOTE (busy neighbours): the CPU time other processes took over the last window on the
+// CPUs this process may run on: /proc/stat's busy time of those CPUs less this process's
+// own (getrusage). Busy from BUSY_CORES of a core, quiet again below QUIET_CORES (between
+// the two the verdict stands: /proc/stat counts in ticks of 10 ms, ~0.1 core over a window
+// of 200 ms on 2 CPUs). Refreshed at most once a window by whichever caller finds it stale
+// (try_lock: the others read the last verdict); where /proc/stat cannot be read (not
+// Linux) the verdict is "busy": every range on the pool, as SLOTSERVE_THREAD_POOL=1.
+constexpr auto NEIGHBOUR_WINDOW = std::chrono::milliseconds(200);
+constexpr double BUSY_CORES = 0.3, QUIET_CORES = 0.15;
+
+class Neighbours {
+ public:
+  bool busy() {
+    const int64_t now = now_ns();
+    if (now - checked_ns_.load(std::memory_order_relaxed) >= window_ns() && mutex_.try_lock()) {
+      std::lock_guard<std::mutex> lock(mutex_, std::adopt_lock);
+      refresh(now);
+    }
+    return busy_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  static int64_t window_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(NEIGHBOUR_WINDOW).count();
+  }
+  // The busy time (user, nice, system, irq, softirq; not idle, iowait, steal) of the CPUs
+  // this process may run on, in seconds; < 0 if /proc/stat cannot be read.
+  static double system_busy_s() {
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool masked = sched_getaffinity(0, sizeof(allowed), &allowed) == 0;
+    std::FILE* stat = std::fopen("/proc/stat", "r");
+    if (!stat) return -1;
+    unsigned long long busy = 0;
+    bool any = false;
+    char line[512];
+    while (std::fgets(line, sizeof(line), stat)) {
+      if (std::strncmp(line, "cpu", 3) != 0 || line[3] < '0' || line[3] > '9') continue;
+      int cpu = -1;  // a "cpuN" line (not the total, not the lines after the CPUs)
+      unsigned long long user, nice, system, idle, iowait, irq, softirq;
+      if (std::sscanf(line, "cpu%d %llu %llu %llu %llu %llu %llu %llu", &cpu, &user, &nice,
+                      &system, &idle, &iowait, &irq, &softirq) != 8)
+        continue;
+      if (masked && (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed))) continue;
+      busy += user + nice + system + irq + softirq;
+      any = true;
+    }
+    std::fclose(stat);
+    static const double tick = 1.0 / double(sysconf(_SC_CLK_TCK));
+    return any ? double(busy) * tick : -1;
+  }
+  static double own_s() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+           1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+  }
+  void refresh(int64_t now) {
+    const double system = system_busy_s(), own = own_s();
+    if (system >= 0 && system_s_ >= 0 && now > checked_ns_.load()) {
+      const double cores = ((system - system_s_) - (own - own_s_)) /
+                           (double(now - checked_ns_.load()) * 1e-9);
+      if (cores > BUSY_CORES) busy_.store(true, std::memory_order_relaxed);
+      if (cores < QUIET_CORES) busy_.store(false, std::memory_order_relaxed);
+    } else if (system < 0) {
+      busy_.store(true, std::memory_order_relaxed);
+    }
+    system_s_ = system;
+    own_s_ = own;
+    checked_ns_.store(now, std::memory_order_relaxed);
+  }
+
+  std::mutex mutex_;
+  std::atomic<int64_t> checked_ns_{0};
+  std::atomic<bool> busy_{false};
+  double system_s_ = -1, own_s_ = 0;  // at the last check, under mutex_
+};
+Neighbours neighbours;
 }  // namespace
 
-bool thread_pool_on() { return pool_on.load(std::memory_order_relaxed); }
-void set_thread_pool(bool on) { pool_on.store(on, std::memory_order_relaxed); }
+bool thread_pool_on() { return pool_mode.load(std::memory_order_relaxed) != PoolMode::kOff; }
+void set_thread_pool(bool on) {
+  pool_mode.store(on ? on_mode_from_environment() : PoolMode::kOff, std::memory_order_relaxed);
+}
+
+bool run_on_pool() {
+  // NOTE: a nested range stays where its outer range runs, which runs it inline (parallel.h)
+  if (in_pool_worker || in_pool_call) return true;
+  if (at::in_parallel_region()) return false;
+  switch (pool_mode.load(std::memory_order_relaxed)) {
+    case PoolMode::kOff:
+      return false;
+    case PoolMode::kEverywhere:
+      return true;
+    case PoolMode::kAuto:
+      break;
+  }
+  return neighbours.busy();
+}
 
 void set_pool_tuning(int64_t spin, int64_t pause, int64_t caller_spin, int64_t cold_spin) {
   if (spin >= 0) spin_us.store(spin);
@@ -323,8 +438,12 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx) {
     if (p.try_acquire()) {
       struct Release {
         Pool& p;
-        ~Release() { p.release(); }
+        ~Release() {
+          in_pool_call = false;
+          p.release();
+        }
       } holding{p};
+      in_pool_call = true;
       p.run(threads, chunks, body, ctx);
       return;
     }
@@ -343,7 +462,9 @@ int64_t pool_worker_chunks() { return pool().worker_chunks(); }
 
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at) {
   auto cover = [&](int64_t begin, int64_t end) {
-    if (!nested && end - begin < grain && end - begin < n)
+    // NOTE: the grain is the pool's promise (at::parallel_for may cut a shorter last chunk)
+    const bool on_pool = in_pool_worker || in_pool_call;
+    if (on_pool && !nested && end - begin < grain && end - begin < n)
       throw std::runtime_error("pool_cover: a chunk shorter than the grain");
     for (int64_t i = begin; i < end; ++i) {
       if (i == throw_at) throw std::runtime_error("pool_cover: index " + std::to_string(i));

@@ -1,4 +1,5 @@
-// parallel_for: the kernels' own thread pool, in place of at::parallel_for (OpenMP).
+// parallel_for: the kernels' own thread pool, in place of at::parallel_for (OpenMP) while
+// other processes busy the CPUs (NOTE (where the pool runs)).
 //
 // NOTE (why not OpenMP): an OpenMP region splits its range statically, one part per thread,
 // and ends at a barrier that every thread must reach. A decode step runs hundreds of regions;
@@ -41,12 +42,25 @@ void run_chunks(int64_t chunks, ChunkBody body, const void* ctx);
 // The threads a range may run on, the caller included: at::get_num_threads().
 int64_t pool_threads();
 
-// NOTE (opt-in): parallel_for runs on the pool only when it is on (SLOTSERVE_THREAD_POOL=1 in
-// the environment when the kernels load, or set_thread_pool(true)); off, it is
-// at::parallel_for (OpenMP), the default: faster on a quiet machine (the pool measured 0.88-
-// 0.96x there), ~2x slower beside a busy neighbour core (benchmarks/pool_ab.py).
+// NOTE (where the pool runs): on by default; SLOTSERVE_THREAD_POOL=0 (when the kernels load)
+// or set_thread_pool(false) runs every range on at::parallel_for (OpenMP), as before the pool.
+// On, a range runs on the pool while other processes take CPU time on this process's CPUs
+// (over 0.3 of a core in the last 200 ms: parallel.cpp's NOTE (busy neighbours)), else on
+// at::parallel_for. Why not the pool always: torch's own ops (prefill's attention, adds,
+// sampling) run on OpenMP between our kernels, and after each one OpenMP's idle thread spins
+// on a core for ~8 ms (libgomp's default wait): on a quiet machine it is hot and free for
+// our ranges, and a pool worker of ours beside it gets only part of a core (pool_micro.py:
+// 64 chunks of 3 us with an OpenMP region between calls, 168-170 us a call on OpenMP,
+// 234-274 on the pool; the engine's prefill of 64 x 32 tokens 0.84 s against 1.25 s, its
+// decode 2-5% slower, the pool everywhere x0.92 quiet in pool_ab). Beside a busy process
+// every OpenMP region waits for its slowest thread, and the pool (the NOTE at the top) is
+// faster everywhere.
+// SLOTSERVE_THREAD_POOL=1 (set when set_thread_pool(true) is called, or when the kernels
+// load) runs every range on the pool (tests, measurements).
 bool thread_pool_on();
 void set_thread_pool(bool on);
+// Whether a range starting now runs on the pool (the NOTE above); cheap (a clock read).
+bool run_on_pool();
 
 // How a range is cut: in levels that halve, each level in `width` chunks but the last in
 // chunks of one grain. Level l < last covers [n - (n >> l), n - (n >> (l + 1))), the last
@@ -85,7 +99,7 @@ template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  if (!thread_pool_on()) {
+  if (!run_on_pool()) {
     at::parallel_for(begin, end, grain, fn);
     return;
   }
@@ -137,7 +151,7 @@ void set_pool_tuning(int64_t spin_us, int64_t pause_us, int64_t caller_spin_us,
 int64_t pool_worker_chunks();
 // counts[i] += 1 for every i in [0, n), through parallel_for(0, n, grain); nested: each chunk
 // through a parallel_for of its own; an index == throw_at throws std::runtime_error, and so
-// does a chunk shorter than the grain (not nested).
+// does a chunk shorter than the grain (not nested, run on the pool).
 void pool_cover(int32_t* counts, int64_t n, int64_t grain, bool nested, int64_t throw_at);
 
 }  // namespace slotserve::kernels
