@@ -24,6 +24,7 @@ from slotserve.sampling import SamplingParams
 from slotserve.spec.config import parse
 from slotserve.spec.planner import (
     MAX_STALLS,
+    MIN_PLAN_GAIN,
     AcceptanceStats,
     Candidate,
     DecodeStepCost,
@@ -192,7 +193,8 @@ def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost)
     expected tokens with it minus without: log1p(rate^j / (1 + ... + rate^(j-1)))), sorted
     best first (ties in candidate order), within the budget; the plan is the prefix with the
     highest sum of gains less the producing sequences times the step's log cost, among the
-    prefixes up to `lookahead_window` past the best one before them."""
+    prefixes up to `lookahead_window` past the best one before them, if that sum is above
+    MIN_PLAN_GAIN per producing sequence."""
     gains = []
     for index, cand in enumerate(candidates):
         rate = spec.rate(cand.seq_id)
@@ -217,6 +219,9 @@ def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost)
         if value > sums[best] - weight * math.log(cost.seconds(tokens + best) / base) + 1e-12:
             best = count
     wanted: dict[str, int] = {}
+    if sums[best] - weight * math.log(cost.seconds(tokens + best) / base) \
+            <= MIN_PLAN_GAIN * weight:
+        return wanted  # within the estimates' error
     for _, _, seq_id in gains[:best]:
         wanted[seq_id] = wanted.get(seq_id, 0) + 1
     return wanted
