@@ -201,7 +201,7 @@ def replay_input(case: Case, target, path: Path | None, reused: dict) -> tuple[l
 
 def refit(profile: LinearCost) -> LinearCost:
     """The profile's stored samples fit again (with today's `LinearCost.fit`)."""
-    samples = [(StepFeatures(**{f: s[f] for f in FEATURES}), s["seconds"])
+    samples = [(StepFeatures(**{f: s.get(f, 0) for f in FEATURES}), s["seconds"])
                for s in profile.meta.get("samples", [])]
     model = LinearCost.fit(samples, meta=profile.meta)
     model.meta = {**profile.meta, "fit": model.residuals(samples), "refit": True}

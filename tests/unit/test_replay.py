@@ -205,6 +205,35 @@ def test_fit_recovers_known_coefficients():
     assert fit.residuals(noisy)["median_rel_error"] < 0.05
 
 
+def test_fit_prices_chunks_apart_from_their_tokens():
+    # The same prefill tokens in 1 or in 16 chunks: a model without the chunk count prices
+    # both alike; the fit recovers each chunk's own cost (the attention's call per chunk).
+    truth = LinearCost(0.015, {"prefill_tokens": 3e-4, "decode_seqs": 1e-4,
+                               "attention_pairs": 1e-8, "sampled_rows": 4e-4,
+                               "chunks": 1.9e-3})
+    rng = np.random.default_rng(3)
+    features = [StepFeatures(int(t), int(d), int(t) * 40, int(d + s), chunks=int(c))
+                for t, d, c, s in zip(rng.integers(32, 512, 120), rng.integers(0, 64, 120),
+                                      rng.integers(1, 41, 120), rng.integers(0, 9, 120))]
+    fit = LinearCost.fit([(f, truth.step_seconds(f)) for f in features])
+    assert fit.coefficients["chunks"] == pytest.approx(1.9e-3, rel=1e-6)
+    few, many = StepFeatures(512, 0, 20_000, 0, chunks=1), StepFeatures(512, 0, 20_000, 0,
+                                                                        chunks=16)
+    assert fit.step_seconds(many) - fit.step_seconds(few) == pytest.approx(15 * 1.9e-3)
+
+
+def test_a_profile_from_before_chunks_loads_with_them_at_zero(tmp_path):
+    old = {"kind": "linear", "version": 1, "base": 0.01,
+           "coefficients": {"prefill_tokens": 1e-4, "decode_seqs": 1e-4,
+                            "attention_pairs": 1e-8, "sampled_rows": 1e-4}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    model = load_profile(path)
+    assert model.coefficients["chunks"] == 0.0
+    assert model.step_seconds(StepFeatures(10, 0, 55, 1, chunks=1)) == \
+        pytest.approx(0.01 + 10e-4 + 55e-8 + 1e-4)
+
+
 def test_fit_keeps_coefficients_nonnegative():
     # Data a negative coefficient fits best (bigger prefills look cheaper, as noise can make
     # them look): plain least squares returns it; the fit drops that feature and refits.
@@ -232,9 +261,9 @@ def test_features_of_a_plan():
                     ReplaySettings(max_num_batched_tokens=16), UnitCost(), keep_plans=True)
     first, second = (StepFeatures.of(p) for p in result.plans[:2])
     # a: 16 of its 20 tokens (no sample); b waits for budget (0 left).
-    assert first == StepFeatures(16, 0, 16 * 17 // 2, 0)
-    # a: its last 4 (positions 16..19, samples); b: its 5 (samples).
-    assert second == StepFeatures(9, 0, 4 * 16 + 10 + 15, 2)
+    assert first == StepFeatures(16, 0, 16 * 17 // 2, 0, chunks=1)
+    # a: its last 4 (positions 16..19, samples); b: its 5 (samples): two chunks.
+    assert second == StepFeatures(9, 0, 4 * 16 + 10 + 15, 2, chunks=2)
     third = StepFeatures.of(result.plans[2])  # two decodes: contexts 21 and 6
     assert third == StepFeatures(0, 2, 21 + 6, 2)
 

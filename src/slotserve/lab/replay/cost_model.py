@@ -6,7 +6,12 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
 - decode_seqs: sequences decoding one token (rows too, but also one KV read each);
 - attention_pairs: query-key pairs the attention computes: a chunk of n tokens starting at
   position s attends to s+1 .. s+n positions, n*s + n(n+1)/2 pairs (a decode: its context);
-- sampled_rows: rows that go through the LM head and the sampler.
+- sampled_rows: rows that go through the LM head and the sampler;
+- chunks: sequences the attention takes one at a time, in an iteration that is not decodes
+  only (prefill chunks, and verifications beside them): one call per chunk and layer
+  (`attention.torch_paged.paged_attention`'s prefills), so an iteration of many short
+  prompts costs more than its tokens and pairs say (W's burst at 64 slots, 2-core Zen 4:
+  40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
 
 A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
 each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
@@ -54,7 +59,10 @@ from slotserve.config import SlotKind
 from slotserve.core.outputs import SchedulerOutput
 
 PROFILE_VERSION = 1
-FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows")
+FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks")
+# NOTE: profiles fit before `chunks` was a feature lack it: a LinearCost without it has it
+# at 0 (its cost then sits in the other coefficients, as it did when they were fit).
+LATER_FEATURES = ("chunks",)
 KNEE_COEFFICIENT = "rows_past_knee"  # seconds per row past the knee (see the docstring)
 DRAFT_PAIRS = "draft_pairs"  # seconds per query-key pair of a drafted row (the docstring)
 MIN_DRAFT_SAMPLES = 5  # verifications `fit_draft_pairs` needs
@@ -74,12 +82,14 @@ class StepFeatures:
     # NOTE: a part of attention_pairs (a verification's rows after its first, among
     # decodes only): priced on its own only by a model with a DRAFT_PAIRS coefficient.
     draft_pairs: int = 0
+    chunks: int = 0
 
     @classmethod
     def of(cls, plan: SchedulerOutput) -> StepFeatures:
-        prefill = decode = pairs = sampled = drafted = 0
+        prefill = decode = pairs = sampled = drafted = chunks = 0
         decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
         for seq in plan.seqs:
+            chunks += not (decode_only or seq.is_one_token_decode)
             n, start = seq.num_tokens, seq.start_pos
             drafts = len(seq.spec_token_ids)
             if seq.kind == SlotKind.DECODE:
@@ -93,7 +103,7 @@ class StepFeatures:
             if decode_only and drafts:
                 drafted += n * start + n * (n + 1) // 2 - (start + 1)  # rows after the first
             sampled += seq.sample + drafts
-        return cls(prefill, decode, pairs, sampled, drafted)
+        return cls(prefill, decode, pairs, sampled, drafted, chunks)
 
     @property
     def rows(self) -> int:
@@ -132,6 +142,7 @@ class LinearCost:
     name = "linear"
 
     def __post_init__(self) -> None:
+        self.coefficients = {**dict.fromkeys(LATER_FEATURES, 0.0), **self.coefficients}
         missing = set(FEATURES) - set(self.coefficients)
         if missing:
             raise ValueError(f"coefficients is missing {sorted(missing)}")
@@ -268,7 +279,8 @@ class LinearCost:
         lines = [f"  base            {self.base * 1000:10.3f} ms per iteration"]
         units = {"prefill_tokens": "ms per prefill token", "decode_seqs": "ms per decode seq",
                  "attention_pairs": "ms per 1k query-key pairs",
-                 "sampled_rows": "ms per sampled row"}
+                 "sampled_rows": "ms per sampled row",
+                 "chunks": "ms per chunk (prefill, or verification beside one)"}
         for f in FEATURES:
             scale = 1e6 if f == "attention_pairs" else 1000
             lines.append(f"  {f:<16}{self.coefficients[f] * scale:10.4f} {units[f]}")
