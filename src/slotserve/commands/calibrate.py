@@ -15,7 +15,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
         "calibrate", help="time real engine iterations and fit the simulator's cost model",
         description="Time real engine iterations over a grid of batch sizes, context lengths "
                     "and chunk sizes; fit seconds = base + a*prefill tokens + b*decode seqs "
-                    "+ c*attention pairs + d*sampled rows; print the fit and its residuals; "
+                    "+ c*attention pairs + d*sampled rows + e*chunks (sequences attended one "
+                    "at a time beside prefills); print the fit and its residuals; "
                     "write the profile for `slotserve replay/plan --profile` (and keep it "
                     "as this machine's last calibration, `slotserve replay`'s default).")
     p.add_argument("--out", metavar="PROFILE.json", default="profile.json")
