@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.perf import workload_w
+from slotserve.engine.async_engine import freeze_heap
 from slotserve.lab.bench import BenchSampling, EngineTarget, generate_workload, run_bench
 from slotserve.lab.bench.report import write_report
 from slotserve.lab.replay import (
@@ -158,6 +159,7 @@ def main() -> None:
             measured = reused[label]
         else:
             print(f"running {label} ...", file=sys.stderr, flush=True)
+            freeze_heap()  # NOTE: as the server after start-up; the runs before leave garbage
             measured = run_bench(case.workload, target.configured(max_num_seqs=case.slots),
                                  sampling=BenchSampling(), label=label).to_dict()
         settings = ReplaySettings(max_num_seqs=case.slots,
