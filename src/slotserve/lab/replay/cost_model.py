@@ -10,8 +10,8 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
 - chunks: sequences the attention takes one at a time, in an iteration that is not decodes
   only (prefill chunks, and verifications beside them): one call per chunk and layer
   (`attention.torch_paged.paged_attention`'s prefills), so an iteration of many short
-  prompts costs more than its tokens and pairs say (W's burst at 64 slots, 2-core Zen 4:
-  40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
+  prompts costs more than its tokens and pairs say (W's burst at 64 slots, SmolLM2 on a
+  2-core AMX Xeon: 40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
 
 A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
 each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
