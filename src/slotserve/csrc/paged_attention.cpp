@@ -274,10 +274,15 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
 }
 
 #if defined(__AVX512F__)
-// f(pos - start, offset of pos's row, offset of the row PREFETCH_POSITIONS ahead or -1) for
-// each of a sequence's cached positions [start, end), block by block (no division per
-// position); the blocks before start's are never touched.
-static_assert(PREFETCH_POSITIONS == 16, "the row ahead is the same row of the next block");
+// f(pos - start, offset of pos's row, offset of the row to ask for ahead or -1) for each of a
+// sequence's cached positions [start, end), block by block (no division per position); the
+// blocks before start's are never touched.
+static_assert(PREFETCH_POSITIONS == 16, "the row ahead is a row of a later block");
+// NOTE: the row ahead is the same row PREFETCH_BLOCKS blocks on (the last one there is, while
+// a block is left): at 64 sequences x 300 positions with 16 layers' KV from memory (1B's
+// shapes, AMX Xeon) the next block's row came too late: 55.8 ms a step, 49.2 two blocks
+// on, 48.5 three, 50.5 four (/tmp probe of paged_decode_attention, one run each).
+constexpr int64_t PREFETCH_BLOCKS = 2;
 template <typename F>
 inline void for_each_row(const int64_t* table, int64_t start, int64_t end, int64_t block_size,
                          int64_t row, F f) {
@@ -285,7 +290,9 @@ inline void for_each_row(const int64_t* table, int64_t start, int64_t end, int64
        ++b, first += block_size) {
     const int64_t base = table[b] * block_size * row;
     const bool next = block_size == PREFETCH_POSITIONS && first + block_size < end;
-    const int64_t ahead = next ? table[b + 1] * block_size * row : -1;
+    int64_t k = next ? PREFETCH_BLOCKS : 0;
+    while (k > 1 && first + k * block_size >= end) --k;
+    const int64_t ahead = k > 0 ? table[b + k] * block_size * row : -1;
     for (int64_t i = std::max<int64_t>(start - first, 0); i < std::min(block_size, end - first);
          ++i)
       f(first + i - start, base + i * row, next ? ahead + i * row : -1);
