@@ -16,11 +16,10 @@ tok/s, TTFT p50 / p99.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
-from benchmarks.stall_free import QUIET_ESTIMATE, print_row, row
+from benchmarks.stall_free import QUIET_ESTIMATE, print_row, row, write_rows
 from benchmarks.vs_vllm import scaled_w
 
 RATES = {"W": math.inf, "W 2/s": 2.0, "W 4/s": 4.0}
@@ -70,11 +69,6 @@ def engine(model: str | None, scale: float, workloads: list[str], rounds: int,
                 if out:  # NOTE: after every run, so an interrupted comparison keeps its rows
                     write_rows(out, rows)
     return rows
-
-
-def write_rows(path: str, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
 
 
 def main() -> None:

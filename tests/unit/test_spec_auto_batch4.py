@@ -33,9 +33,8 @@ from slotserve.spec.planner import (
     Speculator,
     expected_tokens,
 )
-from tests.unit.test_spec_auto_cost import _Proposer
+from tests.unit.test_spec_auto_cost import _Proposer, drafts_after
 from tests.unit.test_spec_proposers import FixedProposer
-from tests.unit.test_spec_scheduler import FakeModel
 
 AUTO = parse({"method": "ngram", "num_speculative_tokens": "auto"})
 # Decode steps of grounded batch 4 by rows (median ms over the in-process probe's runs).
@@ -178,14 +177,7 @@ def test_a_cost_that_prices_drafts_too_dear_learns_from_an_exploration():
     sched.add_request(Request("r", [3, 4, 5, 6],
                               SamplingParams(max_tokens=1500, temperature=0.0,
                                              ignore_eos=True)))
-    model = FakeModel(sched)
-    late_drafts = 0
-    for step in range(80):
-        plan = sched.schedule()
-        clock.run(plan.num_batched_tokens)
-        if step >= 40:
-            late_drafts += sum(len(s.spec_token_ids) for s in plan.seqs)
-        sched.update(plan, model(plan))
+    late_drafts = drafts_after(sched, clock, steps=80, start=40)
     assert late_drafts >= 100, late_drafts  # ~10 a step once learnt
     assert speculator.explorations >= 1
 

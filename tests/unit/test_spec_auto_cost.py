@@ -154,6 +154,20 @@ class _StepClock:
         self.now += 0.35 if self.steps == self.stall else 0.006 + 0.0004 * tokens
 
 
+def drafts_after(sched: Scheduler, clock, steps: int, start: int) -> int:
+    """Run `sched` `steps` iterations with FakeModel on `clock` (its `run(tokens)` moves it
+    by a step of that many tokens): the draft tokens planned from iteration `start` on."""
+    model = FakeModel(sched)
+    drafts = 0
+    for step in range(steps):
+        plan = sched.schedule()
+        clock.run(plan.num_batched_tokens)
+        if step >= start:
+            drafts += sum(len(s.spec_token_ids) for s in plan.seqs)
+        sched.update(plan, model(plan))
+    return drafts
+
+
 @pytest.mark.parametrize("decode_cost", [DecodeStepCost, CostModel])
 def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
     """20 decoding sequences whose drafts are right 40% of the time, a stall at step 12: on
@@ -169,14 +183,7 @@ def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     for i in range(20):
         sched.add_request(Request(f"r{i}", [3, 4, 5, 6], params))
-    model = FakeModel(sched)
-    late_drafts = 0
-    for step in range(70):
-        plan = sched.schedule()
-        clock.run(plan.num_batched_tokens)
-        if step >= 20:
-            late_drafts += sum(len(s.spec_token_ids) for s in plan.seqs)
-        sched.update(plan, model(plan))
+    late_drafts = drafts_after(sched, clock, steps=70, start=20)
     if decode_cost is DecodeStepCost:
         # NOTE: <= 5 before the exploration (`EXPLORE_AFTER`): one draft on the prior every
         # 16 dry iterations; here 3 explorations and 3 drafts of a sequence that one of them
