@@ -91,12 +91,18 @@ def bytes_per_weight(block_len: int, bits: int, scale_bytes: float = 4) -> float
     return bits / 8 + 2 * scale_bytes / block_len + supers
 
 
+def type_scale_bytes(qtype: GGMLQuantizationType) -> float:
+    """bytes_per_weight's scale_bytes of one GGUF type's packed blocks: SHARED_FACTOR or
+    FACTORED for the K-quants, else its own scales' (fp16 or fp32)."""
+    if qtype in K_QUANTS:
+        return SHARED_FACTOR if qtype in SHARED_FACTOR_QUANTS else FACTORED
+    return BLOCK_FORMATS[qtype][2]
+
+
 def type_bytes_per_weight(qtype: GGMLQuantizationType) -> float:
     """Memory per weight of one GGUF type's packed blocks (the K-quants' factored)."""
-    block_len, bits, scale_bytes = BLOCK_FORMATS[qtype]
-    if qtype in K_QUANTS:
-        scale_bytes = SHARED_FACTOR if qtype in SHARED_FACTOR_QUANTS else FACTORED
-    return bytes_per_weight(block_len, bits, scale_bytes)
+    block_len, bits, _ = BLOCK_FORMATS[qtype]
+    return bytes_per_weight(block_len, bits, type_scale_bytes(qtype))
 
 
 @dataclass(frozen=True)
@@ -481,10 +487,10 @@ def packing(types: tuple[str, ...]) -> tuple:
     of one packing concatenate (concat_rows) with nothing widened."""
     def one(name: str) -> tuple:
         qtype = Q[name]
-        block_len, bits, scale_bytes = BLOCK_FORMATS[qtype]
-        scales = ("shared" if qtype in SHARED_FACTOR_QUANTS else
-                  "factored" if qtype in K_QUANTS else scale_bytes)
-        return block_len, bits, qtype == Q.IQ4_NL, scales
+        block_len, bits, _ = BLOCK_FORMATS[qtype]
+        return block_len, bits, qtype == Q.IQ4_NL, type_scale_bytes(qtype)
+    # NOTE: the scales' form as a number (type_scale_bytes): tuples that tie on the rest
+    # (Q4_K and Q4_1: blocks of 32 at 4 bits) must still sort
     return tuple(sorted({one(t) for t in types}))
 
 
