@@ -299,8 +299,7 @@ class SchedulerConfig:
         no free blocks): never a wait on what cannot run. Only a burst holds (at least two
         such requests, with more than one budget of prompt work left; online arrivals are
         left alone), and never a request with a TTFT SLO. On by default, by measurement
-        (docs/ARCHITECTURE.md). False: each first token as soon as
-        its prompt is computed.
+        (docs/ARCHITECTURE.md). False: each first token as soon as its prompt is computed.
     max_model_len: longest sequence (prompt + output) a request may reach.
     max_waiting: most sequences waiting for a slot (a request with n completions counts n);
         past it new requests are refused (HTTP 429). None: unbounded. NOTE: AsyncEngine
