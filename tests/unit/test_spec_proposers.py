@@ -17,12 +17,12 @@ from slotserve.spec.planner import (
     expected_tokens,
 )
 from slotserve.spec.proposers import (
+    NgramIndex,
     NgramProposer,
     RecentOutputs,
     SuffixProposer,
     TokenHistory,
     longest_suffix_match,
-    ngram_proposal,
     walk_most_frequent,
 )
 
@@ -44,20 +44,45 @@ def reference_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[i
     return []
 
 
+def ngram_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The n-gram proposer's answer for one sequence of these tokens."""
+    return NgramProposer(min_n, max_n).propose("s", tokens, [], k)
+
+
 @SETTINGS
 @given(TOKENS, st.integers(1, 4), st.integers(0, 3), st.integers(1, 6))
 def test_ngram_matches_the_reference(tokens, min_n, extra, k):
     max_n = min_n + extra
-    got = ngram_proposal(np.array(tokens, dtype=np.int64), min_n, max_n, k)
-    assert got == reference_ngram(tokens, min_n, max_n, k)
+    assert ngram_proposal(tokens, min_n, max_n, k) == reference_ngram(tokens, min_n, max_n, k)
 
 
-def test_ngram_examples_from_vllm():
-    # vLLM's docstring: [4,2,3] has no earlier match, [2,3] has: the 3 tokens after it
-    assert ngram_proposal(np.array([1, 2, 3, 4, 2, 3]), 2, 3, 4) == [4, 2, 3]
-    assert ngram_proposal(np.array([1, 2, 3, 4, 2, 3]), 3, 3, 4) == []
-    assert ngram_proposal(np.array([5, 1, 2, 9, 1, 2, 7, 1, 2]), 2, 2, 2) == [9, 1]  # earliest
-    assert ngram_proposal(np.array([1, 1, 1, 1]), 1, 3, 5) == [1]  # overlapping occurrence
+@SETTINGS
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), TOKENS, st.integers(1, 3),
+       st.integers(0, 3))
+def test_ngram_index_grown_token_by_token_matches_the_reference(prompt, output, min_n, extra):
+    """One proposer asked after every output token (its index grown, never rebuilt) answers
+    as the reference does on the whole sequence; then a rewound sequence (a shorter
+    output) and another prompt of the same id are indexed afresh."""
+    max_n = min_n + extra
+    proposer = NgramProposer(min_n, max_n)
+    for i in range(len(output) + 1):
+        got = proposer.propose("s", prompt, output[:i], 4)
+        assert got == reference_ngram(prompt + output[:i], min_n, max_n, 4)
+    rewound = output[:len(output) // 2]
+    assert proposer.propose("s", prompt, rewound, 4) == \
+        reference_ngram(prompt + rewound, min_n, max_n, 4)
+    other = [*prompt, 3]
+    assert proposer.propose("s", other, output, 4) == \
+        reference_ngram(other + output, min_n, max_n, 4)
+
+
+def test_ngram_index_keeps_each_ngrams_ends():
+    index = NgramIndex(2)
+    index.sync([1, 2, 3, 1, 2], [1, 2])
+    assert index.tokens == [1, 2, 3, 1, 2, 1, 2]
+    assert index.longest_match(4) == (2, 1)  # [1, 2] ends at 1, 4 and 6: the earliest
+    index.sync([1, 2, 3, 1, 2], [1, 2, 3])
+    assert index.longest_match(4) == (3, 2)  # [1, 2, 3]: only at 2 ([2, 1, 2, 3] never)
 
 
 @SETTINGS

@@ -11,8 +11,9 @@
   length <= max_spec_factor x match length. The source (sequence or store) whose path has the
   larger expected accepted length (the sum of the path's probabilities) wins.
 
-Every proposer keeps a numpy copy of each sequence's tokens (`TokenHistory`), grown as
-output tokens arrive, so a proposal costs no copy of the whole sequence.
+Every proposer keeps a copy of each sequence's tokens, grown as output tokens arrive, so a
+proposal costs no copy of the whole sequence: the n-gram proposer an index of its n-grams
+(`NgramIndex`), the suffix proposer a numpy array (`TokenHistory`).
 
 Interface (what `planner.Speculator` calls):
     propose(seq_id, prompt_ids, output_ids, max_tokens) -> list[int]  (maybe empty)
@@ -116,37 +117,91 @@ class _PerSequence:
         return len(self._histories)
 
 
-class NgramProposer(_PerSequence):
+class NgramIndex:
+    """One sequence's tokens (a list) and, for each n-gram of `n` tokens in them, the
+    positions where it ends (ascending): an n-gram lookup costs a dict lookup and a walk
+    over that n-gram's occurrences, not a pass over the sequence. Synced by length, as
+    `TokenHistory` (rebuilt whole when the sequence is not its copy plus new tokens).
+
+    NOTE: why: numpy passes over the sequence (`longest_suffix_match`) cost ~60 us a
+    lookup on a few hundred tokens, and "auto" asks for a proposal on most iterations where
+    its plan wants a draft, found or not: ~0.5% of a batch-1 decode on free text
+    (SmolLM2-135M, AMX Xeon). A dict lookup and a few occurrences cost a few us.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._prompt_len = 0
+
+    def sync(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Append the tokens past the copy (or copy the sequence again, see the class)."""
+        total = len(prompt_ids) + len(output_ids)
+        if len(self.tokens) > total or len(self.tokens) < len(prompt_ids) \
+                or len(prompt_ids) != self._prompt_len:
+            self.tokens, self._ends, self._prompt_len = [], {}, len(prompt_ids)
+            self._extend(prompt_ids)
+        self._extend(output_ids[len(self.tokens) - len(prompt_ids):])
+
+    def _extend(self, new: Sequence[int]) -> None:
+        tokens, n = self.tokens, self.n
+        for token in new:
+            tokens.append(int(token))
+            if len(tokens) >= n:
+                self._ends.setdefault(tuple(tokens[-n:]), []).append(len(tokens) - 1)
+
+    def longest_match(self, max_n: int) -> tuple[int, int]:
+        """(m, e): the longest m in [n, max_n] such that the last m tokens also end at an
+        earlier position e (the earliest such e); (0, -1) when the last n never did."""
+        tokens, size = self.tokens, len(self.tokens)
+        if size < self.n + 1:
+            return 0, -1
+        ends = self._ends.get(tuple(tokens[-self.n:]), ())
+        best, best_end = 0, -1
+        for end in ends:
+            if end >= size - 1:
+                break  # NOTE: ascending: the rest is the sequence's own last position
+            m = self.n
+            while m < max_n and m <= end and tokens[end - m] == tokens[size - 1 - m]:
+                m += 1
+            if m > best:
+                best, best_end = m, end
+                if m == max_n:
+                    break  # NOTE: the earliest of the longest
+        return best, best_end
+
+
+class NgramProposer:
     """vLLM's `ngram` proposer (prompt lookup decoding); see the module docstring."""
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        super().__init__()
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, seq_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
                 max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
-        tokens = self.tokens(seq_id, prompt_ids, output_ids)
-        return ngram_proposal(tokens, self.min_n, self.max_n, max_tokens)
+        index = self._indexes.get(seq_id)
+        if index is None:
+            index = self._indexes[seq_id] = NgramIndex(self.min_n)
+        index.sync(prompt_ids, output_ids)
+        length, end = index.longest_match(self.max_n)
+        return index.tokens[end + 1:end + 1 + max_tokens] if length else []
 
     def finish(self, seq_id: str, output_ids: Sequence[int]) -> None:
         self.forget(seq_id)
 
+    def forget(self, seq_id: str) -> None:
+        self._indexes.pop(seq_id, None)
 
-def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the earliest earlier occurrence of the longest n-gram
-    (min_n <= n <= max_n) ending `tokens` (vLLM's `_find_longest_matched_ngram_and_propose_
-    tokens`); [] if none. Fewer than k when the occurrence is near the end."""
-    length, ends = longest_suffix_match(tokens, max_n)
-    if length < min_n:
-        return []
-    start = int(ends[0]) + 1
-    return tokens[start:start + k].tolist()
+    def __len__(self) -> int:
+        return len(self._indexes)
 
 
 def walk_most_frequent(sources: list[tuple[np.ndarray, np.ndarray]], max_tokens: int,
