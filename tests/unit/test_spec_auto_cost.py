@@ -168,11 +168,20 @@ def drafts_after(sched: Scheduler, clock, steps: int, start: int) -> int:
     return drafts
 
 
-@pytest.mark.parametrize("decode_cost", [DecodeStepCost, CostModel])
+class _Line(CostModel):
+    """The old decode cost: one line over every iteration, drafted or not."""
+
+    verify_extra = 0.0
+
+    def observe(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
+        super().observe(num_tokens, seconds)
+
+
+@pytest.mark.parametrize("decode_cost", [DecodeStepCost, _Line])
 def test_scheduler_drafts_little_at_20_sequences_of_low_acceptance(decode_cost):
     """20 decoding sequences whose drafts are right 40% of the time, a stall at step 12: on
     the scheduler's own cost few drafts are planned after the first verifications showed the
-    acceptance; with `CostModel` (the old line) the stall turned it proportional (no fixed
+    acceptance; with `CostModel`'s line (the old one) the stall turned it proportional (no fixed
     cost), the planner fell back to its prior and drafted again."""
     clock = _StepClock(stall=12)
     config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512,
@@ -236,7 +245,8 @@ def _sorted_plan(spec: Speculator, candidates, budget, planned, producing, cost)
 
 def test_auto_lengths_take_the_best_paying_drafts_first():
     """The planner (a heap of each sequence's next draft) plans what the plain rule plans,
-    over random batches, acceptances, caps, budgets and step costs."""
+    over random batches, acceptances, caps, budgets and step costs (accounts that never
+    bind: `test_spec_accounts` checks those)."""
     rng = random.Random(7)
     planned_some = 0
     for _ in range(400):
@@ -245,7 +255,8 @@ def test_auto_lengths_take_the_best_paying_drafts_first():
         candidates = []
         for i in range(rng.randint(1, 40)):
             spec.stats[f"s{i}"] = AcceptanceStats(rng.choice([3, rng.randint(0, 30)]),
-                                                  rng.choice([3, rng.randint(0, 30)]))
+                                                  rng.choice([3, rng.randint(0, 30)]),
+                                                  net=1e9)
             candidates.append(Candidate(f"s{i}", [3], [4], rng.randint(0, 10)))
         budget, planned = rng.randint(0, 80), rng.randint(1, len(candidates))
         producing = rng.randint(0, len(candidates))

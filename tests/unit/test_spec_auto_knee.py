@@ -49,6 +49,8 @@ class NoisyClock:
 class TrueStepCost:
     """The planner's StepCost that knows the knee: a decode step of n rows."""
 
+    verify_extra = 0.0
+
     def seconds(self, num_tokens: int) -> float:
         return KNEE.step_seconds(StepFeatures(0, num_tokens, 0, num_tokens))
 

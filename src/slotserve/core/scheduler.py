@@ -581,7 +581,8 @@ class Scheduler:
         if self._scheduled_at is not None and output.seqs:
             self.cost.observe(output.num_batched_tokens, now - self._scheduled_at)
             if self.speculator is not None and all(s.is_decode for s in output.seqs):
-                self.decode_cost.observe(output.num_batched_tokens, now - self._scheduled_at)
+                self.decode_cost.observe(output.num_batched_tokens, now - self._scheduled_at,
+                                         drafted=any(s.spec_token_ids for s in output.seqs))
         self._scheduled_at = None
         self.last_extra_tokens = 0
         touched: list[Request] = []

@@ -63,7 +63,10 @@ MAX_STALLS = 3
 
 
 class StepCost(Protocol):
-    """The estimated seconds (or any unit) of an iteration of num_tokens batched tokens."""
+    """The estimated seconds (or any unit) of an iteration of num_tokens batched tokens;
+    `verify_extra`: what an iteration with drafts costs besides its rows."""
+
+    verify_extra: float
 
     def seconds(self, num_tokens: int) -> float: ...
 
@@ -75,6 +78,7 @@ class LinearStepCost:
                  ) -> None:
         self.overhead = overhead
         self.per_token = per_token
+        self.verify_extra = 0.0
 
     def seconds(self, num_tokens: int) -> float:
         return self.overhead + self.per_token * num_tokens
@@ -106,19 +110,30 @@ class DecodeStepCost(CostModel):
     auto drafted where each draft row cost ~0.4 ms for ~0.5 tokens. An iteration slower than
     STALL_FACTOR x the estimate is left out, unless MAX_STALLS come in a row (then the host
     is slower now, and the fit follows it).
+
+    NOTE: an iteration with drafts costs more than one of as many decode rows: SmolLM2 on
+    an AMX Xeon, 4 rows: 12.3-12.5 ms with a draft among them, 11.6-11.7 without (the
+    verification's sampling and bookkeeping). Priced by rows alone, a draft at 3 sequences
+    looked like +3% of the step and was +10%: at free batch 4 auto drafted at 0.36
+    acceptance and lost 4% tok/s. `verify_extra` is that difference, over the row counts
+    seen both with and without drafts (0 until then; at batch 1 the drafted rows' own
+    bins carry it); the hinge is fit to the drafted steps less it.
     """
 
     def __init__(self, forget: float = 0.98) -> None:
         super().__init__(forget)
         self.stalls_skipped = 0  # observations left out as stalls, since start
         self._slow_in_a_row = 0
-        self._bins: dict[int, list[float]] = {}  # bin -> [weight, weight x n, weight x t]
+        # (bin, drafted) -> [weight, weight x n, weight x t]
+        self._bins: dict[tuple[int, bool], list[float]] = {}
         self.hinge: tuple[float, float, float, float] | None = None  # a, b, c, knee
+        self.verify_extra = 0.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
+        """An iteration of num_tokens rows (decodes, and drafts if `drafted`) took seconds."""
         if num_tokens <= 0 or not seconds >= 0:
             return
-        estimate = self.seconds(num_tokens)
+        estimate = self.seconds(num_tokens) + (self.verify_extra if drafted else 0.0)
         if not (estimate > 0 and seconds > STALL_FACTOR * estimate):
             self._slow_in_a_row = 0
         else:
@@ -128,21 +143,45 @@ class DecodeStepCost(CostModel):
             if self._slow_in_a_row <= MAX_STALLS:
                 self.stalls_skipped += 1
                 return
-        super().observe(num_tokens, seconds)
-        self._observe_bin(num_tokens, seconds)
-        self.hinge = fit_hinge([(w, wn / w, wt / w) for w, wn, wt in self._bins.values()])
+        super().observe(num_tokens, seconds - (self.verify_extra if drafted else 0.0))
+        self._observe_bin(num_tokens, seconds, drafted)
+        self.verify_extra = self._verify_extra()
+        self.hinge = fit_hinge(self._points())
 
-    def _observe_bin(self, num_tokens: int, seconds: float) -> None:
+    def _observe_bin(self, num_tokens: int, seconds: float, drafted: bool) -> None:
         """Fade every bin by `forget` (dropping those under BIN_MIN_WEIGHT), add this one."""
         for key in list(self._bins):
             sums = self._bins[key]
             sums[:] = [self.forget * value for value in sums]
             if sums[0] < BIN_MIN_WEIGHT:
                 del self._bins[key]
-        sums = self._bins.setdefault(row_bin(num_tokens), [0.0, 0.0, 0.0])
+        sums = self._bins.setdefault((row_bin(num_tokens), drafted), [0.0, 0.0, 0.0])
         sums[0] += 1.0
         sums[1] += num_tokens
         sums[2] += seconds
+
+    def _verify_extra(self) -> float:
+        """The mean time a drafted iteration took beyond an undrafted one of the same rows,
+        over the bins seen both ways (each weighted by its lighter side; >= 0)."""
+        total = weighted = 0.0
+        for (key, drafted), (w, _, wt) in self._bins.items():
+            plain = self._bins.get((key, False)) if drafted else None
+            if plain is not None:
+                weight = min(w, plain[0])
+                total += weight * (wt / w - plain[2] / plain[0])
+                weighted += weight
+        return max(0.0, total / weighted) if weighted > 0 else 0.0
+
+    def _points(self) -> list[tuple[float, float, float]]:
+        """(weight, mean rows, mean seconds) per row bin, drafted iterations less
+        `verify_extra`."""
+        merged: dict[int, list[float]] = {}
+        for (key, drafted), (w, wn, wt) in self._bins.items():
+            sums = merged.setdefault(key, [0.0, 0.0, 0.0])
+            sums[0] += w
+            sums[1] += wn
+            sums[2] += wt - (w * self.verify_extra if drafted else 0.0)
+        return [(w, wn / w, wt / w) for w, wn, wt in merged.values()]
 
     def seconds(self, num_tokens: int) -> float:
         """Estimated time of a decode iteration of num_tokens rows (the hinge, else the
@@ -169,6 +208,18 @@ def lookahead_window(num_candidates: int) -> int:
 # sequence in a span, predicted +0.5-1% a sequence, gave tok/s 0.99x and TPOT p99 1.03x;
 # at batch 1-4 every plan of the offline replay gained 12% or more.
 MIN_PLAN_GAIN = 0.02
+
+
+# "auto" never plans a step that leaves a candidate's account (`AcceptanceStats.net`: the
+# tokens it was expected to gain from speculation so far, in steps: its drafts' expected
+# accepted tokens, at its rate when planned, less each step's extra time as a share of the
+# step without drafts) below -(ACCOUNT_ALLOWANCE + ACCOUNT_SLACK x its iterations): a
+# request may expect to lose a quarter of a step and then 0.3% of its rate to others' drafts
+# (SmolLM2 on an AMX Xeon: a row more costs ~5% of a batch-1 step, ~11% of a 4-row one for
+# each of the 4). Expected, not accepted: luck alone (one of four sequences at the same
+# rate a few drafts behind) would stop every sequence's drafts.
+ACCOUNT_ALLOWANCE = 0.25
+ACCOUNT_SLACK = 0.003
 
 
 # `DecodeStepCost`'s bins: exact row counts up to 16, then 8 an octave; a bin whose weight
@@ -234,20 +285,19 @@ def fit_hinge(points: list[tuple[float, float, float]]
 
 
 def _solve3(m, rhs) -> tuple[float, float, float] | None:
-    """The solution of the 3x3 system m x = rhs (Cramer's rule; None if near singular)."""
-    def det(a):
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
-                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
-    d = det(m)
-    scale = abs(m[0][0] * m[1][1] * m[2][2])
-    if scale <= 0 or abs(d) <= 1e-12 * scale:
+    """The solution of the symmetric 3x3 system m x = rhs (by its cofactors; None if near
+    singular). NOTE: written out: `fit_hinge` solves one per candidate knee every step."""
+    (a, b, c), (_, d, e), (_, _, f) = m
+    cof_a, cof_b, cof_c = d * f - e * e, c * e - b * f, b * e - c * d
+    cof_d, cof_e, cof_f = a * f - c * c, b * c - a * e, a * d - b * b
+    det = a * cof_a + b * cof_b + c * cof_c
+    scale = abs(a * d * f)
+    if scale <= 0 or abs(det) <= 1e-12 * scale:
         return None
-    columns = []
-    for j in range(3):
-        replaced = [[rhs[i] if k == j else m[i][k] for k in range(3)] for i in range(3)]
-        columns.append(det(replaced) / d)
-    return columns[0], columns[1], columns[2]
+    r0, r1, r2 = rhs
+    return ((cof_a * r0 + cof_b * r1 + cof_c * r2) / det,
+            (cof_b * r0 + cof_d * r1 + cof_e * r2) / det,
+            (cof_c * r0 + cof_e * r1 + cof_f * r2) / det)
 
 
 FIRST, FRESH, SPAN = "first", "fresh", "span"  # the states of `AcceptanceStats`
@@ -277,6 +327,15 @@ class AcceptanceStats:
     span_rejections: int = 0
     in_span: bool = False
     verifications: int = 0
+    # NOTE: the sequence's account ("auto", ACCOUNT_ALLOWANCE): its drafts' expected
+    # accepted tokens less, over its iterations, step cost / the step's cost without drafts
+    # - 1; `slack` what it may lose.
+    net: float = 0.0
+    iterations: int = 0
+
+    def slack(self) -> float:
+        """How many more steps' time the sequence may lose to speculation (ACCOUNT_SLACK)."""
+        return self.net + ACCOUNT_ALLOWANCE + ACCOUNT_SLACK * self.iterations
 
     @property
     def state(self) -> str:
@@ -417,8 +476,23 @@ class Speculator:
             if tokens:
                 drafts[cand.seq_id] = tokens[:k]
                 budget -= len(drafts[cand.seq_id])
+        if self.config.auto:
+            self._charge(candidates, drafts, planned_tokens,
+                         self.step_cost or cost or LinearStepCost())
         self._end_spans(candidates, drafts)
         return drafts
+
+    def _charge(self, candidates: list[Candidate], drafts: dict[str, list[int]],
+                planned_tokens: int, cost: StepCost) -> None:
+        """Each candidate's account: its drafts' expected accepted tokens (at its rate now)
+        less the step's slowdown from all the drafts; and one iteration more."""
+        slowdown = _slowdown(cost, max(planned_tokens, 1), sum(map(len, drafts.values())))
+        for cand in candidates:
+            own = len(drafts.get(cand.seq_id, ()))
+            gained = expected_tokens(self.rate(cand.seq_id), own) - 1.0 if own else 0.0
+            stats = self.stats.setdefault(cand.seq_id, AcceptanceStats())
+            stats.net += gained - slowdown
+            stats.iterations += 1
 
     def _auto_wanted(self, candidates: list[Candidate], budget: int, planned_tokens: int,
                      producing: int, cost: StepCost | None,
@@ -453,8 +527,13 @@ class Speculator:
                                        LinearStepCost(), proposals)
         if not prior:
             return wanted
-        self.explorations += 1
         best = max(prior, key=self.rate)  # NOTE: ties: the first in candidate order
+        explorer = next(i for i, c in enumerate(candidates) if c.seq_id == best)
+        if not _within_accounts([self._slack(c.seq_id) for c in candidates],
+                                {explorer: 1.0 + self.rate(best)},
+                                _slowdown(cost, max(planned_tokens, 1), 1)):
+            return wanted  # NOTE: the row would cost some sequence more than it has
+        self.explorations += 1
         return {best: 1}
 
     def _proposed_lengths(self, candidates: list[Candidate], budget: int,
@@ -536,22 +615,26 @@ class Speculator:
         heapq.heapify(heap)
         tokens = max(planned_tokens, 1)
         weight = float(max(producing, 1))  # NOTE: each producing sequence feels the step
-        seconds = cost.seconds(tokens)
+        seconds = start_seconds = cost.seconds(tokens)
+        slacks = [self._slack(cand.seq_id) for cand in candidates]
+        produced_by: dict[int, float] = {}  # candidate index -> its expected tokens
         window = lookahead_window(len(heap))
         taken: list[int] = []  # candidate index of each increment, in order
         total = best = 0.0  # the sum's change from no drafts: now, and at the best prefix
         best_length = 0
         while heap and budget > 0 and len(taken) - best_length < window:
             negative_gain, index, j, rate, limit, produced = heapq.heappop(heap)
-            more = cost.seconds(tokens + 1)
+            more = cost.seconds(tokens + 1) + cost.verify_extra
             if not (seconds > 0 and more > 0):
                 break
             total += -negative_gain - weight * math.log(more / seconds)
             tokens, seconds = tokens + 1, more
             produced += rate ** j
+            produced_by[index] = produced
             taken.append(index)
             budget -= 1
-            if total > best + 1e-12:
+            if total > best + 1e-12 and _within_accounts(
+                    slacks, produced_by, seconds / start_seconds - 1.0):
                 best, best_length = total, len(taken)
             if j < limit:
                 gain = math.log1p(rate ** (j + 1) / produced)
@@ -563,6 +646,10 @@ class Speculator:
             seq_id = candidates[index].seq_id
             wanted[seq_id] = wanted.get(seq_id, 0) + 1
         return wanted
+
+    def _slack(self, seq_id: str) -> float:
+        stats = self.stats.get(seq_id)
+        return stats.slack() if stats is not None else ACCOUNT_ALLOWANCE
 
     def rate(self, seq_id: str) -> float:
         """A sequence's per-draft acceptance in its present state (first, fresh or in a
@@ -601,6 +688,21 @@ class Speculator:
         """Accepted / proposed draft tokens since start (0.0 before any)."""
         return (self.num_accepted_tokens / self.num_draft_tokens
                 if self.num_draft_tokens else 0.0)
+
+
+def _slowdown(cost: StepCost, tokens: int, more: int) -> float:
+    """cost of `tokens` + `more` rows / cost of `tokens` - 1: the share of a step each of its
+    sequences waits longer for `more` draft rows (0 where the cost is not positive)."""
+    base, grown = cost.seconds(tokens), cost.seconds(tokens + more) + cost.verify_extra
+    return grown / base - 1.0 if more > 0 and base > 0 and grown > 0 else 0.0
+
+
+def _within_accounts(slacks: list[float], produced_by: dict[int, float],
+                     slowdown: float) -> bool:
+    """Whether a plan leaves every candidate's account (`AcceptanceStats.slack`) >= 0: the
+    step's slowdown against each one's expected accepted drafts (none for those without)."""
+    return all(slack + produced_by.get(index, 1.0) - 1.0 >= slowdown
+               for index, slack in enumerate(slacks))
 
 
 def expected_tokens(rate: float, k: int) -> float:
