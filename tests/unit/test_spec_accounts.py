@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from slotserve.spec import planner
 from slotserve.spec.config import parse
 from slotserve.spec.planner import (
     ACCOUNT_ALLOWANCE,
@@ -115,3 +116,34 @@ def test_the_price_of_a_verification_stops_a_draft_that_rows_alone_would_pay():
     assert plan(0.0007) == {}
     assert math.isclose(AcceptanceStats(accepted=4, rejections=7).rate_given(0.36), 0.36,
                         abs_tol=0.01)
+
+
+def test_the_bins_fade_as_each_observation_weighed_forget_to_its_age(monkeypatch):
+    """The bins' sums kept in a growing unit (one division an observation, rescaled past
+    MAX_BIN_UNIT: forced here every ~35 observations) give each bin the weight and means of
+    a plain fade: observation i of n weighs forget^(n - 1 - i); bins faded under
+    BIN_MIN_WEIGHT are gone after a refit."""
+    monkeypatch.setattr(planner, "MAX_BIN_UNIT", 2.0)
+    cost, rows = DecodeStepCost(), [1, 2, 3, 5, 8, 20, 40, 64]
+    observed = []
+    for step in range(600):
+        n = rows[(step * 5 + step // 7) % len(rows)] if step < 200 else 1 + step % 3
+        drafted = step % 3 == 0
+        seconds = 0.01 + 0.0004 * n + (0.0007 if drafted else 0.0) + 1e-5 * (step % 5)
+        cost.observe(n, seconds, drafted)
+        observed.append(((planner.row_bin(n), drafted), n, seconds))
+    cost.refit()
+    expected: dict = {}
+    for age, (key, n, seconds) in enumerate(reversed(observed)):
+        weight = cost.forget ** age
+        sums = expected.setdefault(key, [0.0, 0.0, 0.0])
+        for i, value in enumerate((weight, weight * n, weight * seconds)):
+            sums[i] += value
+    kept = {key: sums for key, sums in expected.items() if sums[0] >= planner.BIN_MIN_WEIGHT}
+    assert len(kept) < len(expected)  # the rows last seen 400 observations ago
+    assert set(cost._bins) == set(kept)
+    for key, (w, wn, wt) in kept.items():
+        got_w, got_wn, got_wt = cost._bins[key]
+        assert got_w / cost._unit == pytest.approx(w, rel=1e-9)
+        assert got_wn / got_w == pytest.approx(wn / w, rel=1e-9)
+        assert got_wt / got_w == pytest.approx(wt / w, rel=1e-9)

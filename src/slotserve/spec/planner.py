@@ -55,6 +55,10 @@ PROPOSAL_ROUNDS = 3
 # "auto": after this many iterations in a row without drafts on a fitted step cost, one
 # is planned on the prior (`Speculator._auto_wanted`).
 EXPLORE_AFTER = 16
+# `DecodeStepCost` fits its hinge every REFIT_EVERY observations (a fit over ~10-20 row
+# counts took 30-45 us, ~0.4% of a 10 ms step, every iteration); the bins, its line and the
+# stall rule see every observation.
+REFIT_EVERY = 4
 # `DecodeStepCost`: an iteration slower than STALL_FACTOR x the line's estimate is a stall,
 # not its tokens' cost; after MAX_STALLS such iterations in a row the host's speed changed
 # and they count again.
@@ -128,6 +132,8 @@ class DecodeStepCost(CostModel):
         self._bins: dict[tuple[int, bool], list[float]] = {}
         self.hinge: tuple[float, float, float, float] | None = None  # a, b, c, knee
         self.verify_extra = 0.0
+        self._since_fit = 0  # observations since the last `refit`
+        self._unit = 1.0  # the weight of an observation now, in the bins' units
 
     def observe(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
         """An iteration of num_tokens rows (decodes, and drafts if `drafted`) took seconds."""
@@ -145,20 +151,43 @@ class DecodeStepCost(CostModel):
                 return
         super().observe(num_tokens, seconds - (self.verify_extra if drafted else 0.0))
         self._observe_bin(num_tokens, seconds, drafted)
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self.refit()
+
+    def refit(self) -> None:
+        """Fit the hinge and `verify_extra` to the bins now (`observe` does every
+        REFIT_EVERY observations)."""
+        self._since_fit = 0
+        self._drop_faded()
         self.verify_extra = self._verify_extra()
         self.hinge = fit_hinge(self._points())
 
     def _observe_bin(self, num_tokens: int, seconds: float, drafted: bool) -> None:
-        """Fade every bin by `forget` (dropping those under BIN_MIN_WEIGHT), add this one."""
-        for key in list(self._bins):
-            sums = self._bins[key]
-            sums[:] = [self.forget * value for value in sums]
-            if sums[0] < BIN_MIN_WEIGHT:
-                del self._bins[key]
+        """Add this observation to its bin, every older one faded by `forget`.
+
+        NOTE: the bins hold sums in units of `_unit` (the weight of an observation now:
+        1 / forget per observation since the last `_rescale`), so fading them all is one
+        division; what a bin weighs now is its sums[0] / _unit (`_drop_faded`)."""
+        self._unit /= self.forget
+        if self._unit > MAX_BIN_UNIT:
+            self._rescale()
         sums = self._bins.setdefault((row_bin(num_tokens), drafted), [0.0, 0.0, 0.0])
-        sums[0] += 1.0
-        sums[1] += num_tokens
-        sums[2] += seconds
+        sums[0] += self._unit
+        sums[1] += self._unit * num_tokens
+        sums[2] += self._unit * seconds
+
+    def _rescale(self) -> None:
+        """Express the bins' sums in today's weights (the unit back to 1)."""
+        for sums in self._bins.values():
+            sums[:] = [value / self._unit for value in sums]
+        self._unit = 1.0
+
+    def _drop_faded(self) -> None:
+        """Drop the bins that weigh less than BIN_MIN_WEIGHT now."""
+        for key in [k for k, sums in self._bins.items()
+                    if sums[0] < BIN_MIN_WEIGHT * self._unit]:
+            del self._bins[key]
 
     def _verify_extra(self) -> float:
         """The mean time a drafted iteration took beyond an undrafted one of the same rows,
@@ -173,7 +202,7 @@ class DecodeStepCost(CostModel):
         return max(0.0, total / weighted) if weighted > 0 else 0.0
 
     def _points(self) -> list[tuple[float, float, float]]:
-        """(weight, mean rows, mean seconds) per row bin, drafted iterations less
+        """(weight now, mean rows, mean seconds) per row bin, drafted iterations less
         `verify_extra`."""
         merged: dict[int, list[float]] = {}
         for (key, drafted), (w, wn, wt) in self._bins.items():
@@ -181,7 +210,7 @@ class DecodeStepCost(CostModel):
             sums[0] += w
             sums[1] += wn
             sums[2] += wt - (w * self.verify_extra if drafted else 0.0)
-        return [(w, wn / w, wt / w) for w, wn, wt in merged.values()]
+        return [(w / self._unit, wn / w, wt / w) for w, wn, wt in merged.values()]
 
     def seconds(self, num_tokens: int) -> float:
         """Estimated time of a decode iteration of num_tokens rows (the hinge, else the
@@ -223,8 +252,10 @@ ACCOUNT_SLACK = 0.003
 
 
 # `DecodeStepCost`'s bins: exact row counts up to 16, then 8 an octave; a bin whose weight
-# faded under BIN_MIN_WEIGHT (~230 iterations at forget 0.98) is dropped.
+# faded under BIN_MIN_WEIGHT (~230 iterations at forget 0.98) is dropped. The bins' unit
+# is brought back to 1 past MAX_BIN_UNIT (~3,400 observations at 0.98).
 BIN_MIN_WEIGHT = 0.01
+MAX_BIN_UNIT = 1e30
 # The hinge replaces the line only where its weighted squared error is under this share
 # of the line's (noise alone bends a line a little at every knee).
 HINGE_GAIN = 0.8
