@@ -24,10 +24,12 @@ Interface (what `planner.Speculator` calls):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
+
+Copy = TypeVar("Copy")  # a proposer's copy of one sequence's tokens
 
 
 class Proposer(Protocol):
@@ -97,24 +99,25 @@ def longest_suffix_match(tokens: np.ndarray, max_len: int) -> tuple[int, np.ndar
     return length, ends
 
 
-class _PerSequence:
-    """Each live sequence's TokenHistory, by sequence id."""
+class _PerSequence(Generic[Copy]):
+    """Each live sequence's copy of its tokens (what `make` builds: a TokenHistory, an
+    NgramIndex), by sequence id."""
 
-    def __init__(self) -> None:
-        self._histories: dict[str, TokenHistory] = {}
+    def __init__(self, make: Callable[[], Copy]) -> None:
+        self._make = make
+        self._copies: dict[str, Copy] = {}
 
-    def tokens(self, seq_id: str, prompt_ids: Sequence[int],
-               output_ids: Sequence[int]) -> np.ndarray:
-        history = self._histories.get(seq_id)
-        if history is None:
-            history = self._histories[seq_id] = TokenHistory()
-        return history.sync(prompt_ids, output_ids)
+    def copy_of(self, seq_id: str) -> Copy:
+        copy = self._copies.get(seq_id)
+        if copy is None:
+            copy = self._copies[seq_id] = self._make()
+        return copy
 
     def forget(self, seq_id: str) -> None:
-        self._histories.pop(seq_id, None)
+        self._copies.pop(seq_id, None)
 
     def __len__(self) -> int:
-        return len(self._histories)
+        return len(self._copies)
 
 
 class NgramIndex:
@@ -172,36 +175,28 @@ class NgramIndex:
         return best, best_end
 
 
-class NgramProposer:
+class NgramProposer(_PerSequence[NgramIndex]):
     """vLLM's `ngram` proposer (prompt lookup decoding); see the module docstring."""
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min} and {prompt_lookup_max}")
+        super().__init__(lambda: NgramIndex(prompt_lookup_min))
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, seq_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
                 max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
-        index = self._indexes.get(seq_id)
-        if index is None:
-            index = self._indexes[seq_id] = NgramIndex(self.min_n)
+        index = self.copy_of(seq_id)
         index.sync(prompt_ids, output_ids)
         length, end = index.longest_match(self.max_n)
         return index.tokens[end + 1:end + 1 + max_tokens] if length else []
 
     def finish(self, seq_id: str, output_ids: Sequence[int]) -> None:
         self.forget(seq_id)
-
-    def forget(self, seq_id: str) -> None:
-        self._indexes.pop(seq_id, None)
-
-    def __len__(self) -> int:
-        return len(self._indexes)
 
 
 def walk_most_frequent(sources: list[tuple[np.ndarray, np.ndarray]], max_tokens: int,
@@ -334,7 +329,7 @@ def _backward_match(stored: np.ndarray, end: int, tail: list[int]) -> int:
 MAX_OCCURRENCES = 64
 
 
-class SuffixProposer(_PerSequence):
+class SuffixProposer(_PerSequence[TokenHistory]):
     """vLLM's `suffix` proposer (suffix decoding); see the module docstring.
 
     NOTE: the walk over the sequence itself follows its MAX_OCCURRENCES most recent
@@ -343,7 +338,7 @@ class SuffixProposer(_PerSequence):
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
-        super().__init__()
+        super().__init__(TokenHistory)
         self.max_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -353,7 +348,7 @@ class SuffixProposer(_PerSequence):
                 max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
-        tokens = self.tokens(seq_id, prompt_ids, output_ids)
+        tokens = self.copy_of(seq_id).sync(prompt_ids, output_ids)
         best: tuple[list[int], float] = ([], 0.0)
         own_len, ends = longest_suffix_match(tokens, self.max_depth)
         ends = ends[-MAX_OCCURRENCES:]
