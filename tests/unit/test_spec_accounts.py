@@ -12,7 +12,6 @@ import math
 import pytest
 
 from slotserve.spec import planner
-from slotserve.spec.config import parse
 from slotserve.spec.planner import (
     ACCOUNT_ALLOWANCE,
     ACCOUNT_SLACK,
@@ -22,9 +21,9 @@ from slotserve.spec.planner import (
     LinearStepCost,
     Speculator,
 )
+from tests.unit.test_spec_auto_cost import AUTO
 from tests.unit.test_spec_proposers import FixedProposer
 
-AUTO = parse({"method": "ngram", "num_speculative_tokens": "auto"})
 # 10 ms a step and 1 ms a row: a draft row slows a 2-row step by ~8%.
 ROW_COST = LinearStepCost(overhead=10.0, per_token=1.0)
 

@@ -139,7 +139,8 @@ class DecodeStepCost(CostModel):
         """An iteration of num_tokens rows (decodes, and drafts if `drafted`) took seconds."""
         if num_tokens <= 0 or not seconds >= 0:
             return
-        estimate = self.seconds(num_tokens) + (self.verify_extra if drafted else 0.0)
+        extra = self.verify_extra if drafted else 0.0
+        estimate = self.seconds(num_tokens) + extra
         if not (estimate > 0 and seconds > STALL_FACTOR * estimate):
             self._slow_in_a_row = 0
         else:
@@ -149,7 +150,7 @@ class DecodeStepCost(CostModel):
             if self._slow_in_a_row <= MAX_STALLS:
                 self.stalls_skipped += 1
                 return
-        super().observe(num_tokens, seconds - (self.verify_extra if drafted else 0.0))
+        super().observe(num_tokens, seconds - extra)
         self._observe_bin(num_tokens, seconds, drafted)
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
@@ -491,10 +492,11 @@ class Speculator:
         """
         if budget <= 0 or not candidates:
             return {}
+        cost = self.step_cost or cost
         proposals: dict[str, list[int]] = {}  # "auto": asked while planning
         if self.config.auto:
-            wanted = self._auto_wanted(candidates, budget, planned_tokens, producing,
-                                       self.step_cost or cost, proposals)
+            wanted = self._auto_wanted(candidates, budget, planned_tokens, producing, cost,
+                                       proposals)
         else:
             wanted = {c.seq_id: min(c.max_tokens, self.config.max_tokens) for c in candidates}
         drafts: dict[str, list[int]] = {}
@@ -508,8 +510,7 @@ class Speculator:
                 drafts[cand.seq_id] = tokens[:k]
                 budget -= len(drafts[cand.seq_id])
         if self.config.auto:
-            self._charge(candidates, drafts, planned_tokens,
-                         self.step_cost or cost or LinearStepCost())
+            self._charge(candidates, drafts, planned_tokens, cost or LinearStepCost())
         self._end_spans(candidates, drafts)
         return drafts
 
@@ -647,7 +648,7 @@ class Speculator:
         tokens = max(planned_tokens, 1)
         weight = float(max(producing, 1))  # NOTE: each producing sequence feels the step
         seconds = start_seconds = cost.seconds(tokens)
-        slacks = [self._slack(cand.seq_id) for cand in candidates]
+        slacks: list[float] | None = None  # NOTE: looked up at the first paying prefix
         produced_by: dict[int, float] = {}  # candidate index -> its expected tokens
         window = lookahead_window(len(heap))
         taken: list[int] = []  # candidate index of each increment, in order
@@ -664,9 +665,11 @@ class Speculator:
             produced_by[index] = produced
             taken.append(index)
             budget -= 1
-            if total > best + 1e-12 and _within_accounts(
-                    slacks, produced_by, seconds / start_seconds - 1.0):
-                best, best_length = total, len(taken)
+            if total > best + 1e-12:
+                if slacks is None:
+                    slacks = [self._slack(cand.seq_id) for cand in candidates]
+                if _within_accounts(slacks, produced_by, seconds / start_seconds - 1.0):
+                    best, best_length = total, len(taken)
             if j < limit:
                 gain = math.log1p(rate ** (j + 1) / produced)
                 heapq.heappush(heap, (-gain, index, j + 1, rate, limit, produced))
