@@ -18,8 +18,9 @@ A system can be run with a CPU class forced: "slotserve bf16@avx2" is `slotserve
 --quantization bf16` with SLOTSERVE_CPU_ISA=avx2 (model/kernels.py) in its environment, its
 start-up line must name that class; "vLLM bf16@avx2" is serve.sh with FORCE_CPU_ISA=avx2
 (vLLM's _C_AVX2 kernels, torch's and oneDNN's AVX2 code: peers/vllm_cpu/force_isa), its
-processes must have _C_AVX2 loaded. Each class's slotserve rows are compared with vLLM's rows
-of the same class, or, where the run has none, with vLLM's own.
+processes must have _C_AVX2 loaded (avx512: _C_AVX512; avx512bf16: _C, AMX off). Each
+class's slotserve rows are compared with vLLM's rows of the same class, or, where the run
+has none, with vLLM's own.
 
 Models (--model): smollm2, the embedded SmolLM2-135M-Instruct (vLLM loads
 install.sh's fp32 HF conversion of it); llama1b, a random-weight HF directory shaped as
@@ -100,8 +101,10 @@ SYSTEMS = {
     "vLLM bf16": ("vllm", "bfloat16"),
 }
 WORKLOADS = {"W": math.inf, "W 2/s": 2.0, "W 4/s": 4.0, "batch-1": None}
-# the classes serve.sh can force on vLLM (FORCE_CPU_ISA)
-VLLM_CLASSES = ("avx2",)
+# the classes serve.sh can force on vLLM (FORCE_CPU_ISA) -> the kernel library vLLM must then
+# have loaded (vllm/platforms/cpu.py's import_kernels: _C needs AVX512_BF16, AMX is chosen
+# at run time)
+VLLM_CLASSES = {"avx2": "_C_AVX2.", "avx512": "_C_AVX512.", "avx512bf16": "_C."}
 # A forced class's limits on the libraries under slotserve (torch's own kernels, oneDNN, MKL),
 # in the server's environment beside SLOTSERVE_CPU_ISA, as serve.sh sets them for vLLM.
 # NOTE: without them torch's matmuls (the bf16-rounded reference linears, MKL's packed GEMM)
@@ -394,7 +397,7 @@ def start_vllm(name: str, dtype: str, model_dir: Path | None = None,
                                   check=False, capture_output=True)
     server = Server(name, url, pid, time.perf_counter() - t0, stop)
     if cpu_isa is not None:
-        library = f"_C_{cpu_isa.upper()}."
+        library = VLLM_CLASSES[cpu_isa]
         loaded = [lib for lib in mapped_files(pid) if "/vllm/_C" in lib]
         print(f"{name}: vLLM kernels loaded: {loaded}", file=sys.stderr)
         if not any(library in lib for lib in loaded):
@@ -736,7 +739,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Llama-3.2-1B-shaped model (written once under $VLLM_DIR)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated, of: {', '.join(SYSTEMS)}; a slotserve one may "
-                        f"force a CPU class, e.g. 'slotserve bf16@avx2' ({', '.join(CPU_CLASSES)})")
+                        f"force a CPU class, e.g. 'slotserve bf16@avx2' ({', '.join(CPU_CLASSES)}"
+                        f"), a vLLM one {', '.join(VLLM_CLASSES)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     p.add_argument("--rounds", type=int, default=2)

@@ -1,6 +1,11 @@
 """benchmarks.vs_vllm's command line: systems (with a forced CPU class), workloads, models,
 and the targets grouped by CPU class. Nothing is started or timed."""
 
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 
 from benchmarks.vs_vllm import (
@@ -36,13 +41,16 @@ def test_a_forced_class_names_the_row_and_sets_the_class():
     vllm = parse_system("vllm-bf16@avx2")  # serve.sh's FORCE_CPU_ISA
     assert (vllm.name, vllm.kind, vllm.how, vllm.cpu_isa) == (
         "vLLM bf16@avx2", "vllm", "bfloat16", "avx2")
+    assert parse_system("vLLM fp32@AVX512").cpu_isa == "avx512"
+    assert parse_system("vLLM bf16@avx512bf16").cpu_isa == "avx512bf16"
 
 
 @pytest.mark.parametrize("text, words", [
     ("slotserve bf17", "unknown system"),
     ("llama.cpp", "unknown system"),
     ("slotserve bf16@avx3", "unknown CPU class"),
-    ("vLLM bf16@avx512bf16", "avx2 only"),
+    ("vLLM bf16@amx", "avx2, avx512, avx512bf16 only"),
+    ("vLLM fp32@generic", "avx2, avx512, avx512bf16 only"),
 ])
 def test_bad_systems_are_refused_naming_them(text, words):
     with pytest.raises(ValueError, match=words):
@@ -134,14 +142,42 @@ def test_a_forced_class_is_compared_with_vllm_forced_to_it():
 
 def test_a_forced_class_limits_the_libraries_as_the_vllm_peer_does():
     """slotserve@avx2 runs torch's, oneDNN's and MKL's AVX2 code, as serve.sh's
-    FORCE_CPU_ISA=avx2 makes vLLM's (the same three variables)."""
+    FORCE_CPU_ISA=avx2 makes vLLM's (the same three variables); so for each class."""
     from pathlib import Path
 
-    from benchmarks.vs_vllm import LIBRARY_ISA_ENV, PEER_DIR
+    from benchmarks.vs_vllm import LIBRARY_ISA_ENV, PEER_DIR, VLLM_CLASSES
 
     avx2 = LIBRARY_ISA_ENV["avx2"]
     assert avx2 == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     serve = Path(PEER_DIR / "serve.sh").read_text()
-    assert all(f"{key}={value}" in serve for key, value in avx2.items())
+    for isa in VLLM_CLASSES:  # each class serve.sh forces sets the same variables there
+        case = serve[serve.index(f"\n  {isa})"):]
+        case = case[:case.index(";;")]
+        assert sorted(re.findall(r"(\w+)=(\w+)", case)) == sorted(LIBRARY_ISA_ENV[isa].items())
     assert set(LIBRARY_ISA_ENV) < set(CPU_CLASSES)
+
+
+@pytest.mark.parametrize("isa, off, kept", [
+    ("avx2", ["_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"], []),
+    ("avx512", ["_is_avx512_bf16_supported", "_is_amx_tile_supported"],
+     ["_is_avx512_supported"]),
+    ("avx512bf16", ["_is_amx_tile_supported"],
+     ["_is_avx512_supported", "_is_avx512_bf16_supported"]),
+])
+def test_the_vllm_peer_sees_the_forced_class_in_torchs_cpu_checks(isa, off, kept):
+    """force_isa/sitecustomize.py, which serve.sh puts first on vLLM's PYTHONPATH: the checks
+    vLLM picks its kernels by answer False for what the class lacks, as the CPU does for
+    the rest."""
+    from benchmarks.vs_vllm import PEER_DIR
+
+    script = ("import json, torch.cpu; "
+              f"print(json.dumps({{n: getattr(torch.cpu, n)() for n in {off + kept!r}}}))")
+    env = {"PYTHONPATH": str(PEER_DIR / "force_isa"), "PATH": "/usr/bin:/bin"}
+    forced = subprocess.run([sys.executable, "-c", script], env={**env, "FORCE_CPU_ISA": isa},
+                            capture_output=True, text=True, check=True).stdout
+    own = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    forced, own = json.loads(forced), json.loads(own)
+    assert not any(forced[name] for name in off)
+    assert {name: forced[name] for name in kept} == {name: own[name] for name in kept}

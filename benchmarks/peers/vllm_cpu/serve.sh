@@ -5,7 +5,9 @@
 # $VLLM_DIR/serve-PORT.log. DTYPE=float32|bfloat16 (default float32). Both cores compute
 # (VLLM_CPU_OMP_THREADS_BIND=0-1; its "auto" keeps one core for the API process).
 # FORCE_CPU_ISA=avx2: run as on a CPU with AVX2 and no AVX-512 (force_isa/sitecustomize.py:
-# vLLM's _C_AVX2 kernels; torch's, oneDNN's and MKL's AVX2 code; its own compile caches).
+# vLLM's _C_AVX2 kernels; torch's, oneDNN's and MKL's AVX2 code; its own compile caches);
+# avx512: AVX-512 without BF16 or AMX (_C_AVX512); avx512bf16: no AMX (_C, oneDNN held below
+# AMX). The variables are benchmarks/vs_vllm.py's LIBRARY_ISA_ENV for the class.
 set -euo pipefail
 PORT=${1:?usage: serve.sh PORT [more vllm serve args]}; shift
 VLLM_DIR=${VLLM_DIR:-/tmp/vllm-peer}
@@ -24,11 +26,17 @@ export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$VLLM_DIR/vllm-cache}
 case "${FORCE_CPU_ISA:-}" in
   "") ;;
   avx2)
-    export FORCE_CPU_ISA PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/force_isa${PYTHONPATH:+:$PYTHONPATH}"
-    export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
-    export VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT-avx2 TORCHINDUCTOR_CACHE_DIR=$VLLM_DIR/inductor-avx2 ;;
-  *) echo "FORCE_CPU_ISA=$FORCE_CPU_ISA: only avx2 can be forced" >&2; exit 2 ;;
+    export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ;;
+  avx512)
+    export ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512 ;;
+  avx512bf16)
+    export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ;;
+  *) echo "FORCE_CPU_ISA=$FORCE_CPU_ISA: only avx2, avx512 or avx512bf16 can be forced" >&2; exit 2 ;;
 esac
+if [ -n "${FORCE_CPU_ISA:-}" ]; then
+  export FORCE_CPU_ISA PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/force_isa${PYTHONPATH:+:$PYTHONPATH}"
+  export VLLM_CACHE_ROOT=$VLLM_CACHE_ROOT-$FORCE_CPU_ISA TORCHINDUCTOR_CACHE_DIR=$VLLM_DIR/inductor-$FORCE_CPU_ISA
+fi
 nohup "$VLLM_DIR/venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$MODEL_DIR" \
   --served-model-name "${SERVED_NAME:-smollm2}" --host 127.0.0.1 --port "$PORT" \
   --dtype "${DTYPE:-float32}" --max-model-len "${MAX_MODEL_LEN:-4096}" "$@" \
