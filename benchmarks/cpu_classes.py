@@ -25,6 +25,10 @@ every variant alike; medians of per-pass ratios):
     quantization with a CPU class forced: ENGINES).
 (3) quality (--quality ENGINES): greedy agreement with fp32 teacher-forced (lab/quality.py, 32 chat
     prompts of 64 tokens; the bar is 97%), for the same configurations.
+(4) arithmetic (--arithmetic): each variant at 1 row on weights that stay in cache, in GB/s
+    of weights, beside the copy bandwidth: whether a class's batch-1 arithmetic keeps up with
+    the weight stream (a CPU whose vector units are narrower shows it here), e.g.
+    `--arithmetic --shapes "" --variants "fp32,bf16 widen,bf16 dot,int8"`.
 """
 
 from __future__ import annotations
@@ -127,6 +131,47 @@ def matmul_table(shape: str, variants: tuple, passes: int, cpu_isa: str | None =
     return out
 
 
+# Weight bytes per parameter of each matmul variant (int8's per-channel scales aside).
+WEIGHT_BYTES = {"fp32": 4, "bf16 widen": 2, "bf16 dot": 2, "int8": 1, "mkl": 4}
+# The arithmetic part: one linear of ARITHMETIC_IN inputs whose weights fill
+# ARITHMETIC_BYTES_PER_THREAD per thread (so they stay in each core's L2), at one row.
+ARITHMETIC_IN = 2048
+ARITHMETIC_BYTES_PER_THREAD = 1 << 20
+ARITHMETIC_CALLS = 200
+
+
+def arithmetic_linear(variant: str, ops):
+    """The variant's kernel on one in-cache-sized linear, and its weight bytes."""
+    out = torch.get_num_threads() * ARITHMETIC_BYTES_PER_THREAD // (
+        ARITHMETIC_IN * WEIGHT_BYTES[variant])
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(ARITHMETIC_IN, out, generator=gen) * 0.05
+    return MATMUL_VARIANTS[variant](weights, ops), ARITHMETIC_IN * out * WEIGHT_BYTES[variant]
+
+
+@torch.inference_mode()
+def arithmetic_table(variants: tuple, passes: int, cpu_isa: str | None = None) -> dict:
+    """{variant: [GB/s of weights per pass]}: one row through the variant's kernel with its
+    weights in cache (arithmetic_linear, ARITHMETIC_CALLS calls a pass; the calls' own
+    overhead counts against it), variants interleaved. Against the memory's copy bandwidth
+    it says whether the kernel's arithmetic keeps up with the weight stream at batch 1: the
+    time its arithmetic takes per weight byte is 1 / this rate."""
+    ops = load_cpu_ops(cpu_class(cpu_isa).march)
+    built = {v: arithmetic_linear(v, ops) for v in variants}
+    x = torch.randn(1, ARITHMETIC_IN, generator=torch.Generator().manual_seed(2))
+    out: dict = {v: [] for v in variants}
+    for p in range(passes + 1):  # the first pass warms the caches up
+        for v in variants if p % 2 == 0 else variants[::-1]:
+            linear, weight_bytes = built[v]
+            start = time.perf_counter()
+            for _ in range(ARITHMETIC_CALLS):
+                linear(x)
+            seconds = time.perf_counter() - start
+            if p:
+                out[v].append(weight_bytes * ARITHMETIC_CALLS / seconds / 1e9)
+    return out
+
+
 def build_engine(loaded, name: str, max_num_seqs: int) -> LLMEngine:
     """The real model with the kernels of ENGINES[name] (KV cache dtype: auto)."""
     quantization, isa, *kernel_kind = ENGINES[name]
@@ -203,6 +248,24 @@ def cpu_description() -> dict:
     return info
 
 
+def arithmetic_report(variants: tuple, passes: int, cpu_isa: str | None) -> dict:
+    """arithmetic_table's medians beside the copy bandwidth (read before and after), printed."""
+    from benchmarks.perf import measure_bandwidth_gbs
+
+    before = measure_bandwidth_gbs()
+    table = arithmetic_table(variants, passes, cpu_isa)
+    bandwidth = max(before, measure_bandwidth_gbs())
+    report = {"copy_bandwidth_gbs": round(bandwidth, 1), "in_cache_weight_gbs": {}}
+    for v, rates in table.items():
+        rate = statistics.median(rates)
+        report["in_cache_weight_gbs"][v] = round(rate, 1)
+        print(f"1 row, weights in cache: {v} {rate:.1f} GB/s of weights "
+              f"({1 / rate:.3f} ns a byte), x{rate / bandwidth:.2f} the copy bandwidth "
+              f"{bandwidth:.1f} GB/s", flush=True)
+    report["per_pass_gbs"] = table
+    return report
+
+
 def ratios(per: dict, base: str) -> dict:
     """{variant: median over passes of base_ms / variant_ms} (> 1: faster than base)."""
     return {v: round(statistics.median(b / o for b, o in zip(per[base], ms)), 3)
@@ -228,6 +291,9 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--quality", default="",
                    help="engines to rate by greedy agreement with fp32, comma-separated")
+    p.add_argument("--arithmetic", action="store_true",
+                   help="each variant at 1 row with its weights in cache, against the copy "
+                        "bandwidth: whether its arithmetic keeps up with the weight stream")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -241,8 +307,10 @@ def main() -> None:
     rated = tuple(e for e in args.quality.split(",") if e)
     if set(engines + rated) - set(ENGINES) or set(variants) - set(MATMUL_VARIANTS):
         p.error("unknown --engines or --variants")
-    matmuls, engine_results, agreements = {}, None, None
-    for shape in args.shapes.split(",") if variants else ():
+    matmuls, engine_results, agreements, arithmetic = {}, None, None, None
+    if args.arithmetic and variants:
+        arithmetic = arithmetic_report(variants, args.passes, args.cpu_isa)
+    for shape in [s for s in args.shapes.split(",") if s] if variants else ():
         matmuls[shape] = matmul_table(shape, variants, args.passes, args.cpu_isa, args.layers,
                                       tuple(int(r) for r in args.rows.split(",")))
         for rows, per in matmuls[shape].items():
@@ -273,7 +341,7 @@ def main() -> None:
         write_report(args.out, cpu=cpu_description(), threads=torch.get_num_threads(),
                      matmul_cpu_class=cpu_class(args.cpu_isa).name, layers=args.layers,
                      matmul_speedup_over_first=speedups, matmul_ms_per_pass=matmuls,
-                     engines=engine_results,
+                     engines=engine_results, arithmetic=arithmetic,
                      agreement=agreements, quality_bar=QUALITY_BAR,
                      note="2-core host shared with other jobs: compare per-pass ratios")
 

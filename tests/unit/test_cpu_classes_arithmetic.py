@@ -1,0 +1,29 @@
+"""benchmarks.cpu_classes' arithmetic part: the in-cache linear it times and its table."""
+
+import pytest
+import torch
+
+from benchmarks import cpu_classes
+from slotserve.model.cpu_ops import load_cpu_ops
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="fused CPU kernels unavailable")
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16 widen", "int8"])
+def test_the_in_cache_linear_fills_its_bytes_and_computes_x_at_w(variant):
+    linear, weight_bytes = cpu_classes.arithmetic_linear(variant, ops)
+    assert weight_bytes == torch.get_num_threads() * cpu_classes.ARITHMETIC_BYTES_PER_THREAD
+    out = weight_bytes // (cpu_classes.ARITHMETIC_IN * cpu_classes.WEIGHT_BYTES[variant])
+    weights = torch.randn(cpu_classes.ARITHMETIC_IN, out,
+                          generator=torch.Generator().manual_seed(1)) * 0.05
+    x = torch.randn(1, cpu_classes.ARITHMETIC_IN)
+    reference = x @ weights
+    assert (linear(x) - reference).norm() / reference.norm() < 0.02  # int8: ~0.5%
+
+
+def test_the_table_has_a_rate_per_variant_and_pass(monkeypatch):
+    monkeypatch.setattr(cpu_classes, "ARITHMETIC_CALLS", 3)
+    table = cpu_classes.arithmetic_table(("fp32", "bf16 widen"), passes=2)
+    assert set(table) == {"fp32", "bf16 widen"}
+    assert all(len(rates) == 2 and all(r > 0 for r in rates) for rates in table.values())
