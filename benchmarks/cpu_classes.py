@@ -154,8 +154,8 @@ def arithmetic_table(variants: tuple, passes: int, cpu_isa: str | None = None) -
     """{variant: [GB/s of weights per pass]}: one row through the variant's kernel with its
     weights in cache (arithmetic_linear, ARITHMETIC_CALLS calls a pass; the calls' own
     overhead counts against it), variants interleaved. Against the memory's copy bandwidth
-    it says whether the kernel's arithmetic keeps up with the weight stream at batch 1: the
-    time its arithmetic takes per weight byte is 1 / this rate."""
+    it says whether the kernel's arithmetic keeps up with the weight stream at batch 1 (its
+    arithmetic takes 1 / this rate a weight byte)."""
     ops = load_cpu_ops(cpu_class(cpu_isa).march)
     built = {v: arithmetic_linear(v, ops) for v in variants}
     x = torch.randn(1, ARITHMETIC_IN, generator=torch.Generator().manual_seed(2))
@@ -260,8 +260,8 @@ def arithmetic_report(variants: tuple, passes: int, cpu_isa: str | None) -> dict
         rate = statistics.median(rates)
         report["in_cache_weight_gbs"][v] = round(rate, 1)
         print(f"1 row, weights in cache: {v} {rate:.1f} GB/s of weights "
-              f"({1 / rate:.3f} ns a byte), x{rate / bandwidth:.2f} the copy bandwidth "
-              f"{bandwidth:.1f} GB/s", flush=True)
+              f"({rate / WEIGHT_BYTES[v]:.1f} G weights/s), x{rate / bandwidth:.2f} the copy "
+              f"bandwidth {bandwidth:.1f} GB/s", flush=True)
     report["per_pass_gbs"] = table
     return report
 
