@@ -562,7 +562,7 @@ class Speculator:
         best = max(prior, key=self.rate)  # NOTE: ties: the first in candidate order
         explorer = next(i for i, c in enumerate(candidates) if c.seq_id == best)
         if not _within_accounts([self._slack(c.seq_id) for c in candidates],
-                                {explorer: 1.0 + self.rate(best)},
+                                {explorer: expected_tokens(self.rate(best), 1)},
                                 _slowdown(cost, max(planned_tokens, 1), 1)):
             return wanted  # NOTE: the row would cost some sequence more than it has
         self.explorations += 1
