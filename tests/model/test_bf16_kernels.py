@@ -128,7 +128,7 @@ def amx_ops(cpu_ops):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 130])
-@pytest.mark.parametrize("in_features,out_features", [(95, 200), (576, 40), (1536, 32)])
+@pytest.mark.parametrize("in_features,out_features", [(95, 200), (576, 40), (1536, 32), (2048, 64)])
 def test_amx_equals_the_rounded_product(amx_ops, rows, in_features, out_features):
     weight, _ = random_linear(in_features, out_features, False, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))

@@ -37,44 +37,67 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// NOTE: an x tile's 16 rows are loaded at the row stride; a stride of a multiple of 4 KB
+// (2048 or 8192 inputs: the 1B model's) puts all 16 rows in one L1 set, which holds 12, so
+// each step's x tiles come from L2. An odd number of cache lines per row puts the 16 rows
+// in 16 sets: a standalone 2x2 step loop at 2048 inputs took 105-108 ns per step at 4096
+// bytes, 86-88 at 4160; at 1024 inputs 70-76 at 2048 bytes, 62-64 at 2112.
+int64_t x_row_stride(int64_t inputs /* a multiple of 32 */) {
+  const int64_t lines = inputs / 32;  // 32 bf16 = one 64-byte line
+  return lines % 2 == 0 ? inputs + 32 : inputs;
+}
+
 // NOTE: the weight tiles stream from memory (a panel is read once per call, at its first
 // block of rows): asking for the panel rows AMX_PREFETCH_BYTES ahead (into the next panel
 // at its end, which the same thread takes next) made the 120 layer linears of SmolLM2 at
-// 16 rows 5-8% faster here (13.5-14.4 -> 12.9-13.2 ms, interleaved); none measurable at
-// 32-64 rows. The weight stream, not the tile unit, sets the pace: a standalone copy of the
-// step loop took 95 ns per step from L3, of which the four tile multiplies take 22.
+// 16 rows 5-8% faster here (13.5-14.4 -> 12.9-13.2 ms, interleaved). Into L2 (T1), not L1:
+// L1 keeps the x tiles then; the 1B model's 16 layers of linears at 64-128 rows took
+// 117-185 ms against 125-211 with T0 (the same at 16-32 rows; SmolLM2's the same or better).
 constexpr int64_t AMX_STEP_BYTES = AMX_PAIRS * 2 * PANEL_WIDTH * 2;  // one step's weights
 constexpr int64_t AMX_PREFETCH_BYTES = 4 * AMX_STEP_BYTES;
+constexpr _mm_hint AMX_PREFETCH_HINT = _MM_HINT_T1;
 
-// y[rows0 .. rows0 + 32) x [p * 32, +cols) for two blocks of 16 rows of xb (bf16 rows of
-// stride ldx elements, padded with zero rows), the weights of one panel; prefetch: ask for
-// the weights ahead (the panel's first block of rows: later blocks find them in cache).
+// y[rows0 .. rows0 + 16 * ROW_TILES) x [p * 32, +cols) for ROW_TILES (1 or 2) tiles of 16
+// rows of xb (bf16 rows of stride ldx elements, padded with zero rows), the weights of one
+// panel; prefetch: ask for the weights ahead (the panel's first block of rows: later blocks
+// find them in cache). NOTE: a block of 16 rows or fewer takes one row tile: half the tile
+// multiplies and one load fewer a step for the same weight stream (the 1B model's linears
+// at 16 rows 82-85 ms against 89, at 48 rows 109-115 against 122); a row's sums are the
+// same either way (each sum tile sees the same multiplies in the same order).
+template <int ROW_TILES>
 void amx_panel_block(const uint16_t* xb, int64_t ldx, const uint16_t* panel, int64_t pairs16,
                      float* tmp /* 32 x 32 */, bool prefetch) {
+  static_assert(ROW_TILES == 1 || ROW_TILES == 2, "one or two tiles of rows");
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (ROW_TILES == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t kp = 0; kp < pairs16; kp += AMX_PAIRS) {
     const uint16_t* w = panel + kp * 2 * PANEL_WIDTH;
     if (prefetch) {
       const char* ahead = reinterpret_cast<const char*>(w) + AMX_PREFETCH_BYTES;
       for (int64_t line = 0; line < AMX_STEP_BYTES; line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T0);
+        _mm_prefetch(ahead + line, AMX_PREFETCH_HINT);
     }
     _tile_loadd(6, w, 2 * PANEL_WIDTH * 2);
     _tile_loadd(7, w + PANEL_WIDTH, 2 * PANEL_WIDTH * 2);
     _tile_loadd(4, xb + 2 * kp, ldx * 2);
-    _tile_loadd(5, xb + AMX_ROWS * ldx + 2 * kp, ldx * 2);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (ROW_TILES == 2) {
+      _tile_loadd(5, xb + AMX_ROWS * ldx + 2 * kp, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, tmp, 32 * 4);
   _tile_stored(1, tmp + 16, 32 * 4);
-  _tile_stored(2, tmp + 16 * 32, 32 * 4);
-  _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
+  if constexpr (ROW_TILES == 2) {
+    _tile_stored(2, tmp + 16 * 32, 32 * 4);
+    _tile_stored(3, tmp + 16 * 32 + 16, 32 * 4);
+  }
 }
 #endif
 
@@ -102,7 +125,8 @@ torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
   if (tokens == 0) return y;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   // x in bf16, zero-padded to a multiple of 2 x 16 rows and of 32 inputs
-  const int64_t blocks = (tokens + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), ldx = 2 * pairs16;
+  const int64_t blocks = (tokens + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
+  const int64_t ldx = x_row_stride(2 * pairs16);
   auto xb = torch::empty({blocks * 2 * AMX_ROWS, ldx}, x.options().dtype(torch::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
   round_rows_to_bf16(x.data_ptr<float>(), tokens, in, xbp, blocks * 2 * AMX_ROWS, ldx);
@@ -114,9 +138,13 @@ torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
       for (int64_t b = 0; b < blocks; ++b) {
-        amx_panel_block(xbp + b * 2 * AMX_ROWS * ldx, ldx, pp + p * pairs16 * 2 * PANEL_WIDTH,
-                        pairs16, tmp, b == 0);
         const int64_t rows = std::min(2 * AMX_ROWS, tokens - b * 2 * AMX_ROWS);
+        const uint16_t* xblock = xbp + b * 2 * AMX_ROWS * ldx;
+        const uint16_t* panel = pp + p * pairs16 * 2 * PANEL_WIDTH;
+        if (rows <= AMX_ROWS)
+          amx_panel_block<1>(xblock, ldx, panel, pairs16, tmp, b == 0);
+        else
+          amx_panel_block<2>(xblock, ldx, panel, pairs16, tmp, b == 0);
         for (int64_t r = 0; r < rows; ++r)
           std::copy_n(tmp + r * PANEL_WIDTH, cols,
                       yp + (b * 2 * AMX_ROWS + r) * out_features + p * PANEL_WIDTH);
