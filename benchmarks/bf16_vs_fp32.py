@@ -7,7 +7,7 @@ Interleaved in one process (the order alternates from pass to pass, so that the 
 minute hits every kernel alike; report medians of per-pass ratios):
 (1) the model's matmuls (all decoder linears + the LM head; the LM head not at the 512-row
     prefill chunk) at 1, 4, 16, 64 and 512 rows, for (--variants): "fp32" panels, "bf16"
-    (what quantization="bf16" runs: bf16 panels widened below 16 rows, AMX from 16 where
+    (what quantization="bf16" runs: bf16 panels widened below 8 rows, AMX from 8 where
     usable), "bf16 widen" (fp32 activations at every size), "bf16 dot" (bf16 activations,
     vdpbf16ps), "onednn bf16" (torch's bf16 linear; output rounded to bf16, for scale);
 (2) batch-1 decode, one request of 128 tokens (TPOT), fp32 against bf16 engines;

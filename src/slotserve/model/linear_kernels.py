@@ -20,7 +20,7 @@ then calls it instead (the original weight is released: one copy in memory, not 
   CPU classes (model/kernels.py). The weights rounded to bfloat16 once and kept in bf16 panels
   (csrc/bf16_panels.cpp, `panel_linear_bf16`): half the fp32 panels' bytes, widened to fp32 in
   registers, fp32 activations and accumulation; equal to the last bit to the fp32 panels
-  over the rounded weights (the avx2 and avx512 classes). From 16 rows on, where AMX is usable, x is
+  over the rounded weights (the avx2 and avx512 classes). From 8 rows on, where AMX is usable, x is
   rounded to bf16 too and multiplied on AMX tiles (fp32 sums: the amx class); without AMX
   but with AVX512_BF16, x rounded to bf16 and vdpbf16ps at every size (the avx512bf16
   class). Without the fused kernels vectorised (or with kernels="reference", or on the
@@ -80,10 +80,13 @@ def bf16_round(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().float().bfloat16().float()
 
 
-# NOTE: from 16 rows on, AMX's tile multiply (x rounded to bf16) ran the model's matmuls
-# 1.7-3.5x faster than widening the weights (which is compute-bound there); below, AMX's
-# 16-row tiles are mostly padding (benchmarks/PERF.md, "bf16 weights").
-BF16_AMX_MIN_ROWS = 16
+# NOTE: from 8 rows on, AMX's tile multiply (x rounded to bf16) runs the model's matmuls
+# faster than widening the weights (which is compute-bound there): 16 layers of the 1B
+# model's linears at 8 / 12 / 16 rows 75.7 / 76.6 / 75.0 ms against 80.3 / 111.1 / 131.3,
+# SmolLM2's 30 layers 10.3 / 10.6 / 11.1 against 11.1 / 13.2 / 16.8 (this AMX Xeon,
+# interleaved, 2026-12-05); below 8 AMX's 16-row tile is mostly padding and loses (4 rows:
+# 78.3 against 63.3, 9.9 against 8.8). From 16 rows: 1.7-3.5x (benchmarks/PERF.md).
+BF16_AMX_MIN_ROWS = 8
 # NOTE: without AMX (the avx512bf16 CPU class: AMD Zen 4/5), x rounded to bf16 and
 # vdpbf16ps ran one forward's linears x0.94-1.08 widening's speed at 1-4 rows (both at the
 # memory's pace), x1.0-1.4 at 8 and x1.4-1.9 from 16 rows (widening is compute-bound there:
