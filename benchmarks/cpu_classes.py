@@ -14,8 +14,10 @@ every variant alike; medians of per-pass ratios):
     caps the layers: a 1B forward's fp32 panels alone are 3.9 GB): fp32 panels, bf16 panels
     widened ("bf16 widen"), bf16 panels with x rounded to bf16 and vdpbf16ps ("bf16 dot",
     where the CPU has AVX512_BF16), int8 weights x int16 activations ("int8") and MKL's
-    packed fp32 GEMM ("mkl"). Where dot overtakes widening is the avx512bf16 class's dot
-    threshold (model/kernels.py, BF16_DOT_MIN_ROWS). --cpu-isa CLASS: the kernels of that
+    packed fp32 GEMM ("mkl"); asked for, AMX tiles at every row count ("bf16 amx", on a CPU
+    with AMX). Where dot overtakes widening is the avx512bf16 class's dot threshold
+    (model/kernels.py, BF16_DOT_MIN_ROWS), where AMX does the amx class's
+    (linear_kernels.BF16_AMX_MIN_ROWS). --cpu-isa CLASS: the kernels of that
     class's build (the avx2 class: its AVX2 tiles), MKL and torch held to its instructions
     (the process starts again with vs_vllm.LIBRARY_ISA_ENV: they read them at start-up).
 (2) engines (--engine-rounds): the real model in process (LLMEngine with the fused kernels
@@ -65,6 +67,7 @@ MATMUL_VARIANTS = {
     "fp32": lambda w, ops: PanelLinear(w, None, ops),
     "bf16 widen": lambda w, ops: Bf16PanelLinear(w, None, ops),
     "bf16 dot": lambda w, ops: Bf16PanelLinear(w, None, ops, dot_min_rows=1),
+    "bf16 amx": lambda w, ops: Bf16PanelLinear(w, None, ops, amx_min_rows=1),
     "int8": lambda w, ops: Int8WeightOnlyLinear(w, None, ops),
     "mkl": lambda w, ops: MKLPackedLinear(w, None),
 }
@@ -81,6 +84,12 @@ ENGINES = {
     "avx2 int8": ("int8", "avx2"),  # the int8 kernel's fallback loops, built for AVX2
 }
 QUALITY_BAR = 0.97
+
+
+def amx_usable(cpu_isa: str | None) -> bool:
+    """Whether the kernels of CPU class cpu_isa's build (None: this CPU's) run AMX here."""
+    ops = load_cpu_ops(cpu_class(cpu_isa).march)
+    return ops is not None and ops.amx_bf16_usable()
 
 
 def layer_shapes(shape: str, max_layers: int | None = None) -> list[tuple[int, int]]:
@@ -132,7 +141,10 @@ def matmul_table(shape: str, variants: tuple, passes: int, cpu_isa: str | None =
 
 
 # Weight bytes per parameter of each matmul variant (int8's per-channel scales aside).
-WEIGHT_BYTES = {"fp32": 4, "bf16 widen": 2, "bf16 dot": 2, "int8": 1, "mkl": 4}
+WEIGHT_BYTES = {"fp32": 4, "bf16 widen": 2, "bf16 dot": 2, "bf16 amx": 2, "int8": 1, "mkl": 4}
+# A variant a CPU may lack: not in the default --variants (asked for, it must run here).
+AMX_VARIANT = "bf16 amx"
+DEFAULT_VARIANTS = tuple(v for v in MATMUL_VARIANTS if v != AMX_VARIANT)
 # The arithmetic part: one linear of ARITHMETIC_IN inputs whose weights fill
 # ARITHMETIC_BYTES_PER_THREAD per thread (so they stay in each core's L2), at one row.
 ARITHMETIC_IN = 2048
@@ -282,7 +294,7 @@ def main() -> None:
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="matmul row counts")
     p.add_argument("--cpu-isa", default=None, choices=CPU_CLASSES,
                    help="the matmuls of this CPU class's build (default: this CPU's class)")
-    p.add_argument("--variants", default=",".join(MATMUL_VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="matmul variants, comma-separated, the base of the ratios first")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"in-process engines, comma-separated, of: {', '.join(ENGINES)}")
@@ -307,6 +319,8 @@ def main() -> None:
     rated = tuple(e for e in args.quality.split(",") if e)
     if set(engines + rated) - set(ENGINES) or set(variants) - set(MATMUL_VARIANTS):
         p.error("unknown --engines or --variants")
+    if AMX_VARIANT in variants and not amx_usable(args.cpu_isa):
+        p.error(f"--variants {AMX_VARIANT!r}: AMX-BF16 is not usable here (CPU or class)")
     matmuls, engine_results, agreements, arithmetic = {}, None, None, None
     if args.arithmetic and variants:
         arithmetic = arithmetic_report(variants, args.passes, args.cpu_isa)
