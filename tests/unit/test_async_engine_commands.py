@@ -5,8 +5,10 @@ different things per kind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import queue
+import time
 
 import pytest
 
@@ -93,3 +95,27 @@ def test_a_call_settles_its_future_with_the_functions_exception():
             await asyncio.wait_for(done, 5)
 
     asyncio.run(scenario())
+
+
+def test_a_request_arrives_when_the_server_takes_it_not_when_the_engine_applies_it(tiny_llama):
+    """A request queued through a long iteration has waited since the server took it: its
+    arrival (TTFT's start in the trace and the metrics) is stamped then, as vLLM's."""
+    engine = AsyncEngine(tiny_engine(tiny_llama, num_blocks=16))
+    before = time.monotonic()
+
+    async def queue_then_apply_later() -> tuple[float, float]:
+        outputs = engine.generate("r1", [5, 6, 7], PARAMS)
+        first = asyncio.ensure_future(anext(outputs))
+        await asyncio.sleep(0.01)  # no engine thread: it stays queued
+        (add,) = queued(engine)
+        time.sleep(0.05)  # the engine's thread is busy with an iteration meanwhile
+        applied = time.monotonic()
+        engine._add(add)  # what the engine's thread does next
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        return add.arrival, applied
+
+    arrival, applied = asyncio.run(queue_then_apply_later())
+    assert before <= arrival <= applied - 0.05
+    assert engine.engine._sequences["r1"].request.times.arrival == arrival

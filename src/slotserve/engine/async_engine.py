@@ -30,6 +30,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,6 +123,10 @@ class AddRequest:
     params: SamplingParams
     scheduling: SchedulingFields  # NOTE: checked when built, in the caller's thread
     matchers: list | None  # the grammar matchers, one per completion (None: unconstrained)
+    # NOTE: when the server took the request (time.monotonic), not when the engine's thread
+    # applies it: a request that waits in the queue through a long iteration waits in its
+    # TTFT (the trace's, the metrics'), as vLLM stamps its arrival in the API server.
+    arrival: float
 
     def __str__(self) -> str:
         return f"add {self.request_id}"
@@ -343,6 +348,7 @@ class AsyncEngine:
     def _open(self, request_id: str, prompt: Prompt, params: SamplingParams,
               scheduling: SchedulingFields | None = None,
               matchers: list | None = None) -> _Stream:
+        arrival = time.monotonic()
         self._raise_if_dead()
         if not self._accepting or self._stopping:
             raise EngineClosedError("the server is shutting down")
@@ -360,7 +366,8 @@ class AsyncEngine:
             self._queued_seqs += params.n
             tenant = scheduling.tenant
             self._queued_by_tenant[tenant] = self._queued_by_tenant.get(tenant, 0) + params.n
-        self._commands.put(AddRequest(request_id, text, ids, params, scheduling, matchers))
+        self._commands.put(AddRequest(request_id, text, ids, params, scheduling, matchers,
+                                      arrival))
         self._wakeup.set()
         return stream
 
@@ -534,7 +541,7 @@ class AsyncEngine:
             return  # the client left before the engine saw the request
         try:
             self.engine.add_request(request_id, command.prompt_ids, params,
-                                    prompt_text=command.prompt_text,
+                                    arrival=command.arrival, prompt_text=command.prompt_text,
                                     grammar_matchers=command.matchers,
                                     scheduling=command.scheduling)
         except ValueError as exc:
