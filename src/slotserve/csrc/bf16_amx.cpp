@@ -124,12 +124,14 @@ torch::Tensor panel_linear_bf16_amx(torch::Tensor x, torch::Tensor panels,
   auto y = torch::empty({tokens, out_features}, x.options());
   if (tokens == 0) return y;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  // x in bf16, zero-padded to a multiple of 2 x 16 rows and of 32 inputs
+  // x in bf16, zero-padded to a multiple of 16 rows (a last block of 16 rows or fewer reads
+  // one row tile) and of 32 inputs
   const int64_t blocks = (tokens + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
+  const int64_t padded_rows = (tokens + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
   const int64_t ldx = x_row_stride(2 * pairs16);
-  auto xb = torch::empty({blocks * 2 * AMX_ROWS, ldx}, x.options().dtype(torch::kBFloat16));
+  auto xb = torch::empty({padded_rows, ldx}, x.options().dtype(torch::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-  round_rows_to_bf16(x.data_ptr<float>(), tokens, in, xbp, blocks * 2 * AMX_ROWS, ldx);
+  round_rows_to_bf16(x.data_ptr<float>(), tokens, in, xbp, padded_rows, ldx);
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
