@@ -53,6 +53,12 @@ logger = logging.getLogger("slotserve.engine")
 # many distinct schemas takes from the engine's forward passes to one core.
 GRAMMAR_THREADS = 1
 MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
+# From idle, the first iteration waits for a burst to arrive whole (AsyncEngine.
+# _settle_arrivals): polling every BURST_POLL_S while the server prepares requests, then
+# BURST_QUIET_S for stragglers; BURST_MAX_S in all.
+BURST_POLL_S = 0.001
+BURST_QUIET_S = 0.01
+BURST_MAX_S = 0.3
 
 
 def queue_bound_of(max_waiting: int | None, config: SchedulerConfig,
@@ -181,6 +187,7 @@ class AsyncEngine:
         self._queued_seqs = 0  # sequences (n per request) added, not yet seen by the engine
         # The same per tenant, for SchedulerConfig.max_waiting_per_tenant (`_check_bounds`).
         self._queued_by_tenant: dict[str, int] = {}
+        self._incoming = 0  # requests the server is preparing (`incoming`)
         self._stopping = False
         self._accepting = True
         self._fatal: EngineDeadError | None = None  # set once, when the loop dies
@@ -253,6 +260,19 @@ class AsyncEngine:
     def num_active(self) -> int:
         with self._lock:
             return len(self._streams)
+
+    @contextlib.contextmanager
+    def incoming(self):
+        """Held by the server while it prepares a request for `generate` (its sampling
+        parameters, grammar, tokens): the engine, starting its first iteration after idle,
+        waits for such requests (`_settle_arrivals`), so a burst runs as one."""
+        with self._lock:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._incoming -= 1
 
     # ------------------------------------------------------------------ read side
     def snapshot(self, include_blocks: bool = False) -> EngineSnapshot:
@@ -445,12 +465,17 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         """Iterations until stop(); raises only when the engine cannot go on."""
+        idle = True
         while not self._stopping:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
+                idle = True
                 self._wakeup.wait(0.5)
                 self._wakeup.clear()
                 continue
+            if idle:
+                self._settle_arrivals()
+                idle = False
             outputs, fault = self._step()
             self._deliver(outputs)
             if fault is not None:
@@ -458,6 +483,37 @@ class AsyncEngine:
                 if self._step_faults >= MAX_CONSECUTIVE_STEP_FAULTS:
                     raise EngineDeadError(f"{self._step_faults} engine iterations in a row "
                                           f"failed; the last: {fault}")
+
+    def _settle_arrivals(self) -> None:
+        """Before the first iteration after idle: while the server prepares more requests
+        (`incoming`) or more arrive, take them in; then, if more than the first came, wait
+        BURST_QUIET_S for stragglers. BURST_MAX_S in all.
+
+        NOTE: many clients at once reach the engine one request at a time, as the server
+        parses and tokenizes each (1-8 ms apart on 2 cores). Without this the first few
+        prompts ran alone, and those requests then decoded through the rest's prefill (held
+        first tokens keep a burst's requests from that only among those already arrived,
+        core/scheduler.py): the outliers of the burst's TPOT. A request arriving alone
+        (nothing else incoming) does not wait.
+        """
+        deadline = time.monotonic() + BURST_MAX_S
+        burst = False
+        while not self._stopping and time.monotonic() < deadline:
+            if not self._commands.empty():
+                self._apply_commands()
+                burst = True
+            elif self._incoming > 0:
+                burst = True
+                self._wakeup.clear()
+                self._wakeup.wait(BURST_POLL_S)
+            elif not burst:
+                return
+            else:
+                self._wakeup.clear()
+                left = deadline - time.monotonic()
+                if not (self._wakeup.wait(max(0.0, min(BURST_QUIET_S, left)))
+                        or not self._commands.empty()):
+                    return
 
     def _step(self) -> tuple[list[RequestOutput], str | None]:
         """One engine step: (outputs, None), or on a fault that escaped step()'s isolation,

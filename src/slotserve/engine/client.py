@@ -11,6 +11,7 @@ side's that server/ may import (tests/unit/test_layering.py).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 from slotserve.engine.events import EngineSnapshot
@@ -44,6 +45,10 @@ class EngineClient(Protocol):
                  **request_fields) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come (request_fields: cache_salt, priority,
         tenant, slo_ttft_ms, slo_tpot_ms); closing the iterator aborts the request."""
+
+    def incoming(self) -> AbstractContextManager:
+        """A context the server holds while it prepares a request for `generate` (parsing,
+        grammar, tokens): an engine may wait for such requests before it starts a burst."""
 
     def abort(self, request_id: str) -> None:
         """Abort a request (by the next iteration boundary)."""

@@ -260,6 +260,11 @@ class ReplicaFront:
         return dropped
 
     # ------------------------------------------------------------------ requests
+    def incoming(self) -> contextlib.AbstractContextManager:
+        """Nothing to announce: each replica's engine takes its requests as they come
+        (the router spreads a burst over them)."""
+        return contextlib.nullcontext()
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **request_fields) -> AsyncIterator[RequestOutput]:
         """The request's outputs from the replica the router picks; retried elsewhere if
