@@ -27,10 +27,12 @@ def first_iterations(engine: AsyncEngine) -> dict[str, int]:
     return {r["id"]: r["first_iteration"] for r in engine.export_trace()["requests"]}
 
 
-def test_a_request_prepared_while_another_arrives_joins_its_first_iteration(tiny_llama):
+def test_a_request_prepared_while_another_arrives_joins_its_first_iteration(tiny_llama,
+                                                                          monkeypatch):
     """B is announced (incoming) before A arrives and added 0.2 s later: the engine, idle
     until A, waits for it, so both prompts start in the same iteration (without the wait,
     A ran alone for several iterations before B came)."""
+    monkeypatch.setattr(ae, "BURST_MAX_S", 5.0)  # the wait's bound: the next test
     with started(AsyncEngine(tiny_engine(tiny_llama, num_blocks=64, max_num_seqs=4))) as engine:
         async def scenario():
             with engine.incoming():

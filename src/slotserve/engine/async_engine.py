@@ -54,11 +54,12 @@ logger = logging.getLogger("slotserve.engine")
 GRAMMAR_THREADS = 1
 MAX_CONSECUTIVE_STEP_FAULTS = 3  # iterations in a row whose step() raised: the engine is dead
 # From idle, the first iteration waits for a burst to arrive whole (AsyncEngine.
-# _settle_arrivals): polling every BURST_POLL_S while the server prepares requests, then
-# BURST_QUIET_S for stragglers; BURST_MAX_S in all.
+# _settle_arrivals): polling every BURST_POLL_S while the server tokenizes requests, then
+# BURST_QUIET_S for stragglers; BURST_MAX_S in all (NOTE: also the most one request's
+# tokenizing can delay another's first iteration).
 BURST_POLL_S = 0.001
 BURST_QUIET_S = 0.01
-BURST_MAX_S = 0.3
+BURST_MAX_S = 0.1
 
 
 def queue_bound_of(max_waiting: int | None, config: SchedulerConfig,
@@ -263,9 +264,11 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def incoming(self):
-        """Held by the server while it prepares a request for `generate` (its sampling
-        parameters, grammar, tokens): the engine, starting its first iteration after idle,
-        waits for such requests (`_settle_arrivals`), so a burst runs as one."""
+        """Held by the server while it tokenizes a request for `generate`: the engine,
+        starting its first iteration after idle, waits for such requests
+        (`_settle_arrivals`), so a burst runs as one. NOTE: only the tokenizing (bounded by
+        the prompt's size), not a grammar's compilation: a request refused after a long
+        preparation would hold other tenants' first iterations (BURST_MAX_S at most)."""
         with self._lock:
             self._incoming += 1
         try:
@@ -485,7 +488,7 @@ class AsyncEngine:
                                           f"failed; the last: {fault}")
 
     def _settle_arrivals(self) -> None:
-        """Before the first iteration after idle: while the server prepares more requests
+        """Before the first iteration after idle: while the server tokenizes more requests
         (`incoming`) or more arrive, take them in; then, if more than the first came, wait
         BURST_QUIET_S for stragglers. BURST_MAX_S in all.
 

@@ -47,8 +47,8 @@ class EngineClient(Protocol):
         tenant, slo_ttft_ms, slo_tpot_ms); closing the iterator aborts the request."""
 
     def incoming(self) -> AbstractContextManager:
-        """A context the server holds while it prepares a request for `generate` (parsing,
-        grammar, tokens): an engine may wait for such requests before it starts a burst."""
+        """A context the server holds while it tokenizes a request for `generate`: an
+        engine may wait for such requests before it starts a burst."""
 
     def abort(self, request_id: str) -> None:
         """Abort a request (by the next iteration boundary)."""

@@ -159,12 +159,12 @@ class Server:
     async def completions(self, body: p.CompletionRequest, request: Request):
         """One choice per prompt and per n (see CompletionRequest); every prompt is admitted
         or none (Generations)."""
+        params = self._sampling_params(body)
+        prompts = body.engine_prompts(self.limits.max_prompts)
+        bound = self.engine.queue_bound(self._tenant(request, body))
+        self.limits.check_queueable(len(prompts), params.n, bound)
+        await self._check_structured(params, body.structured_spec()[1])
         with self.engine.incoming():
-            params = self._sampling_params(body)
-            prompts = body.engine_prompts(self.limits.max_prompts)
-            bound = self.engine.queue_bound(self._tenant(request, body))
-            self.limits.check_queueable(len(prompts), params.n, bound)
-            await self._check_structured(params, body.structured_spec()[1])
             ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
         self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))
         texts = await self._prompt_texts(prompts, ids) if body.echo else [None] * len(ids)
@@ -194,9 +194,9 @@ class Server:
 
     async def chat(self, body: p.ChatCompletionRequest, request: Request):
         body.use_tool_call_format(tool_call_format(self.chat_template))
+        params = self._sampling_params(body)
+        await self._check_structured(params, body.constraint_param())
         with self.engine.incoming():
-            params = self._sampling_params(body)
-            await self._check_structured(params, body.constraint_param())
             ids = await self._chat_ids(body)
         stream = self._generation(p.new_id("chatcmpl"), ids, params, "messages", request, body)
         first = await stream.start(request)
@@ -213,9 +213,9 @@ class Server:
         fields (input, max_output_tokens, text.format)."""
         try:
             chat = body.to_chat()
+            params = self._sampling_params(chat)
+            await self._check_structured(params, chat.constraint_param())
             with self.engine.incoming():
-                params = self._sampling_params(chat)
-                await self._check_structured(params, chat.constraint_param())
                 ids = await self._chat_ids(chat)
         except APIError as exc:
             raise r.renamed(exc) from exc
