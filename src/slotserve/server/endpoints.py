@@ -164,8 +164,7 @@ class Server:
         bound = self.engine.queue_bound(self._tenant(request, body))
         self.limits.check_queueable(len(prompts), params.n, bound)
         await self._check_structured(params, body.structured_spec()[1])
-        with self.engine.incoming():
-            ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
+        ids = await asyncio.gather(*(self._prompt_ids(prompt) for prompt in prompts))
         self.limits.check_prompt_logprobs_volume(params, sum(map(len, ids)))
         texts = await self._prompt_texts(prompts, ids) if body.echo else [None] * len(ids)
         request_id = p.new_id("cmpl")
@@ -196,8 +195,7 @@ class Server:
         body.use_tool_call_format(tool_call_format(self.chat_template))
         params = self._sampling_params(body)
         await self._check_structured(params, body.constraint_param())
-        with self.engine.incoming():
-            ids = await self._chat_ids(body)
+        ids = await self._chat_ids(body)
         stream = self._generation(p.new_id("chatcmpl"), ids, params, "messages", request, body)
         first = await stream.start(request)
         if body.stream:
@@ -215,8 +213,7 @@ class Server:
             chat = body.to_chat()
             params = self._sampling_params(chat)
             await self._check_structured(params, chat.constraint_param())
-            with self.engine.incoming():
-                ids = await self._chat_ids(chat)
+            ids = await self._chat_ids(chat)
         except APIError as exc:
             raise r.renamed(exc) from exc
         plan = chat.tool_plan()
@@ -295,13 +292,15 @@ class Server:
     # ---------------------------------------------------------------- prompts
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids; text is tokenized off the event loop, after the
-        cheap size check. APIError (400, param "prompt") if it cannot fit."""
+        cheap size check, announced to the engine meanwhile (EngineClient.incoming). APIError
+        (400, param "prompt") if it cannot fit."""
         if not isinstance(prompt, str):
             self._check_token_count(len(prompt), "prompt")
             return prompt
         self._check_text_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
         try:
-            _, ids = await self._off_loop(self.engine.tokenize, prompt)
+            with self.engine.incoming():
+                _, ids = await self._off_loop(self.engine.tokenize, prompt)
         except ValueError as exc:
             raise p.invalid_request(str(exc)) from exc
         self._check_token_count(len(ids), "prompt")
@@ -310,7 +309,8 @@ class Server:
     async def _chat_ids(self, body: p.ChatCompletionRequest) -> list[int]:
         """The conversation's prompt ids: the template rendered and tokenized off the event
         loop (Tokenizer.encode_chat, the offline LLM.chat's path too), after a size check on
-        the messages' text (a template shows each message's content)."""
+        the messages' text (a template shows each message's content); announced to the engine
+        meanwhile (EngineClient.incoming)."""
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
@@ -319,9 +319,10 @@ class Server:
         self._check_text_size(sum(len(m["content"].encode("utf-8", "surrogatepass"))
                                   for m in messages), "messages")
         try:
-            ids = await self._off_loop(self.tokenizer.encode_chat, messages,
-                                       add_generation_prompt=True,
-                                       chat_template=self.limits.chat_template, **kwargs)
+            with self.engine.incoming():
+                ids = await self._off_loop(self.tokenizer.encode_chat, messages,
+                                           add_generation_prompt=True,
+                                           chat_template=self.limits.chat_template, **kwargs)
         except Exception as exc:  # a template may raise on an unusual conversation
             raise APIError(f"messages: the chat template failed: {exc}",
                            param="messages") from exc
