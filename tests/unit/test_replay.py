@@ -32,7 +32,7 @@ from slotserve.lab.replay import (
     scale_rate,
     with_poisson,
 )
-from slotserve.lab.replay.calibrate import CalibrationGrid, calibrate
+from slotserve.lab.replay.calibrate import WARM_UP, CalibrationGrid, calibrate
 from slotserve.lab.replay.plan import SLO, search
 from slotserve.lab.replay.simulator import sampling_params_for
 from slotserve.lab.simulate import SEED_TOY, summarize
@@ -265,7 +265,37 @@ def test_features_of_a_plan():
     # a: its last 4 (positions 16..19, samples); b: its 5 (samples): two chunks.
     assert second == StepFeatures(9, 0, 4 * 16 + 10 + 15, 2, chunks=2)
     third = StepFeatures.of(result.plans[2])  # two decodes: contexts 21 and 6
-    assert third == StepFeatures(0, 2, 21 + 6, 2)
+    assert third == StepFeatures(0, 2, 21 + 6, 2, decode_pairs=21 + 6)
+    assert StepFeatures.of(result.plans[2], first_forward=True).first_forward == 1
+
+
+def test_decode_pairs_count_only_decodes_beside_a_prefill():
+    # A decode at context 31 beside a 16-token prefill chunk at 0: the decode's 31 pairs
+    # are read from the cache, the chunk's 136 computed among its own rows.
+    result = replay([ReplayRequest("a", 30, 4), ReplayRequest("b", 40, 2, arrival=1e-9)],
+                    ReplaySettings(max_num_batched_tokens=17), UnitCost(), keep_plans=True)
+    mixed = 0
+    for plan in result.plans:
+        features = StepFeatures.of(plan)
+        decodes = [s for s in plan.seqs if s.kind == "decode"]
+        assert features.decode_pairs == sum(s.start_pos + 1 for s in decodes)
+        if decodes and len(decodes) < len(plan.seqs):
+            mixed += 1
+            assert 0 < features.decode_pairs < features.attention_pairs
+    assert mixed, "the workload must put a decode beside a prefill chunk"
+
+
+def test_the_replay_prices_an_engines_first_forward_once():
+    requests = [ReplayRequest(str(i), 12, 5) for i in range(4)]
+    coefficients = {**dict.fromkeys(FEATURES, 1e-4)}
+    plain = replay(requests, ReplaySettings(), LinearCost(0.01, {**coefficients,
+                                                                 "first_forward": 0.0}))
+    started = replay(requests, ReplaySettings(), LinearCost(0.01, {**coefficients,
+                                                                   "first_forward": 0.25}))
+    assert started.duration == pytest.approx(plain.duration + 0.25)
+    # Every request waits for the first forward (one burst, one first iteration).
+    assert all(b.ttft == pytest.approx(a.ttft + 0.25)
+               for a, b in zip(plain.outcomes, started.outcomes))
 
 
 def test_profile_round_trip_and_errors(tmp_path):
@@ -427,7 +457,11 @@ def test_calibrate_on_a_tiny_model_fits_and_plan_uses_it(tmp_path, capsys):
     model, samples = calibrate(target, grid)
     assert len(samples) >= 20 and model.meta["fit"]["samples"] == len(samples)
     assert {(s.batch, s.context, s.chunk) for s in samples} == {
-        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)}
+        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)} | {
+        (*WARM_UP, k) for k in (16, 64)}
+    # A fresh engine per grid point: its warm-up's first step is its first forward.
+    firsts = [s for s in samples if s.features.first_forward]
+    assert len(firsts) == 8 and all((s.batch, s.context) == WARM_UP for s in firsts)
     assert all(s.seconds > 0 for s in samples)
     # Every grid point's prefill is chunked by its budget.
     assert all(s.features.prefill_tokens <= s.chunk for s in samples)

@@ -136,9 +136,10 @@ def test_a_verification_among_decodes_costs_decode_rows_with_logits_at_every_row
     features = StepFeatures.of(plan)
     # decodes only (the decode stack): 2 decodes and 3 draft rows, all decode rows; 4 + 1
     # rows of logits; pairs: 4 tokens after 10 (4*10 + 10) and 1 after 20 (21); of them
-    # the verification's rows after its first (50 - 11) are drafted pairs.
+    # the verification's rows after its first (50 - 11) are drafted pairs; the two first
+    # rows' (11 + 21) are decode pairs.
     assert features == StepFeatures(prefill_tokens=0, decode_seqs=5, attention_pairs=71,
-                                    sampled_rows=5, draft_pairs=39)
+                                    sampled_rows=5, draft_pairs=39, decode_pairs=32)
 
 
 def test_verifications_are_placed_at_their_output_positions():

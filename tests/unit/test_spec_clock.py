@@ -8,7 +8,8 @@ a drafted row's at a fifth of it, and one workload ("grounded") paying 2 ms a st
 feature sees. The clock fit on the off runs (`fit_trace_cost`), its drafted pairs priced on
 the other cells' runs with drafts (`with_draft_pairs`) and its fixed cost moved to each off
 run's own decodes (`anchored`) must predict every cell's on/off ratio within 3%; the plain
-fit (before) misses the grounded batch-1 cell by more than 10%.
+fit (before) misses the grounded batch-1 cell by more than 5% (its decode_pairs column takes
+part of the grounded workload's unseen 2 ms: -8.7%; below -10% before that feature).
 """
 
 from __future__ import annotations
@@ -125,4 +126,4 @@ def test_every_cell_s_ratio_within_3_percent(runs):
 def test_the_plain_fit_misses_the_grounded_batch_1_cell(runs):
     """Before: one fixed cost for both workloads, drafted rows at a decode's attention."""
     errors = _predictions(runs, draft_pairs=False, anchor=False)
-    assert errors["grounded", 1] < -0.10, errors
+    assert errors["grounded", 1] < -0.05, errors

@@ -12,6 +12,18 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   (`attention.torch_paged.paged_attention`'s prefills), so an iteration of many short
   prompts costs more than its tokens and pairs say (W's burst at 64 slots, SmolLM2 on a
   2-core AMX Xeon: 40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
+- decode_pairs: a part of attention_pairs, a decode's first row's (its context): read from
+  the KV cache, where a prefill chunk's pairs are computed on keys it has just written or
+  that its other rows share. A decode's pairs are memory reads and dearer (SmolLM2 on the
+  2-core AMX Xeon: ~1.5 us a pair against ~0.6 for a prefill's); priced at one price, a
+  64-row decode step came out ~15% dear at short contexts and cheap at long ones. Its
+  coefficient is what a decode's pair costs beyond `attention_pairs`' (0 when it is not
+  dearer, or in a profile fit before it: LATER_FEATURES).
+- first_forward: 1 in an engine's first forward: its one-time costs (the KV pool's first
+  pages faulted in, state built on first use). SmolLM2 on the 2-core AMX Xeon: a fresh
+  engine's first 42-token prefill took 45-50 ms where the next one took 30-37; W's burst at
+  64 slots pays it in every request's TTFT, so a replay without it came out ~10% short
+  there. `slotserve calibrate` measures it on each grid point's fresh engine.
 
 A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
 each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
@@ -59,10 +71,12 @@ from slotserve.config import SlotKind
 from slotserve.core.outputs import SchedulerOutput
 
 PROFILE_VERSION = 1
-FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks")
-# NOTE: profiles fit before `chunks` was a feature lack it: a LinearCost without it has it
-# at 0 (its cost then sits in the other coefficients, as it did when they were fit).
-LATER_FEATURES = ("chunks",)
+FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks",
+            "decode_pairs", "first_forward")
+# NOTE: profiles fit before `chunks`, `decode_pairs` or `first_forward` was a feature lack
+# it: a LinearCost without it has it at 0 (its cost then sits in the other coefficients, as
+# it did when they were fit).
+LATER_FEATURES = ("chunks", "decode_pairs", "first_forward")
 KNEE_COEFFICIENT = "rows_past_knee"  # seconds per row past the knee (see the docstring)
 DRAFT_PAIRS = "draft_pairs"  # seconds per query-key pair of a drafted row (the docstring)
 MIN_DRAFT_SAMPLES = 5  # verifications `fit_draft_pairs` needs
@@ -83,10 +97,16 @@ class StepFeatures:
     # decodes only): priced on its own only by a model with a DRAFT_PAIRS coefficient.
     draft_pairs: int = 0
     chunks: int = 0
+    # NOTE: a part of attention_pairs too (decodes' first rows); its coefficient is a
+    # price on top of attention_pairs'.
+    decode_pairs: int = 0
+    first_forward: int = 0
 
     @classmethod
-    def of(cls, plan: SchedulerOutput) -> StepFeatures:
-        prefill = decode = pairs = sampled = drafted = chunks = 0
+    def of(cls, plan: SchedulerOutput, first_forward: bool = False) -> StepFeatures:
+        """The features of a plan; first_forward: the engine's first forward (the runner
+        knows, the plan does not)."""
+        prefill = decode = pairs = sampled = drafted = chunks = decode_pairs = 0
         decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
         for seq in plan.seqs:
             chunks += not (decode_only or seq.is_one_token_decode)
@@ -97,13 +117,15 @@ class StepFeatures:
                 # stack (an iteration of decodes only), else rows of a chunk.
                 decode += 1 + (drafts if decode_only else 0)
                 prefill += 0 if decode_only else drafts
+                decode_pairs += start + 1
             else:
                 prefill += n
             pairs += n * start + n * (n + 1) // 2
             if decode_only and drafts:
                 drafted += n * start + n * (n + 1) // 2 - (start + 1)  # rows after the first
             sampled += seq.sample + drafts
-        return cls(prefill, decode, pairs, sampled, drafted, chunks)
+        return cls(prefill, decode, pairs, sampled, drafted, chunks, decode_pairs,
+                   int(first_forward))
 
     @property
     def rows(self) -> int:
@@ -280,9 +302,11 @@ class LinearCost:
         units = {"prefill_tokens": "ms per prefill token", "decode_seqs": "ms per decode seq",
                  "attention_pairs": "ms per 1k query-key pairs",
                  "sampled_rows": "ms per sampled row",
-                 "chunks": "ms per chunk (prefill, or verification beside one)"}
+                 "chunks": "ms per chunk (prefill, or verification beside one)",
+                 "decode_pairs": "ms per 1k decodes' query-key pairs, on top",
+                 "first_forward": "ms more in an engine's first forward"}
         for f in FEATURES:
-            scale = 1e6 if f == "attention_pairs" else 1000
+            scale = 1e6 if f.endswith("_pairs") else 1000
             lines.append(f"  {f:<16}{self.coefficients[f] * scale:10.4f} {units[f]}")
         if DRAFT_PAIRS in self.coefficients:
             drafted = self.coefficients[DRAFT_PAIRS] * 1e6

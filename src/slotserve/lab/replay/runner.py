@@ -48,9 +48,12 @@ class FakeRunner:
         self.acceptance = acceptance
         self.last_start = self.last_end = self.clock.now
         self.busy_seconds = 0.0
+        self.forwards = 0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        seconds = self.cost_model.step_seconds(StepFeatures.of(plan))
+        features = StepFeatures.of(plan, first_forward=self.forwards == 0)
+        seconds = self.cost_model.step_seconds(features)
+        self.forwards += 1
         self.last_start = self.clock.now
         self.last_end = self.clock.advance(seconds)
         self.busy_seconds += seconds

@@ -98,9 +98,11 @@ def trace_plans(trace: dict) -> list:
 
 def trace_samples(trace: dict) -> list[tuple]:
     """(StepFeatures, seconds) of every iteration of a recorded trace: the features of its
-    plan (`trace_plans`), the seconds it took (`iteration_seconds`)."""
-    return [(StepFeatures.of(plan), seconds) for plan, seconds in
-            zip(trace_plans(trace), iteration_seconds(trace)) if plan.seqs and seconds > 0]
+    plan (`trace_plans`; iteration 0 is the engine's first forward), the seconds it took
+    (`iteration_seconds`)."""
+    return [(StepFeatures.of(plan, first_forward=plan.iteration == 0), seconds)
+            for plan, seconds in zip(trace_plans(trace), iteration_seconds(trace))
+            if plan.seqs and seconds > 0]
 
 
 def fit_trace_cost(traces: Sequence[dict], meta: dict | None = None,
