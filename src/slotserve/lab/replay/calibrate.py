@@ -1,10 +1,12 @@
 """Calibration: time real engine iterations over a small grid and fit a `LinearCost`.
 
 For each chunk size (the token budget, `max_num_batched_tokens`), batch size B and context
-length L of the grid, B requests with L-token random prompts are prefilled (in chunks) and
-then decode `decode_steps` tokens; every `engine.step()` is timed whole (the forward, the
-sampler, the scheduler and the engine's bookkeeping: what a served iteration costs) and paired
-with its plan's `StepFeatures`. Prefix caching is off, so every prompt token is computed.
+length L of the grid, a fresh engine runs a warm-up (2 prompts of 8 tokens: its first step
+is the engine's first forward, `StepFeatures.first_forward`), then prefills B requests with
+L-token random prompts (in chunks) and decodes `decode_steps` tokens; every `engine.step()`
+is timed whole (the forward, the sampler, the scheduler and the engine's bookkeeping: what a
+served iteration costs) and paired with its plan's `StepFeatures`. Prefix caching is off, so
+every prompt token is computed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 
 from slotserve.lab.replay.cost_model import LinearCost, StepFeatures
 from slotserve.sampling import SamplingParams
+
+WARM_UP = (2, 8)  # each engine's first requests: batch, context (kept as samples)
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,24 @@ def measure(target, grid: CalibrationGrid, *, seed: int = 0, log=None) -> list[S
     samples: list[Sample] = []
     max_context = max(grid.context_lens) + grid.decode_steps + 1
     for chunk in grid.chunk_sizes:
-        engine = target.configured(max_num_seqs=max(grid.batch_sizes),
-                                   max_num_batched_tokens=chunk, enable_prefix_caching=False,
-                                   max_model_len=max(max_context, 64)).build()
-        plans = _capture_plans(engine)
-        _run_point(engine, plans, 2, 8, 2, rng, vocab)  # warm-up, not kept
+        configured = target.configured(max_num_seqs=max(grid.batch_sizes),
+                                       max_num_batched_tokens=chunk,
+                                       enable_prefix_caching=False,
+                                       max_model_len=max(max_context, 64))
         for batch in grid.batch_sizes:
             for context in grid.context_lens:
+                # NOTE: a fresh engine per point: each engine's steps run at a level of its
+                # own (SmolLM2 on a 2-core Xeon: the same 64-row decode 31 ms in one, 37 in
+                # the next, steady within each; where its KV cache landed), so a fit on one
+                # engine per chunk size took two such draws for every decode of 64 rows.
+                engine = configured.build()
+                plans = _capture_plans(engine)
+                # NOTE: a warm-up, kept: its first step is the engine's first forward
+                warm = _run_point(engine, plans, WARM_UP[0], WARM_UP[1], 2, rng, vocab,
+                                  fresh=True)
                 timed = _run_point(engine, plans, batch, context, grid.decode_steps, rng, vocab)
+                del engine
+                samples += [Sample(*WARM_UP, chunk, f, s) for f, s in warm]
                 samples += [Sample(batch, context, chunk, f, s) for f, s in timed]
                 if log is not None:
                     total = sum(s for _, s in timed)
@@ -92,7 +106,10 @@ def _capture_plans(engine) -> list:
 
 
 def _run_point(engine, plans: list, batch: int, context: int, decode_steps: int,
-               rng: np.random.Generator, vocab: int) -> list[tuple[StepFeatures, float]]:
+               rng: np.random.Generator, vocab: int, fresh: bool = False
+               ) -> list[tuple[StepFeatures, float]]:
+    """Each timed step of `batch` prompts of `context` random tokens decoding `decode_steps`
+    tokens; fresh: the engine has not run before (its first step is its first forward)."""
     params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         prompt = rng.integers(3, vocab, size=context).tolist()
@@ -104,7 +121,8 @@ def _run_point(engine, plans: list, batch: int, context: int, decode_steps: int,
         engine.step()
         seconds = time.perf_counter() - start
         if plans and not plans[-1].is_empty:
-            timed.append((StepFeatures.of(plans[-1]), seconds))
+            timed.append((StepFeatures.of(plans[-1], first_forward=fresh and not timed),
+                          seconds))
     return timed
 
 
