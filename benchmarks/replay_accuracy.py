@@ -8,8 +8,9 @@ slots (`w16`, `w64`); its online form, Poisson 4 req/s at 16 slots (`w-online`);
 (64 requests of 24 output tokens at t=0, max_num_seqs 1, 4, 16, 64: `knee`); W at 64 slots
 predicted from the trace of its run at 16 slots (`w-trace`: prompt lengths, outputs and
 prefix-cache hits only, as `slotserve replay TRACE --max-num-seqs 64` reads them; the
-16-slot run's trace is written beside the report). Each case runs for real once, then is
-replayed on the profile; each figure is reported as predicted / measured. Without
+16-slot run's trace is written beside the report). Each case runs for real once (or
+--repeats times: each figure's median), then is replayed on the profile; each figure is
+reported as predicted / measured. Without
 --profile the script calibrates first (`slotserve calibrate`'s default
 grid: random-token prompts, fixed batch and context grid) and saves the profile beside the
 report. NOTE: the measurement needs quiet cores; on a shared machine the measured side is
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -125,11 +127,16 @@ def main() -> None:
                         "instead of running it: re-predict on another profile")
     p.add_argument("--refit", action="store_true",
                    help="refit --profile from the samples it stores (the current fit method)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each case this many times and compare with the median of each "
+                        "figure (back-to-back runs of W at 64 slots spread ~10%% in TTFT)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny calibration grid, one tiny case (figures mean nothing)")
     args = p.parse_args()
     if args.quick and args.small_grid:
         p.error("--quick and --small-grid are two calibration grids: give one")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.cases = args.cases or ("quick,quick-trace" if args.quick else DEFAULT_CASES)
     args.out = args.out or (str(Path(tempfile.gettempdir()) / "replay-accuracy-quick.json")
                             if args.quick else "benchmarks/results/replay-accuracy.json")
@@ -158,10 +165,7 @@ def main() -> None:
         if label in reused:
             measured = reused[label]
         else:
-            print(f"running {label} ...", file=sys.stderr, flush=True)
-            freeze_heap()  # NOTE: as the server after start-up; the runs before leave garbage
-            measured = run_bench(case.workload, target.configured(max_num_seqs=case.slots),
-                                 sampling=BenchSampling(), label=label).to_dict()
+            measured = measure(case, target, args.repeats)
         settings = ReplaySettings(max_num_seqs=case.slots,
                                   num_blocks=measured["config"]["num_blocks"], **ENGINE)
         started = time.perf_counter()
@@ -176,6 +180,35 @@ def main() -> None:
     print(format_rows(rows))
     write_report(args.out, profile=profile.to_profile(), cases=rows)
     print(f"wrote {args.out}")
+
+
+def measure(case: Case, target, repeats: int) -> dict:
+    """The case run for real `repeats` times (each a fresh engine): the first run's report
+    with each figure of FIELDS the median over the runs (`runs` keeps every run's)."""
+    runs = []
+    for i in range(repeats):
+        print(f"running {case.label} ({i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+        freeze_heap()  # NOTE: as the server after start-up; the runs before leave garbage
+        runs.append(run_bench(case.workload, target.configured(max_num_seqs=case.slots),
+                              sampling=BenchSampling(), label=case.label).to_dict())
+    return median_figures(runs)
+
+
+def median_figures(runs: list[dict]) -> dict:
+    """The first run's report, each figure of FIELDS replaced by its median over `runs`,
+    and `runs`: every run's figures."""
+    merged = json.loads(json.dumps(runs[0]))
+    for _, key, sub in FIELDS:
+        values = [_get(run, key, sub) for run in runs]
+        value = None if None in values else statistics.median(values)
+        if sub is None:
+            merged[key] = value
+        else:
+            merged[key] = {**merged[key], sub: value}
+    if len(runs) > 1:
+        merged["runs"] = [{name: _get(run, key, sub) for name, key, sub in FIELDS}
+                          for run in runs]
+    return merged
 
 
 def trace_path(out: str, case: Case) -> Path | None:
