@@ -26,6 +26,7 @@ is given; their figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -197,7 +198,7 @@ def measure(case: Case, target, repeats: int) -> dict:
 def median_figures(runs: list[dict]) -> dict:
     """The first run's report, each figure of FIELDS replaced by its median over `runs`,
     and `runs`: every run's figures."""
-    merged = json.loads(json.dumps(runs[0]))
+    merged = copy.deepcopy(runs[0])
     for _, key, sub in FIELDS:
         values = [_get(run, key, sub) for run in runs]
         value = None if None in values else statistics.median(values)

@@ -68,9 +68,8 @@ def kv_head_row(head_dim: int, dtype: torch.dtype) -> int:
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V of block_size positions in every layer (an int8 cache's
     scales included)."""
-    elem = torch.empty((), dtype=dtype).element_size()
     row = kv_head_row(cfg.head_dim, dtype)
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row * elem
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row * dtype.itemsize
     return per_token * block_size
 
 
@@ -165,7 +164,7 @@ class ModelRunner:
         if self.device.type != "cpu" or dtype not in LAZY_ZEROS_DTYPES:
             pool = torch.zeros((count, *shape), dtype=dtype, device=self.device)
             return [pool[i] for i in range(count)]
-        region = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        region = math.prod(shape) * dtype.itemsize
         stride = staggered_stride(region, count)
         buffer = np.zeros(stride * (count - 1) + region, dtype=np.uint8)
         return [torch.from_numpy(buffer[i * stride:i * stride + region]).view(dtype)

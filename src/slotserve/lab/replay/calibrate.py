@@ -72,8 +72,9 @@ def measure(target, grid: CalibrationGrid, *, seed: int = 0, log=None) -> list[S
             for context in grid.context_lens:
                 # NOTE: a fresh engine per point: each engine's steps run at a level of its
                 # own (SmolLM2 on a 2-core Xeon: the same 64-row decode 31 ms in one, 37 in
-                # the next, steady within each; where its KV cache landed), so a fit on one
-                # engine per chunk size took two such draws for every decode of 64 rows.
+                # the next, steady within each; not its KV pool's huge pages, cause not
+                # pinned), so a fit on one engine per chunk size took two such draws for
+                # every decode of 64 rows.
                 engine = configured.build()
                 plans = _capture_plans(engine)
                 # NOTE: a warm-up, kept: its first step is the engine's first forward
