@@ -16,6 +16,7 @@ from slotserve.core.outputs import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slotserve.model.kernels import DTYPES, KernelSet, resolve_dtype, resolve_kernels
 from slotserve.model.registry import build_model
 from slotserve.runner.decode_graphs import DecodeGraphs
+from slotserve.runner.heap import keep_freed_memory
 from slotserve.runner.lookups import NO_LOOKUPS, RequestLookups
 from slotserve.runner.prompt_logprobs import compute_prompt_logprobs
 from slotserve.runner.sampler import AllowedTokens, Sampler
@@ -110,6 +111,8 @@ class ModelRunner:
         self.model.load_hf_weights(self.kernels.prepare_weights(weights))
         self.kernels = self.kernels.loaded(self.model)  # the start-up line's bytes per step
         self.kv_caches = self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # NOTE: once loaded: no step faults its tensors in (heap.py)
         # NOTE: fixed at construction; the engine's per-request state is only read through it
         self._lookups = lookups
         self.sampler = Sampler(self.device, seed, eos_token_ids=lookups.eos_token_ids,
