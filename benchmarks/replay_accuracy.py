@@ -55,6 +55,7 @@ from slotserve.lab.replay import (
 from slotserve.lab.replay.calibrate import (
     CalibrationGrid,
     calibrate,
+    fit_grid,
     format_points,
     format_residuals,
 )
@@ -236,10 +237,10 @@ def replay_input(case: Case, target, path: Path | None, reused: dict) -> tuple[l
 
 
 def refit(profile: LinearCost) -> LinearCost:
-    """The profile's stored samples fit again (with today's `LinearCost.fit`)."""
+    """The profile's stored samples fit again (with today's `calibrate.fit_grid`)."""
     samples = [(StepFeatures(**{f: s.get(f, 0) for f in FEATURES}), s["seconds"])
                for s in profile.meta.get("samples", [])]
-    model = LinearCost.fit(samples, meta=profile.meta)
+    model = fit_grid(samples)
     model.meta = {**profile.meta, "fit": model.residuals(samples), "refit": True}
     return model
 

@@ -282,6 +282,10 @@ def test_decode_pairs_count_only_decodes_beside_a_prefill():
         if decodes and len(decodes) < len(plan.seqs):
             mixed += 1
             assert 0 < features.decode_pairs < features.attention_pairs
+            # ... and they are decodes of the general path (mixed_decodes), not the stack's
+            assert features.mixed_decodes == len(decodes) == features.decode_seqs
+        else:
+            assert features.mixed_decodes == 0
     assert mixed, "the workload must put a decode beside a prefill chunk"
 
 
@@ -465,6 +469,16 @@ def test_calibrate_on_a_tiny_model_fits_and_plan_uses_it(tmp_path, capsys):
     assert all(s.seconds > 0 for s in samples)
     # Every grid point's prefill is chunked by its budget.
     assert all(s.features.prefill_tokens <= s.chunk for s in samples)
+    # Each point's mixed phase: its context's prompt prefilled beside decoding prompts
+    # (at most max_num_seqs - 1 = 3 of them).
+    mixed = [s for s in samples if s.phase == "mixed" and s.features.mixed_decodes]
+    assert {(s.batch, s.context, s.chunk) for s in mixed} == {
+        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)}
+    assert all(s.features.mixed_decodes <= min(s.batch, 3) for s in mixed)
+    assert {(s.batch, s.context, s.chunk) for s in mixed
+            if s.features.mixed_decodes == min(s.batch, 3)} == {
+        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)}
+    assert model.meta["samples"][0]["phase"] == "warm-up"
     profile = tmp_path / "profile.json"
     model.save(profile)
     workload = tmp_path / "w.jsonl"

@@ -3,7 +3,9 @@
 For each chunk size (the token budget, `max_num_batched_tokens`), batch size B and context
 length L of the grid, a fresh engine runs a warm-up (2 prompts of 8 tokens: its first step
 is the engine's first forward, `StepFeatures.first_forward`), then prefills B requests with
-L-token random prompts (in chunks) and decodes `decode_steps` tokens; every `engine.step()`
+L-token random prompts (in chunks) and decodes `decode_steps` tokens, then makes iterations
+of a prefill chunk beside decodes (`_run_mixed`: B short prompts decode while one L-token
+prompt is prefilled beside them, `StepFeatures.mixed_decodes`); every `engine.step()`
 is timed whole (the forward, the sampler, the scheduler and the engine's bookkeeping: what a
 served iteration costs) and paired with its plan's `StepFeatures`. Prefix caching is off, so
 every prompt token is computed.
@@ -21,6 +23,7 @@ from slotserve.lab.replay.cost_model import LinearCost, StepFeatures
 from slotserve.sampling import SamplingParams
 
 WARM_UP = (2, 8)  # each engine's first requests: batch, context (kept as samples)
+MIXED_PROMPT = 8  # tokens of each prompt that decodes beside a prefill in `_run_mixed`
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,16 @@ class CalibrationGrid:
 
 @dataclass
 class Sample:
-    """One timed iteration: the grid point it belongs to, its features and its seconds."""
+    """One timed iteration: the grid point it belongs to, its features and its seconds;
+    phase: "warm-up" (the engine's first requests, WARM_UP), "point" (the grid point's
+    prompts) or "mixed" (`_run_mixed`)."""
 
     batch: int
     context: int
     chunk: int
     features: StepFeatures
     seconds: float
+    phase: str = "point"
 
 
 def measure(target, grid: CalibrationGrid, *, seed: int = 0, log=None) -> list[Sample]:
@@ -70,20 +76,22 @@ def measure(target, grid: CalibrationGrid, *, seed: int = 0, log=None) -> list[S
                                        max_model_len=max(max_context, 64))
         for batch in grid.batch_sizes:
             for context in grid.context_lens:
-                # NOTE: a fresh engine per point: each engine's steps run at a level of its
+                # NOTE: a fresh engine per point: each engine's steps ran at a level of its
                 # own (SmolLM2 on a 2-core Xeon: the same 64-row decode 31 ms in one, 37 in
-                # the next, steady within each; not its KV pool's huge pages, cause not
-                # pinned), so a fit on one engine per chunk size took two such draws for
-                # every decode of 64 rows.
+                # the next, steady within each; one cause found since, the heap giving a
+                # step's logits back, runner/heap.py), so a fit on one engine per chunk size
+                # took two such draws for every decode of 64 rows.
                 engine = configured.build()
                 plans = _capture_plans(engine)
                 # NOTE: a warm-up, kept: its first step is the engine's first forward
                 warm = _run_point(engine, plans, WARM_UP[0], WARM_UP[1], 2, rng, vocab,
                                   fresh=True)
                 timed = _run_point(engine, plans, batch, context, grid.decode_steps, rng, vocab)
+                mixed = _run_mixed(engine, plans, batch, context, rng, vocab)
                 del engine
-                samples += [Sample(*WARM_UP, chunk, f, s) for f, s in warm]
+                samples += [Sample(*WARM_UP, chunk, f, s, "warm-up") for f, s in warm]
                 samples += [Sample(batch, context, chunk, f, s) for f, s in timed]
+                samples += [Sample(batch, context, chunk, f, s, "mixed") for f, s in mixed]
                 if log is not None:
                     total = sum(s for _, s in timed)
                     log(f"  chunk {chunk:>5}  batch {batch:>3}  context {context:>5}: "
@@ -111,12 +119,55 @@ def _run_point(engine, plans: list, batch: int, context: int, decode_steps: int,
                ) -> list[tuple[StepFeatures, float]]:
     """Each timed step of `batch` prompts of `context` random tokens decoding `decode_steps`
     tokens; fresh: the engine has not run before (its first step is its first forward)."""
-    params = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, temperature=0.0)
-    for i in range(batch):
-        prompt = rng.integers(3, vocab, size=context).tolist()
-        engine.add_request(f"cal-{time.monotonic_ns()}-{i}", prompt, params)
+    _add_prompts(engine, batch, context, decode_steps + 1, rng, vocab)
+    return _timed_steps(engine, plans, engine.has_unfinished_requests, fresh)
+
+
+def _run_mixed(engine, plans: list, batch: int, context: int, rng: np.random.Generator,
+               vocab: int) -> list[tuple[StepFeatures, float]]:
+    """Each timed step of `batch` prompts of MIXED_PROMPT tokens (fewer if the engine has
+    not the slots) that start decoding, then go on decoding while a prompt of `context`
+    tokens is prefilled beside them (in chunks), until its first token.
+
+    NOTE: the grid's points make few iterations of a prefill chunk beside decodes (a
+    point's prompts start together), and they are what a served workload with arrivals
+    spread in time makes most (W at 16 slots: a new prompt beside 15 decodes).
+    """
+    decoders = min(batch, engine.scheduler_config.max_num_seqs - 1)
+    if decoders < 1:
+        return []
+    short_ids = _add_prompts(engine, decoders, MIXED_PROMPT, engine.max_total_tokens, rng,
+                             vocab)
+    plans.clear()  # NOTE: else the last phase's last plan (decodes only) ends the loop at once
+    timed = _timed_steps(engine, plans, lambda: not _decodes_only(plans))
+    [long_id] = _add_prompts(engine, 1, context, 1, rng, vocab)
+    timed += _timed_steps(engine, plans, lambda: engine.has_request(long_id))
+    for request_id in short_ids:
+        engine.abort_request(request_id)
+    return timed
+
+
+def _add_prompts(engine, count: int, context: int, max_tokens: int,
+                 rng: np.random.Generator, vocab: int) -> list[str]:
+    """Add `count` greedy requests of `context` random tokens; their ids."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    ids = [f"cal-{time.monotonic_ns()}-{i}" for i in range(count)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(3, vocab, size=context).tolist(), params)
+    return ids
+
+
+def _decodes_only(plans: list) -> bool:
+    """The last step's plan holds decodes only (every sequence is past its prefill)."""
+    return bool(plans) and all(seq.is_one_token_decode for seq in plans[-1].seqs)
+
+
+def _timed_steps(engine, plans: list, running, fresh: bool = False
+                 ) -> list[tuple[StepFeatures, float]]:
+    """Step the engine while running() is true; each step's (features, seconds).
+    fresh: the engine has not run before (its first step is its first forward)."""
     timed = []
-    while engine.has_unfinished_requests():
+    while running():
         plans.clear()
         start = time.perf_counter()
         engine.step()
@@ -135,7 +186,7 @@ def calibrate(target, grid: CalibrationGrid, *, seed: int = 0, log=None
     started = time.perf_counter()
     samples = measure(target, grid, seed=seed, log=log)
     pairs = [(s.features, s.seconds) for s in samples]
-    model = LinearCost.fit(pairs)
+    model = fit_grid(pairs)
     kwargs = target.engine_kwargs
     model.meta = {
         "model": target.source, "device": kwargs.get("device", "cpu"),
@@ -145,22 +196,34 @@ def calibrate(target, grid: CalibrationGrid, *, seed: int = 0, log=None
         "machine": machine_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "samples": [{"batch": s.batch, "context": s.context, "chunk": s.chunk,
-                     **asdict(s.features), "seconds": round(s.seconds, 6)} for s in samples]}
+                     "phase": s.phase, **asdict(s.features), "seconds": round(s.seconds, 6)}
+                    for s in samples]}
     return model, samples
+
+
+def fit_grid(pairs: list[tuple[StepFeatures, float]]) -> LinearCost:
+    """The calibration's fit of its samples: least squares with a knee if one pays for
+    itself (`LinearCost.fit`).
+
+    NOTE: large prefill chunks cost more a row (SmolLM2 on the 2-core AMX Xeon, two
+    calibrations: past 322 and 416 rows, 0.20-0.24 ms a row more; a line priced their
+    512-token chunks 7-13% short).
+    """
+    return LinearCost.fit(pairs, knee="auto")
 
 
 def format_points(model: LinearCost, samples: list[Sample]) -> str:
     """Measured vs predicted per grid point (sum over its iterations)."""
-    groups: dict[tuple[int, int, int], list[Sample]] = {}
+    groups: dict[tuple[int, int, int, str], list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.chunk, s.batch, s.context), []).append(s)
-    lines = [f"  {'chunk':>5} {'batch':>5} {'context':>7} {'iters':>5} {'measured s':>10} "
-             f"{'predicted s':>11} {'ratio':>6}"]
-    for (chunk, batch, context), group in groups.items():
+        groups.setdefault((s.chunk, s.batch, s.context, s.phase), []).append(s)
+    lines = [f"  {'chunk':>5} {'batch':>5} {'context':>7} {'phase':>7} {'iters':>5} "
+             f"{'measured s':>10} {'predicted s':>11} {'ratio':>6}"]
+    for (chunk, batch, context, phase), group in groups.items():
         measured = sum(s.seconds for s in group)
         predicted = sum(model.step_seconds(s.features) for s in group)
-        lines.append(f"  {chunk:>5} {batch:>5} {context:>7} {len(group):>5} {measured:>10.3f} "
-                     f"{predicted:>11.3f} {predicted / measured:>6.2f}")
+        lines.append(f"  {chunk:>5} {batch:>5} {context:>7} {phase:>7} {len(group):>5} "
+                     f"{measured:>10.3f} {predicted:>11.3f} {predicted / measured:>6.2f}")
     return "\n".join(lines)
 
 

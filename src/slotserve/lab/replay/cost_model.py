@@ -24,6 +24,14 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   engine's first 42-token prefill took 45-50 ms where the next one took 30-37; W's burst at
   64 slots pays it in every request's TTFT, so a replay without it came out ~10% short
   there. `slotserve calibrate` measures it on each grid point's fresh engine.
+- mixed_decodes: a part of decode_seqs, the one-token decodes of an iteration that is not
+  decodes only. Beside a prefill chunk the runner takes its general path (a call per
+  layer and op) instead of the C++ decode stack's one call for all layers, so each such
+  decode costs more than a decode among decodes only (SmolLM2 on the 2-core AMX Xeon:
+  0.10-0.11 ms on top, three calibrations; W at 16 slots, whose new prompts join 15
+  decodes, replayed at x1.11 the measured tok/s without it, x1.07 with it). Its
+  coefficient is that price on top of decode_seqs'; `slotserve calibrate` makes such
+  iterations at each grid point (`calibrate._run_mixed`).
 
 A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
 each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
@@ -72,17 +80,18 @@ from slotserve.core.outputs import SchedulerOutput
 
 PROFILE_VERSION = 1
 FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks",
-            "decode_pairs", "first_forward")
-# NOTE: profiles fit before `chunks`, `decode_pairs` or `first_forward` was a feature lack
-# it: a LinearCost without it has it at 0 (its cost then sits in the other coefficients, as
-# it did when they were fit).
-LATER_FEATURES = ("chunks", "decode_pairs", "first_forward")
+            "decode_pairs", "first_forward", "mixed_decodes")
+# NOTE: profiles fit before `chunks`, `decode_pairs`, `first_forward` or `mixed_decodes` was
+# a feature lack it: a LinearCost without it has it at 0 (its cost then sits in the other
+# coefficients, as it did when they were fit).
+LATER_FEATURES = ("chunks", "decode_pairs", "first_forward", "mixed_decodes")
 KNEE_COEFFICIENT = "rows_past_knee"  # seconds per row past the knee (see the docstring)
 DRAFT_PAIRS = "draft_pairs"  # seconds per query-key pair of a drafted row (the docstring)
 MIN_DRAFT_SAMPLES = 5  # verifications `fit_draft_pairs` needs
 MAX_KNEE_CANDIDATES = 48  # knees `fit(knee="auto")` tries first: the samples' row counts
 KNEE_REFINE = 8  # then this many more on each side of the best, between its neighbours,
-KNEE_REFINE_LEVELS = 3  # on grids this many times finer and finer
+KNEE_REFINE_LEVELS = 3  # on grids this many times finer and finer,
+KNEE_SEEDS = 2  # around each of this many best knees of the first grid
 
 
 @dataclass(frozen=True)
@@ -101,15 +110,19 @@ class StepFeatures:
     # price on top of attention_pairs'.
     decode_pairs: int = 0
     first_forward: int = 0
+    # NOTE: a part of decode_seqs (one-token decodes beside a prefill chunk); its
+    # coefficient is a price on top of decode_seqs'.
+    mixed_decodes: int = 0
 
     @classmethod
     def of(cls, plan: SchedulerOutput, first_forward: bool = False) -> StepFeatures:
         """The features of a plan; first_forward: the engine's first forward (the runner
         knows, the plan does not)."""
-        prefill = decode = pairs = sampled = drafted = chunks = decode_pairs = 0
+        prefill = decode = pairs = sampled = drafted = chunks = decode_pairs = mixed = 0
         decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
         for seq in plan.seqs:
             chunks += not (decode_only or seq.is_one_token_decode)
+            mixed += not decode_only and seq.is_one_token_decode
             n, start = seq.num_tokens, seq.start_pos
             drafts = len(seq.spec_token_ids)
             if seq.kind == SlotKind.DECODE:
@@ -125,7 +138,7 @@ class StepFeatures:
                 drafted += n * start + n * (n + 1) // 2 - (start + 1)  # rows after the first
             sampled += seq.sample + drafts
         return cls(prefill, decode, pairs, sampled, drafted, chunks, decode_pairs,
-                   int(first_forward))
+                   int(first_forward), mixed)
 
     @property
     def rows(self) -> int:
@@ -304,7 +317,8 @@ class LinearCost:
                  "sampled_rows": "ms per sampled row",
                  "chunks": "ms per chunk (prefill, or verification beside one)",
                  "decode_pairs": "ms per 1k decodes' query-key pairs, on top",
-                 "first_forward": "ms more in an engine's first forward"}
+                 "first_forward": "ms more in an engine's first forward",
+                 "mixed_decodes": "ms per decode beside a prefill chunk, on top"}
         for f in FEATURES:
             scale = 1e6 if f.endswith("_pairs") else 1000
             lines.append(f"  {f:<16}{self.coefficients[f] * scale:10.4f} {units[f]}")
@@ -366,7 +380,8 @@ def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
     """(error, knee, coefficients) of the best fit: the line, or a knee among the samples'
     row counts (at most MAX_KNEE_CANDIDATES of them, below the largest: a knee past every
     sample is the line), then refined KNEE_REFINE_LEVELS times on a finer grid between the
-    best knee's neighbours (a knee between two row counts fits differently from both).
+    neighbours of each of the KNEE_SEEDS best (a knee between two row counts fits
+    differently from both).
 
     NOTE: the knee's two parameters (where, and its coefficient) must pay for themselves as
     the Bayesian information criterion counts them: its error must be below the line's by
@@ -374,32 +389,37 @@ def _best_knee(features: list[StepFeatures], y: np.ndarray, w: np.ndarray,
     (or the rounding of a trace's times) stays a line.
     """
     error, coef = _fit_at(features, y, w, nonnegative, None, onehot)
-    best: tuple[float, float | None, np.ndarray] = (error, None, coef)
+    line: tuple[float, float | None, np.ndarray] = (error, None, coef)
     floor = 1e-12 * float(np.sum((y * w) ** 2))  # an exact fit's error is rounding
     bar = error / len(y) ** (2 / len(y))  # what a knee must beat
 
-    def best_of(knees: list[float]) -> None:
-        nonlocal best
-        for knee in knees:
-            error, coef = _fit_at(features, y, w, nonnegative, knee, onehot)
-            if error < min(best[0], bar) - floor:
-                best = (error, knee, coef)
+    def fits(knees: list[float]) -> list[tuple[float, float | None, np.ndarray]]:
+        return [(error, knee, coef) for knee in knees
+                for error, coef in [_fit_at(features, y, w, nonnegative, knee, onehot)]]
 
     rows = sorted({f.rows for f in features})[:-1]
     if len(rows) > MAX_KNEE_CANDIDATES:
         picks = np.linspace(0, len(rows) - 1, MAX_KNEE_CANDIDATES).round().astype(int)
         rows = [rows[i] for i in sorted(set(picks))]
-    grid = [float(r) for r in rows]
-    best_of(grid)
-    for _ in range(KNEE_REFINE_LEVELS):
-        if best[1] is None or best[1] not in grid:
-            break
-        at = grid.index(best[1])
-        low = grid[at - 1] if at > 0 else 0.0
-        high = grid[at + 1] if at + 1 < len(grid) else best[1]
-        grid = [float(k) for k in np.linspace(low, high, 2 * KNEE_REFINE + 1)]
-        best_of(grid)
-    return best
+    coarse = [float(r) for r in rows]
+    tried = fits(coarse)
+    # NOTE: two coarse knees can fit almost alike where the true one lies beside the second
+    # (an exact synthetic clock: 40 rows 5.60e-5, 16 rows 5.61e-5, the clock's 10 between 4
+    # and 40): refining only the first never reaches it.
+    for seed in sorted(tried, key=lambda t: t[0])[:KNEE_SEEDS]:
+        best, grid = seed, coarse
+        for _ in range(KNEE_REFINE_LEVELS):
+            if best[1] not in grid:
+                break
+            at = grid.index(best[1])
+            low = grid[at - 1] if at > 0 else 0.0
+            high = grid[at + 1] if at + 1 < len(grid) else best[1]
+            grid = [float(k) for k in np.linspace(low, high, 2 * KNEE_REFINE + 1)]
+            refined = fits(grid)
+            tried += refined
+            best = min([best, *refined], key=lambda t: t[0])
+    knees = [t for t in tried if t[0] < bar - floor]
+    return min(knees, key=lambda t: t[0]) if knees else line
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, nonnegative: bool, bases: int = 1
