@@ -17,8 +17,11 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
                     "and chunk sizes; fit seconds = base + a*prefill tokens + b*decode seqs "
                     "+ c*attention pairs + d*sampled rows + e*chunks (sequences attended one "
                     "at a time beside prefills) + f*decode pairs (a decode's pairs, read "
-                    "from the KV cache: on top of c) + g in an engine's first forward; a "
-                    "fresh engine for every grid point; print the fit and its residuals; "
+                    "from the KV cache: on top of c) + g in an engine's first forward + "
+                    "h*decodes beside a prefill chunk (on top of b), with a knee over rows "
+                    "if one pays for itself; a fresh engine for every grid point, which "
+                    "also times a prompt prefilled beside decodes; print the fit and its "
+                    "residuals; "
                     "write the profile for `slotserve replay/plan --profile` (and keep it "
                     "as this machine's last calibration, `slotserve replay`'s default).")
     p.add_argument("--out", metavar="PROFILE.json", default="profile.json")

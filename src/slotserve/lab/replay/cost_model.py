@@ -28,7 +28,7 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   decodes only. Beside a prefill chunk the runner takes its general path (a call per
   layer and op) instead of the C++ decode stack's one call for all layers, so each such
   decode costs more than a decode among decodes only (SmolLM2 on the 2-core AMX Xeon:
-  0.10-0.11 ms on top, three calibrations; W at 16 slots, whose new prompts join 15
+  0.09-0.11 ms on top, three calibrations; W at 16 slots, whose new prompts join 15
   decodes, replayed at x1.11 the measured tok/s without it, x1.07 with it). Its
   coefficient is that price on top of decode_seqs'; `slotserve calibrate` makes such
   iterations at each grid point (`calibrate._run_mixed`).
