@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -144,9 +146,11 @@ def test_per_tenant_service_and_goodput(engine):
     metrics.attach()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     engine.add_request("met", [5, 6, 7], params, tenant="alice", slo_ttft_ms=60_000)
-    # 1 ns: no first token comes that fast, so this one misses its SLO.
+    # 1 ns, raised to the 1 ms floor (min_slo_ttft_ms); the wait before the first step
+    # makes its TTFT longer than that (a tiny model's first step can take less), so it misses.
     engine.add_request("missed", [8, 9], params, tenant="bob", slo_ttft_ms=1e-6)
     engine.add_request("gone", [10, 11], params, tenant="bob")
+    time.sleep(0.005)
     engine.step()
     engine.abort_request("gone")  # aborted: neither met nor missed
     while engine.has_unfinished_requests():

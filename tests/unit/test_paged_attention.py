@@ -13,7 +13,7 @@ from slotserve.attention.metadata import (
     group_by_length,
 )
 from slotserve.attention.torch_paged import paged_attention, write_kv
-from slotserve.core.outputs import ScheduledSeq
+from slotserve.core.outputs import ROW_CHUNK_TOKENS, ScheduledSeq
 from slotserve.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -34,15 +34,18 @@ def dense_attention(q, k, v, start_pos: int, scale: float) -> torch.Tensor:
                          ids=["fp32-cache", "bf16-cache"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused-cpu-ops"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, kv_dtype,
-                                                request):
+@pytest.mark.parametrize("long_chunk", [False, True], ids=["short-chunks", "a-long-chunk"])
+def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, long_chunk, fused,
+                                                kv_dtype, request):
     """A bf16 cache: dense attention over the K/V rounded to bf16 (as they are stored)."""
     ops = request.getfixturevalue("cpu_ops") if fused else None
     gen = torch.Generator().manual_seed(num_heads)
     head_dim, scale = 8, 8 ** -0.5
     # (cached tokens, new tokens): decodes, a fresh prefill, a chunk after a cached prefix,
-    # and one long decode, so that the decodes are attended in groups of similar length
+    # and one long decode, so that the decodes are attended in groups of similar length;
+    # a chunk longer than ROW_CHUNK_TOKENS keeps the fused path off the decode rows
     shapes = [(9, 1), (0, 7), (3, 1), (5, 6), (12, 1), (1, 1), (290, 1)]
+    shapes += [(2, ROW_CHUNK_TOKENS + 8)] if long_chunk else []
     num_blocks = 120
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
@@ -74,7 +77,10 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, fused, 
         expected = dense_attention(q[row:row + new], stored_k, stored_v, cached, scale)
         torch.testing.assert_close(out[row:row + new], expected, atol=1e-5, rtol=1e-4)
         row += new
-    assert meta.num_decodes == 5 and len(meta.prefills) == 2
+    if fused and not long_chunk:  # every token a row of one group (`runs_as_rows`)
+        assert meta.decode_only and meta.num_decodes == sum(new for _, new in shapes)
+        return
+    assert meta.num_decodes == 5 and len(meta.prefills) == 2 + long_chunk
     # torch: the 73-block table alone, the short ones together; fused: no padding, one group
     assert len(meta.decode_groups) == (1 if fused else 2)
 

@@ -257,23 +257,31 @@ def test_fit_keeps_coefficients_nonnegative():
 
 
 def test_features_of_a_plan():
-    result = replay([ReplayRequest("a", 20, 3), ReplayRequest("b", 5, 2)],
-                    ReplaySettings(max_num_batched_tokens=16), UnitCost(), keep_plans=True)
+    result = replay([ReplayRequest("a", 100, 3), ReplayRequest("b", 40, 2)],
+                    ReplaySettings(max_num_batched_tokens=64), UnitCost(), keep_plans=True)
     first, second = (StepFeatures.of(p) for p in result.plans[:2])
-    # a: 16 of its 20 tokens (no sample); b waits for budget (0 left).
-    assert first == StepFeatures(16, 0, 16 * 17 // 2, 0, chunks=1)
-    # a: its last 4 (positions 16..19, samples); b: its 5 (samples): two chunks.
-    assert second == StepFeatures(9, 0, 4 * 16 + 10 + 15, 2, chunks=2)
-    third = StepFeatures.of(result.plans[2])  # two decodes: contexts 21 and 6
-    assert third == StepFeatures(0, 2, 21 + 6, 2, decode_pairs=21 + 6)
-    assert StepFeatures.of(result.plans[2], first_forward=True).first_forward == 1
+    # a: 64 of its 100 tokens (no sample); b waits for budget (0 left).
+    assert first == StepFeatures(64, 0, 64 * 65 // 2, 0, chunks=1)
+    # a: its last 36 (positions 64..99, samples); b: 28 of its 40: two chunks.
+    assert second == StepFeatures(64, 0, 36 * 64 + 36 * 37 // 2 + 28 * 29 // 2, 1, chunks=2)
+    # a decodes at context 101 beside b's last 12 tokens (28..39, samples): both no longer
+    # than ROW_CHUNK_TOKENS, so every token is a row of the decode stack; the rows after a
+    # chunk's first re-read what its first read (drafted pairs)
+    third = StepFeatures.of(result.plans[2])
+    b_pairs = 12 * 28 + 12 * 13 // 2
+    assert third == StepFeatures(0, 1 + 12, 101 + b_pairs, 2, draft_pairs=b_pairs - 29,
+                                 decode_pairs=101 + 29)
+    fourth = StepFeatures.of(result.plans[3])  # two decodes: contexts 102 and 41
+    assert fourth == StepFeatures(0, 2, 102 + 41, 2, decode_pairs=102 + 41)
+    assert StepFeatures.of(result.plans[3], first_forward=True).first_forward == 1
 
 
 def test_decode_pairs_count_only_decodes_beside_a_prefill():
-    # A decode at context 31 beside a 16-token prefill chunk at 0: the decode's 31 pairs
-    # are read from the cache, the chunk's 136 computed among its own rows.
-    result = replay([ReplayRequest("a", 30, 4), ReplayRequest("b", 40, 2, arrival=1e-9)],
-                    ReplaySettings(max_num_batched_tokens=17), UnitCost(), keep_plans=True)
+    # A decode at context 41 beside a 40-token prefill chunk at 0 (longer than
+    # ROW_CHUNK_TOKENS: the general path): the decode's 41 pairs are read from the cache,
+    # the chunk's 820 computed among its own rows.
+    result = replay([ReplayRequest("a", 40, 4), ReplayRequest("b", 80, 2, arrival=1e-9)],
+                    ReplaySettings(max_num_batched_tokens=41), UnitCost(), keep_plans=True)
     mixed = 0
     for plan in result.plans:
         features = StepFeatures.of(plan)
@@ -470,14 +478,13 @@ def test_calibrate_on_a_tiny_model_fits_and_plan_uses_it(tmp_path, capsys):
     # Every grid point's prefill is chunked by its budget.
     assert all(s.features.prefill_tokens <= s.chunk for s in samples)
     # Each point's mixed phase: its context's prompt prefilled beside decoding prompts
-    # (at most max_num_seqs - 1 = 3 of them).
+    # (at most max_num_seqs - 1 = 3 of them): on the general path where its chunks are
+    # longer than ROW_CHUNK_TOKENS (context 48 at chunk 64), else as rows of the stack.
     mixed = [s for s in samples if s.phase == "mixed" and s.features.mixed_decodes]
-    assert {(s.batch, s.context, s.chunk) for s in mixed} == {
-        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)}
-    assert all(s.features.mixed_decodes <= min(s.batch, 3) for s in mixed)
-    assert {(s.batch, s.context, s.chunk) for s in mixed
-            if s.features.mixed_decodes == min(s.batch, 3)} == {
-        (b, c, k) for b in (1, 4) for c in (8, 48) for k in (16, 64)}
+    assert {(s.batch, s.context, s.chunk) for s in mixed} == {(1, 48, 64), (4, 48, 64)}
+    assert {(s.batch, s.features.mixed_decodes) for s in mixed} == {(1, 1), (4, 3)}
+    rows = [s for s in samples if s.phase == "mixed" and s.chunk == 16]
+    assert rows and all(s.features.chunks == 0 for s in rows)
     assert model.meta["samples"][0]["phase"] == "warm-up"
     profile = tmp_path / "profile.json"
     model.save(profile)

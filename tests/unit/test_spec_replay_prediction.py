@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from slotserve.config import SlotKind
-from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
+from slotserve.core.outputs import ROW_CHUNK_TOKENS, ScheduledSeq, SchedulerOutput
 from slotserve.lab.replay import LinearCost, StepFeatures, UnitCost, replay
 from slotserve.lab.replay.cost_model import KNEE_COEFFICIENT
 from slotserve.lab.replay.spec_prediction import (
@@ -116,8 +116,13 @@ def _timed(trace: dict, clock) -> dict:
 
 def test_a_trace_timed_by_a_knee_clock_replays_within_1_percent(traces):
     """The fit finds a knee clock's bend from an off run's own iterations (decodes below
-    it, prefill chunks past it), and the on/off ratio predicted on the fit is the one the
-    known clock gives, which a line misses (it prices the drafted rows at an average)."""
+    it, prefill chunks and short chunks' rows on the decode stack past it), and the on/off
+    ratio predicted on the fit is the one the known clock gives; a line fits the
+    iterations more than 5% off.
+
+    NOTE: the line's ratio is no longer shown to miss: since short chunks run as rows, this
+    run has a 48-row iteration on the decode stack, which prices the line's decode rows
+    near the knee's average over the verifications here (its ratio within 1%)."""
     off = _timed(traces["off"], KNEE)
     fitted = fit_trace_cost([off])
     assert fitted.knee == pytest.approx(KNEE.knee, abs=0.5)
@@ -132,8 +137,6 @@ def test_a_trace_timed_by_a_knee_clock_replays_within_1_percent(traces):
                                                                           rel=0.01)
     line = fit_trace_cost([off], knee=None)
     assert line.knee is None and line.meta["fit"]["max_rel_error"] > 0.05
-    missed = predict_ratio(off, on, SPEC, line)["ratio"] / truth["ratio"] - 1
-    assert abs(missed) > 0.05
 
 
 def test_a_line_clock_still_fits_as_a_line(traces):
@@ -186,13 +189,18 @@ def _seq(request_id: str, tokens: int, start: int, kind: str, drafts: int = 0) -
                         spec_token_ids=[5] * drafts)
 
 
-def test_drafts_are_decode_rows_among_decodes_and_chunk_rows_beside_a_prefill():
+def test_drafts_are_decode_rows_on_the_stack_and_chunk_rows_beside_a_long_prefill():
     verify = _seq("v", 4, 10, SlotKind.DECODE, drafts=3)
     among_decodes = StepFeatures.of(SchedulerOutput(0, [verify], [None]))
     assert (among_decodes.decode_seqs, among_decodes.prefill_tokens) == (4, 0)
-    beside = StepFeatures.of(SchedulerOutput(0, [verify, _seq("p", 8, 0, SlotKind.PREFILL)],
+    # beside a short chunk the iteration still runs on the decode stack: rows, no chunks
+    short = StepFeatures.of(SchedulerOutput(0, [verify, _seq("p", 8, 0, SlotKind.PREFILL)],
+                                            [None, None]))
+    assert (short.decode_seqs, short.prefill_tokens, short.chunks) == (4 + 8, 0, 0)
+    long = ROW_CHUNK_TOKENS + 1
+    beside = StepFeatures.of(SchedulerOutput(0, [verify, _seq("p", long, 0, SlotKind.PREFILL)],
                                              [None, None]))
-    assert (beside.decode_seqs, beside.prefill_tokens) == (1, 3 + 8)
+    assert (beside.decode_seqs, beside.prefill_tokens, beside.chunks) == (1, 3 + long, 2)
     assert among_decodes.sampled_rows == 4 and beside.sampled_rows == 5
 
 

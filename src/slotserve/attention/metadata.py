@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from slotserve.core.outputs import ScheduledSeq
+from slotserve.core.outputs import ScheduledSeq, runs_as_rows
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,12 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     """Compute slots and per-sequence views for one iteration (numpy, no per-token Python).
 
     group_decodes=False puts all decodes in one group: for a kernel that reads only each
-    sequence's own context, padding costs nothing and one group is one call per layer.
+    sequence's own context, padding costs nothing and one group is one call per layer; an
+    iteration of decodes and short prefill chunks only (`runs_as_rows`) is then one group
+    of a row per token (`_one_decode_group`, the decode stack's shape).
     """
     to = lambda a: torch.from_numpy(a).to(device)
-    if not group_decodes and seqs and all(s.is_decode for s in seqs):
+    if not group_decodes and seqs and runs_as_rows(seqs):
         return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
@@ -185,14 +187,17 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
 
 
 def _one_decode_group(seqs: list[ScheduledSeq], block_size: int, to) -> AttentionMetadata:
-    """build_metadata of an all-decode iteration in one group without a mask, in a few
-    array operations (the decode stack's every step).
+    """build_metadata of an iteration of rows (`runs_as_rows`) in one group without a mask,
+    in a few array operations (the decode stack's every step).
 
-    A decode verified with k draft tokens is k + 1 rows of the group: the row at position p
-    reads the sequence's table up to p (context_len p + 1). NOTE: that is exact causal
-    attention over the chunk because every layer writes all rows' K/V before any row
-    attends (`paged_attention`, the decode stack), so speculative decoding's iterations run
-    on the decode stack too.
+    A decode verified with k draft tokens, or a prefill chunk of n tokens, is k + 1 (n) rows
+    of the group: the row at position p reads the sequence's table up to p (context_len
+    p + 1). NOTE: that is exact causal attention over the chunk because every layer writes
+    all rows' K/V before any row attends (`paged_attention`, the decode stack), so
+    speculative decoding's iterations and a burst's short prompts (a prefix-cache hit
+    leaves a few tokens each) run on the decode stack too: a prefill chunk attended on its
+    own costs a gather and an SDPA call per layer (W's burst at 64 slots, SmolLM2: 40
+    prompts of ~7 tokens took ~225 ms on the general path).
     """
     tables, context_lens = _padded_tables(seqs)
     counts = np.array([s.num_tokens for s in seqs], dtype=np.int64)

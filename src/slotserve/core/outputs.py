@@ -20,6 +20,18 @@ def is_decode_step(start_pos: int, num_new: int, samples: bool) -> bool:
     return num_new == 1 and start_pos > 0 and samples
 
 
+# NOTE: the fused CPU path (attention/metadata.py) runs an iteration on the decode stack,
+# every token a row that reads its own sequence's KV up to its position, when each sequence
+# is a decode (maybe verified with drafts) or a prefill chunk of at most this many tokens
+# (`runs_as_rows`); the replay's clock prices it so (lab/replay/cost_model.py).
+ROW_CHUNK_TOKENS = 32
+
+
+def runs_as_rows(seqs) -> bool:
+    """Every sequence of an iteration is a decode or a chunk of at most ROW_CHUNK_TOKENS."""
+    return all(s.is_decode or s.num_tokens <= ROW_CHUNK_TOKENS for s in seqs)
+
+
 @dataclass
 class ScheduledSeq:
     """One request's share of an iteration.

@@ -34,12 +34,12 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   iterations at each grid point (`calibrate._run_mixed`).
 
 A decode verified with k draft tokens (speculative decoding) has 1 + k rows with logits at
-each: 1 + k sampled rows and its attention pairs. In an iteration of decodes only, the
-runner computes every row as a decode row of the C++ decode stack (each reads its
-sequence's KV up to its own position: `attention.metadata._one_decode_group`), so the k
-drafts count as k more decode rows (`decode_seqs`); beside a prefill chunk the iteration
-takes the general path, where the verification is a chunk of 1 + k tokens: one decode
-sequence and k prefill tokens.
+each: 1 + k sampled rows and its attention pairs. In an iteration of decodes and short
+prefill chunks only (`core.outputs.runs_as_rows`), the runner computes every token as a
+decode row of the C++ decode stack (each reads its sequence's KV up to its own position:
+`attention.metadata._one_decode_group`), so the k drafts, and a short chunk's tokens, count
+as decode rows (`decode_seqs`); otherwise the iteration takes the general path, where the
+verification is a chunk of 1 + k tokens: one decode sequence and k prefill tokens.
 
 `LinearCost` charges seconds = base + sum(coefficient x feature), fit per machine, model
 and kernel set by least squares (`LinearCost.fit`, numpy); `slotserve calibrate` measures
@@ -56,15 +56,16 @@ the large steps' slope. `LinearCost.fit(samples, knee="auto")` picks the knee th
 best (or none).
 
 Draft pairs (`StepFeatures.draft_pairs`, optional coefficient `LinearCost.DRAFT_PAIRS`): of
-a verification's attention pairs in an iteration of decodes only, those of its rows after
-the first. The decode stack computes each row's attention over the sequence's KV up to its
-own position, so the drafted rows read the KV the first row has just brought into cache:
-their pairs cost compute, not a read from memory (this 2-core host, free text and W: ~0.3-0.8
-us a pair against ~1.7-1.9 us for a decode's). Priced at the attention coefficient a
-batch-1 verification of 8 drafts over a 170-token context cost 1.4x a decode in the replay
-where it measured ~1.05x. An off run has no drafts, so its iterations cannot tell the two
-prices apart: `LinearCost.fit_draft_pairs` fits the drafted rows' price on runs with
-speculation (each run's own speed factored out); without it they cost `attention_pairs`.
+a verification's (or a short prefill chunk's) attention pairs in an iteration on the decode
+stack, those of its rows after the first. The decode stack computes each row's attention
+over the sequence's KV up to its own position, so the drafted rows read the KV the first
+row has just brought into cache: their pairs cost compute, not a read from memory (this
+2-core host, free text and W: ~0.3-0.8 us a pair against ~1.7-1.9 us for a decode's).
+Priced at the attention coefficient a batch-1 verification of 8 drafts over a 170-token
+context cost 1.4x a decode in the replay where it measured ~1.05x. An off run has no
+drafts (and few short chunks beside decodes), so its iterations cannot tell the two prices
+apart: `LinearCost.fit_draft_pairs` fits the drafted rows' price on runs with speculation
+(each run's own speed factored out); without it they cost `attention_pairs`.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from slotserve.config import SlotKind
-from slotserve.core.outputs import SchedulerOutput
+from slotserve.core.outputs import SchedulerOutput, runs_as_rows
 
 PROFILE_VERSION = 1
 FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks",
@@ -102,8 +103,8 @@ class StepFeatures:
     decode_seqs: int = 0
     attention_pairs: int = 0
     sampled_rows: int = 0
-    # NOTE: a part of attention_pairs (a verification's rows after its first, among
-    # decodes only): priced on its own only by a model with a DRAFT_PAIRS coefficient.
+    # NOTE: a part of attention_pairs (a verification's or short chunk's rows after its
+    # first, on the decode stack): priced on its own only with a DRAFT_PAIRS coefficient.
     draft_pairs: int = 0
     chunks: int = 0
     # NOTE: a part of attention_pairs too (decodes' first rows); its coefficient is a
@@ -119,23 +120,28 @@ class StepFeatures:
         """The features of a plan; first_forward: the engine's first forward (the runner
         knows, the plan does not)."""
         prefill = decode = pairs = sampled = drafted = chunks = decode_pairs = mixed = 0
-        decode_only = all(seq.kind == SlotKind.DECODE for seq in plan.seqs)
+        # NOTE: as the runner's fused CPU path decides (`runs_as_rows`): every token a decode
+        # row on the decode stack, or the general path (chunks attended one at a time)
+        on_stack = runs_as_rows(plan.seqs)
         for seq in plan.seqs:
-            chunks += not (decode_only or seq.is_one_token_decode)
-            mixed += not decode_only and seq.is_one_token_decode
+            chunks += not (on_stack or seq.is_one_token_decode)
+            mixed += not on_stack and seq.is_one_token_decode
             n, start = seq.num_tokens, seq.start_pos
             drafts = len(seq.spec_token_ids)
-            if seq.kind == SlotKind.DECODE:
-                # NOTE: a verification's rows after its first: decode rows on the decode
-                # stack (an iteration of decodes only), else rows of a chunk.
-                decode += 1 + (drafts if decode_only else 0)
-                prefill += 0 if decode_only else drafts
+            chunk_pairs = n * start + n * (n + 1) // 2
+            if on_stack:
+                # NOTE: a verification's or a short prompt chunk's rows after its first
+                # re-read the KV its first row has just read (drafted pairs)
+                decode += n
+                decode_pairs += start + 1
+                drafted += chunk_pairs - (start + 1)
+            elif seq.kind == SlotKind.DECODE:  # beside a prefill: drafts are chunk rows
+                decode += 1
+                prefill += drafts
                 decode_pairs += start + 1
             else:
                 prefill += n
-            pairs += n * start + n * (n + 1) // 2
-            if decode_only and drafts:
-                drafted += n * start + n * (n + 1) // 2 - (start + 1)  # rows after the first
+            pairs += chunk_pairs
             sampled += seq.sample + drafts
         return cls(prefill, decode, pairs, sampled, drafted, chunks, decode_pairs,
                    int(first_forward), mixed)
