@@ -38,7 +38,8 @@ def attention_decodes(seq: ScheduledSeq, group_decodes: bool) -> bool:
 
 def attention_rows(seq: ScheduledSeq) -> int:
     """Rows of the one decode group the fused CPU path's metadata makes (0: not so)."""
-    meta = build_metadata([seq], BLOCK_SIZE, torch.device("cpu"), group_decodes=False)
+    meta = build_metadata([seq], BLOCK_SIZE, torch.device("cpu"), group_decodes=False,
+                          short_chunks_as_rows=True)
     return meta.num_decodes if meta.decode_only else 0
 
 
@@ -77,6 +78,7 @@ def test_preempted_one_token_recompute_is_classified_the_same_everywhere():
         assert plan.slots[[s and s.request_id for s in plan.slots].index("victim")].kind \
             == expected  # the trace's slot kind
         assert attention_decodes(seq, True) == decode
+        assert attention_decodes(seq, False) == decode
         # the fused CPU path runs any short chunk as rows of its one decode group, decode or
         # not (core.outputs.runs_as_rows): one row here
         assert attention_rows(seq) == 1

@@ -63,7 +63,8 @@ def test_mixed_batch_matches_dense_per_sequence(num_heads, num_kv_heads, long_ch
         for pos in range(cached):
             block, offset = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             k_cache[block, offset], v_cache[block, offset] = full_k[i][pos], full_v[i][pos]
-    meta = build_metadata(seqs, BLOCK_SIZE, torch.device("cpu"), group_decodes=not fused)
+    meta = build_metadata(seqs, BLOCK_SIZE, torch.device("cpu"), group_decodes=not fused,
+                          short_chunks_as_rows=fused)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
     write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping, ops)

@@ -148,16 +148,20 @@ GROUP_MIN_SAVED_BLOCKS = 64
 
 
 def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
-                   group_decodes: bool = True) -> AttentionMetadata:
+                   group_decodes: bool = True, short_chunks_as_rows: bool = False
+                   ) -> AttentionMetadata:
     """Compute slots and per-sequence views for one iteration (numpy, no per-token Python).
 
     group_decodes=False puts all decodes in one group: for a kernel that reads only each
     sequence's own context, padding costs nothing and one group is one call per layer; an
-    iteration of decodes and short prefill chunks only (`runs_as_rows`) is then one group
-    of a row per token (`_one_decode_group`, the decode stack's shape).
+    iteration of decodes only is then one group of a row per token (`_one_decode_group`,
+    the decode stack's shape), and with short_chunks_as_rows (ops without a prefill kernel,
+    whose prefills are attended one at a time) so is one of decodes and short prefill
+    chunks (`runs_as_rows`).
     """
     to = lambda a: torch.from_numpy(a).to(device)
-    if not group_decodes and seqs and runs_as_rows(seqs):
+    rows = all(s.is_decode for s in seqs) or (short_chunks_as_rows and runs_as_rows(seqs))
+    if not group_decodes and seqs and rows:
         return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))

@@ -381,9 +381,12 @@ class ModelRunner:
             return hidden, torch.from_numpy(np.flatnonzero([s.sample for s in seqs]))
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
-        # avoid, so all decodes go in one group (one call per layer).
+        # avoid, so all decodes go in one group (one call per layer); without a prefill
+        # kernel, an iteration of short chunks too (the decode stack on the CPU).
         meta = build_metadata(seqs, self.block_size, self.device,
-                              group_decodes=not self.fused_cpu_ops)
+                              group_decodes=not self.fused_cpu_ops,
+                              short_chunks_as_rows=self.fused_cpu_ops and not hasattr(
+                                  self.kernels.ops, "prefill_attention"))
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
 
     def _prepare_inputs(self, plan: SchedulerOutput):
