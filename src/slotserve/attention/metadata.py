@@ -160,8 +160,8 @@ def build_metadata(seqs: list[ScheduledSeq], block_size: int, device: torch.devi
     chunks (`runs_as_rows`).
     """
     to = lambda a: torch.from_numpy(a).to(device)
-    rows = all(s.is_decode for s in seqs) or (short_chunks_as_rows and runs_as_rows(seqs))
-    if not group_decodes and seqs and rows:
+    if not group_decodes and seqs and (runs_as_rows(seqs) if short_chunks_as_rows
+                                       else all(s.is_decode for s in seqs)):
         return _one_decode_group(seqs, block_size, to)
     lengths = np.array([s.num_tokens for s in seqs], dtype=np.int64)
     query_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))

@@ -146,6 +146,13 @@ class ModelRunner:
         """Whether norms, RoPE, KV writes and decode attention run the fused CPU kernels."""
         return self.kernels.fused_layers
 
+    @property
+    def short_chunks_as_rows(self) -> bool:
+        """Whether an iteration of decodes and short prefill chunks (`runs_as_rows`) runs
+        as rows of one decode group: with the fused ops and no prefill kernel among them
+        (`paged_attention` would attend each chunk on its own)."""
+        return self.fused_cpu_ops and not hasattr(self.kernels.ops, "prefill_attention")
+
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """NOTE: preallocated once; blocks are only ever indexed, never reallocated.
 
@@ -385,8 +392,7 @@ class ModelRunner:
         # kernel, an iteration of short chunks too (the decode stack on the CPU).
         meta = build_metadata(seqs, self.block_size, self.device,
                               group_decodes=not self.fused_cpu_ops,
-                              short_chunks_as_rows=self.fused_cpu_ops and not hasattr(
-                                  self.kernels.ops, "prefill_attention"))
+                              short_chunks_as_rows=self.short_chunks_as_rows)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
 
     def _prepare_inputs(self, plan: SchedulerOutput):

@@ -7,11 +7,12 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
 - attention_pairs: query-key pairs the attention computes: a chunk of n tokens starting at
   position s attends to s+1 .. s+n positions, n*s + n(n+1)/2 pairs (a decode: its context);
 - sampled_rows: rows that go through the LM head and the sampler;
-- chunks: sequences the attention takes one at a time, in an iteration that is not decodes
-  only (prefill chunks, and verifications beside them): one call per chunk and layer
-  (`attention.torch_paged.paged_attention`'s prefills), so an iteration of many short
-  prompts costs more than its tokens and pairs say (W's burst at 64 slots, SmolLM2 on a
-  2-core AMX Xeon: 40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
+- chunks: sequences the attention takes one at a time, in an iteration that does not run
+  on the decode stack (`core.outputs.runs_as_rows`: prefill chunks, and verifications
+  beside them): one call per chunk and layer (`attention.torch_paged.paged_attention`'s
+  prefills), so such an iteration of many prompts costs more than its tokens and pairs say
+  (W's burst at 64 slots, SmolLM2 on a 2-core AMX Xeon, before short chunks ran as rows:
+  40 chunks of 287 tokens took 172 ms where a fit without them gave 97).
 - decode_pairs: a part of attention_pairs, a decode's first row's (its context): read from
   the KV cache, where a prefill chunk's pairs are computed on keys it has just written or
   that its other rows share. A decode's pairs are memory reads and dearer (SmolLM2 on the
@@ -24,8 +25,8 @@ An iteration's plan (a `SchedulerOutput`) is reduced to `StepFeatures`:
   engine's first 42-token prefill took 45-50 ms where the next one took 30-37; W's burst at
   64 slots pays it in every request's TTFT, so a replay without it came out ~10% short
   there. `slotserve calibrate` measures it on each grid point's fresh engine.
-- mixed_decodes: a part of decode_seqs, the one-token decodes of an iteration that is not
-  decodes only. Beside a prefill chunk the runner takes its general path (a call per
+- mixed_decodes: a part of decode_seqs, the one-token decodes of an iteration off the
+  decode stack. Beside a longer prefill chunk the runner takes its general path (a call per
   layer and op) instead of the C++ decode stack's one call for all layers, so each such
   decode costs more than a decode among decodes only (SmolLM2 on the 2-core AMX Xeon:
   0.09-0.11 ms on top, three calibrations; W at 16 slots, whose new prompts join 15
