@@ -272,17 +272,20 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, num_splits,
 # KV head at batch 1 (8 programs looping over every block, latency-bound) took 78 us a layer
 # at a context of ~300 positions, 39% of an 8B model's decode forward.
 TARGET_PROGRAMS = 1024
+# NOTE: the interpreter runs a launch's programs one after another on the CPU: at 1024 the
+# engine's interpreted tests took 3x as long; at this many a small batch still splits.
+INTERPRETED_TARGET_PROGRAMS = 16
 MIN_PARTITION_BLOCKS = 4
 MAX_SPLITS = 64
 
 
 def auto_partition_size(num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                        window: int | None) -> int:
+                        window: int | None, target_programs: int = TARGET_PROGRAMS) -> int:
     """Positions per split of a decode launch of num_seqs x num_kv_heads programs per split
-    (see TARGET_PROGRAMS); a power of two of blocks, so few kernel variants are compiled.
-    NOTE: known on the host from shapes alone: a CUDA graph keeps its grid."""
+    (about target_programs in all); a power of two of blocks, so few kernel variants are
+    compiled. NOTE: known on the host from shapes alone: a CUDA graph keeps its grid."""
     blocks_read = _blocks_read(max_blocks, block_size, window)
-    wanted = -(-TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads))
+    wanted = -(-target_programs // max(1, num_seqs * num_kv_heads))
     splits = max(1, min(wanted, MAX_SPLITS, -(-blocks_read // MIN_PARTITION_BLOCKS)))
     return triton.next_power_of_2(-(-blocks_read // splits)) * block_size
 
@@ -348,8 +351,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            f"context_lens must be ({num_seqs},) int64")
     _check(window is None or window >= 0, f"window must be >= 0 or None, got {window}")
     if partition_size is None:
+        target = INTERPRETED_TARGET_PROGRAMS if INTERPRETED else TARGET_PROGRAMS
         partition_size = auto_partition_size(q.shape[0], k_cache.shape[2],
-                                             block_tables.shape[1], k_cache.shape[1], window)
+                                             block_tables.shape[1], k_cache.shape[1], window,
+                                             target)
     _check(partition_size >= 1, f"partition_size must be >= 1, got {partition_size}")
     _check(blocks_per_iter >= 1 and blocks_per_iter & (blocks_per_iter - 1) == 0,
            f"blocks_per_iter must be a power of two >= 1, got {blocks_per_iter}")

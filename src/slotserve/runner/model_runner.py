@@ -149,9 +149,9 @@ class ModelRunner:
     @property
     def short_chunks_as_rows(self) -> bool:
         """Whether an iteration of decodes and short prefill chunks (`runs_as_rows`) runs
-        as rows of one decode group: with the fused ops and no prefill kernel among them
-        (`paged_attention` would attend each chunk on its own)."""
-        return self.fused_cpu_ops and not hasattr(self.kernels.ops, "prefill_attention")
+        as rows of one decode group: on the C++ decode stack (what was measured; elsewhere
+        `paged_attention` attends each chunk on its own, the Triton kernels on CUDA too)."""
+        return self.kernels.decode_stack
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """NOTE: preallocated once; blocks are only ever indexed, never reallocated.
@@ -389,7 +389,7 @@ class ModelRunner:
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
         # avoid, so all decodes go in one group (one call per layer); without a prefill
-        # kernel, an iteration of short chunks too (the decode stack on the CPU).
+        # kernel, an iteration of short chunks too where the decode stack runs it.
         meta = build_metadata(seqs, self.block_size, self.device,
                               group_decodes=not self.fused_cpu_ops,
                               short_chunks_as_rows=self.short_chunks_as_rows)
