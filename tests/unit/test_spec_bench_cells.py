@@ -10,10 +10,12 @@ import math
 import pytest
 
 from benchmarks.speculative import (
+    CONTROL,
     WarmedTarget,
     check_targets,
     format_latency,
     format_summary,
+    format_targets,
     load_traces,
     main,
     online_workload,
@@ -100,6 +102,23 @@ def test_the_issue_s_targets_are_checked_per_cell():
     assert "| W | 64 | auto | 96 | 0.96x | 5.0 | 8.0 | 1.00x | 6 / 9 |" in table
     assert "| free | 2 req/s | auto |" in table
     assert "| W | 64 | 0.96x | - |" in format_summary(report)  # identity not checked
+
+
+def test_the_control_s_tpot_p99_ratio_stands_beside_each_target():
+    """--control: off2 / off is reported beside auto's TPOT p99 ratio, which alone decides
+    whether the target is met."""
+    cell = _cell(1.0, 1.03)
+    cell[CONTROL] = {"runs": cell["off"]["runs"], "median_ratio": 1.0, "tpot_p99_ratio": 1.05}
+    report = {"settings": {"off": None, "auto": "{}", CONTROL: None},
+              "results": {"free": {"4": cell, "16": _cell(1.0, 0.99)}}}
+    checks = {c["target"]: c for c in check_targets(report)}
+    assert checks["free batch 4 TPOT p99 <= 1.0x off"] == {
+        "target": "free batch 4 TPOT p99 <= 1.0x off", "value": 1.03, "met": False,
+        "control": 1.05}
+    assert "control" not in checks["free batch 16 TPOT p99 <= 1.0x off"]
+    lines = format_targets(list(checks.values())).splitlines()
+    assert "NOT met  free batch 4 TPOT p99 <= 1.0x off: 1.03x (off2 / off 1.05x)" in lines
+    assert "met      free batch 16 TPOT p99 <= 1.0x off: 0.99x" in lines
 
 
 def test_saved_traces_predict_again_without_a_model(tiny_llama, tmp_path, capsys):
