@@ -94,8 +94,15 @@ def freeze_heap() -> None:
     130-160 ms on this 2-core CPU and came once in ~100 steps at 256 sequences: a step
     200 ms long, a TPOT p99. Frozen, it scanned what serving allocated: ~1 ms. Objects
     frozen are still freed when their last reference goes; only a cycle among them that
-    becomes garbage later is never collected (start-up objects live as long as the server).
+    becomes garbage later is never collected until the next call (start-up objects live as
+    long as the server).
+
+    NOTE: what an earlier call froze is unfrozen first, so a process that builds engine
+    after engine (the benchmarks, a fresh engine per run, each call before a run) collects
+    the ones it let go. Frozen for good, each engine a W run had used stayed (+0.65 GB a
+    run: `benchmarks.speculative`'s 33 W and online runs reached 24 GB and were killed).
     """
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
