@@ -100,7 +100,7 @@ def freeze_heap() -> None:
     NOTE: what an earlier call froze is unfrozen first, so a process that builds engine
     after engine (the benchmarks, a fresh engine per run, each call before a run) collects
     the ones it let go. Frozen for good, each engine a W run had used stayed (+0.65 GB a
-    run: `benchmarks.speculative`'s 33 W and online runs reached 24 GB and were killed).
+    run: `benchmarks.speculative` reached 24 GB in its last cell and was killed).
     """
     gc.unfreeze()
     gc.collect()

@@ -149,9 +149,11 @@ class ModelRunner:
     @property
     def short_chunks_as_rows(self) -> bool:
         """Whether an iteration of decodes and short prefill chunks (`runs_as_rows`) runs
-        as rows of one decode group: on the C++ decode stack (what was measured; elsewhere
-        `paged_attention` attends each chunk on its own, the Triton kernels on CUDA too)."""
-        return self.kernels.decode_stack
+        as rows of one decode group: with the fused C++ CPU kernels (on the decode stack, or
+        layer by layer through the same decode attention where a model's family has no
+        stack: the same sums). Elsewhere, the Triton kernels on CUDA included (not timed
+        so), `paged_attention` attends each chunk on its own."""
+        return self.fused_cpu_ops and hasattr(self.kernels.ops, "DecodeStack")
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """NOTE: preallocated once; blocks are only ever indexed, never reallocated.
@@ -389,7 +391,7 @@ class ModelRunner:
         input_ids, positions, sample_rows = self._prepare_inputs(plan)
         # NOTE: the fused decode kernel reads only each sequence's own blocks: no padding to
         # avoid, so all decodes go in one group (one call per layer); without a prefill
-        # kernel, an iteration of short chunks too where the decode stack runs it.
+        # kernel, an iteration of short chunks too with the C++ CPU kernels.
         meta = build_metadata(seqs, self.block_size, self.device,
                               group_decodes=not self.fused_cpu_ops,
                               short_chunks_as_rows=self.short_chunks_as_rows)
