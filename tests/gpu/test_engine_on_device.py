@@ -37,6 +37,7 @@ def device_llm(hf, device: torch.device, **kwargs):
     llm = tiny_llm(hf, block_size=BLOCK_SIZE, num_blocks=128,
                    kernel_set=KernelSet(ops=triton_ops, fused_layers=True), **kwargs)
     runner = llm.engine.runner
+    assert not runner.short_chunks_as_rows  # the C++ CPU kernels' rule, not the Triton ones'
     runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_caches, BLOCK_SIZE,
                                         llm.engine.scheduler_config.max_num_seqs,
                                         512 // BLOCK_SIZE, runner.device, capture=False)

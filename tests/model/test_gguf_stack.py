@@ -294,6 +294,8 @@ def test_the_embedded_model_in_blocks_decodes_the_same_through_the_stack(ops):
                         kernel_set=replace(with_stack.runner.kernels, decode_stack=False))
     assert with_stack.runner.kernels.gguf_types == ("Q4_1", "Q8_0")
     assert with_stack.runner.model.decode_stack is not None
+    # both run short chunks as rows (the C++ CPU kernels' rule, stack or not): the same sums
+    assert with_stack.runner.short_chunks_as_rows and without.runner.short_chunks_as_rows
     prompts = generate_workload(4, prompts="chat", seed=1).chat_prompt_ids(loaded.tokenizer)
 
     assert greedy_tokens(with_stack, prompts, 16) == greedy_tokens(without, prompts, 16)
