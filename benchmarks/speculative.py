@@ -460,10 +460,11 @@ def format_summary(report: dict) -> str:
     replay, its predicted ratio and that one's error), and whether every output equalled
     off's ("-": not checked)."""
     settings = [n for n in report["settings"] if n != "off"]
-    predicted = "replay" in report
-    head = [f"{n} / off" + (f" | {n} predicted | error" if predicted else "")
+    replayed_settings = {n for n in settings if "replay" in report
+                         and report["settings"][n] is not None}  # not the control
+    head = [f"{n} / off" + (f" | {n} predicted | error" if n in replayed_settings else "")
             for n in settings]
-    columns = len(settings) * (3 if predicted else 1)
+    columns = len(settings) + 2 * len(replayed_settings)
     lines = ["| workload | batch | " + " | ".join(head) + " | identical |",
              "| --- | --- | " + "--- | " * columns + "--- |"]
     for workload, cells in report["results"].items():
@@ -471,7 +472,7 @@ def format_summary(report: dict) -> str:
             values = []
             for n in settings:
                 values.append(f"{cell[n]['median_ratio']:.2f}x")
-                if predicted:
+                if n in replayed_settings:
                     replayed = cell[n].get("replay")
                     values += ([f"{replayed['predicted_ratio']:.2f}x",
                                 f"{replayed['error']:+.0%}"] if replayed else ["-", "-"])

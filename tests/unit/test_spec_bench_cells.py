@@ -119,6 +119,15 @@ def test_the_control_s_tpot_p99_ratio_stands_beside_each_target():
     lines = format_targets(list(checks.values())).splitlines()
     assert "NOT met  free batch 4 TPOT p99 <= 1.0x off: 1.03x (off2 / off 1.05x)" in lines
     assert "met      free batch 16 TPOT p99 <= 1.0x off: 0.99x" in lines
+    # the replay predicts auto's ratio, not the control's: no prediction columns for it
+    report["replay"] = {}
+    for each in report["results"]["free"].values():
+        each["auto"]["replay"] = {"predicted_ratio": 1.0, "error": 0.0}
+        each.setdefault(CONTROL, {"runs": [], "median_ratio": 1.0})
+    summary = format_summary(report).splitlines()
+    assert summary[0] == ("| workload | batch | auto / off | auto predicted | error | "
+                          "off2 / off | identical |")
+    assert summary[2] == "| free | 4 | 1.00x | 1.00x | +0% | 1.00x | - |"
 
 
 def test_saved_traces_predict_again_without_a_model(tiny_llama, tmp_path, capsys):
