@@ -49,9 +49,12 @@ TIMEOUT_MS = 60_000
 
 # --------------------------------------------------------------------------- the server
 def build_test_app(async_engine: AsyncEngine) -> FastAPI:
-    """The live router, the engine's trace (as the real app's /debug/trace) and a test-only
+    """The live router, the engine's trace (as the real app's /debug/trace), a test-only
     POST /test/generate that starts n requests in the background (their prompts start with
-    the same `shared` tokens)."""
+    the same `shared` tokens) and GET /test/busy: how many of them have not finished.
+
+    NOTE: a started request reaches the engine only when its task first runs, after the POST
+    has answered: the engine alone can look idle before its requests arrive."""
     app = FastAPI()
     app.include_router(build_live_router(async_engine, stats_interval_s=0.25))
     tasks: set[asyncio.Task] = set()
@@ -59,6 +62,10 @@ def build_test_app(async_engine: AsyncEngine) -> FastAPI:
     @app.get("/debug/trace")
     async def trace() -> dict:
         return async_engine.export_trace()
+
+    @app.get("/test/busy")
+    async def busy() -> dict:
+        return {"requests": len(tasks)}
 
     @app.post("/test/generate")
     async def generate(prefix: str, n: int = 8, max_tokens: int = 64, shared: int = 0) -> dict:
@@ -135,10 +142,12 @@ def start_requests(server: ThreadServer, prefix: str, n: int = 8, max_tokens: in
 
 
 def wait_idle(server: ThreadServer, timeout: float = 60.0) -> dict:
+    """The engine's state once every request /test/generate started has finished."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = httpx.get(f"{server.url}/debug/state").json()
-        if state["running"] == 0 and state["waiting"] == 0:
+        started = httpx.get(f"{server.url}/test/busy").json()["requests"]
+        if started == 0 and state["running"] == 0 and state["waiting"] == 0:
             return state
         time.sleep(0.1)
     raise AssertionError(f"the engine is still busy after {timeout}s: {state}")
@@ -530,6 +539,10 @@ def replica_live_server():
     app = FastAPI(lifespan=polling)
     app.include_router(build_live_router(front, stats_interval_s=0.25))
     tasks: set[asyncio.Task] = set()
+
+    @app.get("/test/busy")
+    async def busy() -> dict:
+        return {"requests": len(tasks)}
 
     @app.post("/test/generate")
     async def generate(replica: str, prefix: str, n: int = 3, max_tokens: int = 40) -> dict:
