@@ -2,7 +2,8 @@
 // Weight-only int8 would convert every weight to float (one core's vector units, not the
 // memory, set the pace then). Instead each token's activations are quantized to int16 with
 // one scale per token (|error| <= max|x| / 65534, finer than bfloat16's 8 bits), and the
-// products are summed in int32 by AVX-512's 16-bit dot product: 32 weights per instruction.
+// products are summed in int32 by AVX-512's 16-bit dot product: 32 weights per instruction
+// (AVX2's: 16).
 
 
 #include "common.h"
@@ -19,6 +20,9 @@ constexpr int64_t INT16_MAX_Q = 32767;
 // NOTE: a lane adds 2 products of at most 127 * 32767 per 32 inputs; flushing the int32
 // lanes to float every FLUSH_EVERY inputs keeps them below 2^31 whatever the values.
 constexpr int64_t FLUSH_EVERY = 4096;
+// NOTE: AVX2's lanes are half as many, so a lane adds 2 products per 16 inputs: flushed twice
+// as often, the same bound (512 products of at most 128 * 32767 < 2^31).
+constexpr int64_t FLUSH_EVERY_AVX2 = FLUSH_EVERY / 2;
 // NOTE: the weights are read once per step, straight from memory: asking for the bytes 4 KB
 // ahead (later in this row or in the next rows) ran the model's int8 matmuls in 7.3 ms
 // instead of 10.5 here (benchmarks/PERF.md). A prefetch past the end never faults.
@@ -51,6 +55,15 @@ std::pair<torch::Tensor, torch::Tensor> quantize_rows_int16(const torch::Tensor&
   return {q, scales};
 }
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// The sum of a vector's 8 floats.
+inline float sum_lanes(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+#endif
+
 // sum_i w[i] * x_t[i] for `tokens` (1..4) int16 rows x_t, as floats; one pass over w.
 template <int TOKENS>
 void dot_int8_int16(const int8_t* w, const int16_t* x, int64_t in, float* out) {
@@ -78,10 +91,29 @@ void dot_int8_int16(const int8_t* w, const int16_t* x, int64_t in, float* out) {
       total[t] = _mm512_add_ps(total[t], _mm512_cvtepi32_ps(lanes[t]));
   }
   for (int t = 0; t < TOKENS; ++t) out[t] = _mm512_reduce_add_ps(total[t]);
+#elif defined(__AVX2__)
+  __m256 total[TOKENS];
+  for (int t = 0; t < TOKENS; ++t) total[t] = _mm256_setzero_ps();
+  while (i + 16 <= in) {
+    __m256i lanes[TOKENS];
+    for (int t = 0; t < TOKENS; ++t) lanes[t] = _mm256_setzero_si256();
+    const int64_t stop = std::min(in, i + FLUSH_EVERY_AVX2);
+    for (; i + 16 <= stop; i += 16) {
+      __builtin_prefetch(w + i + PREFETCH_BYTES);
+      const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
+      for (int t = 0; t < TOKENS; ++t) {
+        const __m256i x16 = _mm256_loadu_si256((const __m256i*)(x + t * in + i));
+        lanes[t] = _mm256_add_epi32(lanes[t], _mm256_madd_epi16(w16, x16));
+      }
+    }
+    for (int t = 0; t < TOKENS; ++t)
+      total[t] = _mm256_add_ps(total[t], _mm256_cvtepi32_ps(lanes[t]));
+  }
+  for (int t = 0; t < TOKENS; ++t) out[t] = sum_lanes(total[t]);
 #else
   for (int t = 0; t < TOKENS; ++t) out[t] = 0.f;
 #endif
-  // The tail (everything, without AVX-512), summed exactly in int64 and added once.
+  // The tail (everything, without AVX2), summed exactly in int64 and added once.
   int64_t rest[TOKENS] = {};
   for (; i < in; ++i)
     for (int t = 0; t < TOKENS; ++t) rest[t] += int32_t(w[i]) * x[t * in + i];
