@@ -540,10 +540,6 @@ def replica_live_server():
     app.include_router(build_live_router(front, stats_interval_s=0.25))
     tasks: set[asyncio.Task] = set()
 
-    @app.get("/test/busy")
-    async def busy() -> dict:
-        return {"requests": len(tasks)}
-
     @app.post("/test/generate")
     async def generate(replica: str, prefix: str, n: int = 3, max_tokens: int = 40) -> dict:
         engine = replicas[replica].async_engine
