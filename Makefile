@@ -54,7 +54,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
 test: $(STAMP) lint browser kernels models
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # benchmarks/PERF.md: installs vLLM's CPU build (3-5 min) and runs slotserve against it side
 # by side; builds llama.cpp's server (20-30 min), writes an F32 GGUF of the embedded model
