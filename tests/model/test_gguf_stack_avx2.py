@@ -1,4 +1,4 @@
-"""The GGUF block kernel's AVX2 path (no VNNI: codes widened to int16, vpmaddwd), in the
+"""The GGUF block kernel's AVX2 path (no VNNI: vpmaddubsw for 4- and 6-bit codes, 8-bit ones widened to int16 for vpmaddwd), in the
 avx2 CPU class's own build (gcc -march=x86-64-v3, as SLOTSERVE_CPU_ISA=avx2 selects).
 
 Its integer sums are exact and its float operations those of the VNNI path and the plain
@@ -71,3 +71,23 @@ def test_the_avx2_class_decodes_gguf_blocks_through_the_stack(avx2_ops, monkeypa
     assert "GGUF blocks x int8 activations (AVX2, fused CPU kernel)" in kernels.describe()
     decode_only = run_comparing_stack_and_python(engine, random_prompts(5), max_tokens=16)
     assert decode_only >= 10
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
+def test_the_largest_codes_and_activations_sum_exactly(qtype, avx2_ops):
+    """Every code at its format's largest value (all bits set: 15, 63 or 255) times every
+    activation at +127 or -127: vpmaddubsw's int16 sums (4- and 6-bit codes, added over steps)
+    reach their bound here and must not saturate: the AVX2 path equals the plain loops."""
+    rows, cols = 32, 512
+    raw = raw_tensor(qtype, rows, cols, seed=8)
+    blocks = to_blocks(raw, qtype, "blk.0.ffn_up.weight", "test.gguf")
+    kernel = GGUFBlockLinear(blocks, None, avx2_ops)
+    codes = torch.full_like(kernel.codes, 0xFF)
+    x = torch.ones(4, cols)
+    x[1] = -1
+    x[2, cols // 2:] = -1  # one sign per half: every block still all one sign
+    x[3] *= 1e4
+    args = (codes, kernel.scales_mins, rows, blocks.block_len, kernel.bits)
+    y = avx2_ops.quant_block_linear(x, *args)
+    assert torch.equal(y, avx2_ops.quant_block_linear(x, *args, force_plain=True))
+    assert torch.equal(y[1], -y[0]) and y[0].abs().min() > 0

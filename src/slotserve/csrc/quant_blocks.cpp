@@ -30,7 +30,8 @@
 // fp16 d and m per 256-weight super-block and row (d, -dmin; Q6_K's m -32 d), multiplied in
 // the kernel (exact: an fp16 times an integer of at most 8 bits); else fp32. Rows of a tile (up to 8 activation rows) reuse each loaded (and unpacked) step.
 // NOTE (batch invariance): a row's lanes see the same operations in the same order whatever
-// the tile or batch it is in; the AVX2 path (no VNNI: codes widened to int16, vpmaddwd) and
+// the tile or batch it is in; the AVX2 paths (no VNNI: vpmaddubsw for codes of 4 and 6 bits,
+// 8-bit codes widened to int16 for vpmaddwd) and
 // the plain-loop fallback get the same exact integer sums and do the same float operations
 // (fma, mul) in the same order, so all three give the same bits.
 
@@ -302,7 +303,8 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
   for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc_out + t * QB_ROWS, acc[t]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI): the
+// AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI), codes
+// of 8 bits (Q8_0, IQ4_NL's looked-up levels; 4- and 6-bit ones: panel_rows_avx2_small): the
 // codes of a step widened to int16 and multiplied by the activations (int16) with
 // vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 127; no vpmaddubsw: its
 // int16 sums saturate for 8-bit codes). A step's 64 bytes are 4 groups of 4 rows; each
@@ -312,38 +314,22 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 // in the same order: the same bits.
 constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
 
-template <int BITS>
-inline void load_step_avx2(const uint8_t* block, int64_t k, const uint8_t* tops, __m256i w[4]) {
-  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);  // 4-bit or IQ4_NL: shared
+template <int BITS>  // 8 or QUANT_CODES_IQ4_NL
+inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
+  static_assert(BITS == 8 || BITS == QUANT_CODES_IQ4_NL, "8-bit codes");
+  const uint8_t* bytes = block + 64 * (BITS == 8 ? k : k / 2);  // IQ4_NL: steps share 64
   __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32));
-  if constexpr (BITS != 8) {
+  if constexpr (BITS == QUANT_CODES_IQ4_NL) {  // the indices, then their levels' codes
     const __m256i mask = _mm256_set1_epi8(0x0F);
     if (k & 1) {
       lo = _mm256_srli_epi16(lo, 4);
       hi = _mm256_srli_epi16(hi, 4);
     }
-    lo = _mm256_and_si256(lo, mask);
-    hi = _mm256_and_si256(hi, mask);
-    if constexpr (BITS == QUANT_CODES_IQ4_NL) {
-      const __m256i table = _mm256_broadcastsi128_si256(
-          _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
-      lo = _mm256_shuffle_epi8(table, lo);
-      hi = _mm256_shuffle_epi8(table, hi);
-    } else if constexpr (BITS == 6) {
-      const uint8_t* top = tops + 64 * (k / 4);
-      const __m128i shift = _mm_cvtsi32_si128(int(2 * (k % 4)));
-      const __m256i two = _mm256_set1_epi8(0x03);
-      const __m256i top_lo = _mm256_and_si256(
-          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top)), shift),
-          two);
-      const __m256i top_hi = _mm256_and_si256(
-          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32)),
-                           shift),
-          two);
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(top_lo, 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(top_hi, 4));
-    }
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_NL_CODES)));
+    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(lo, mask));
+    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(hi, mask));
   }
   w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));  // rows 0-3, 4 codes each
   w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));  // rows 4-7
@@ -367,7 +353,7 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
     for (int64_t k = 0; k < steps; ++k) {
       __m256i w[4];
-      load_step_avx2<BITS>(block, k, block + s.block_len * 8, w);
+      load_step_avx2<BITS>(block, k, w);
       for (int t = 0; t < N; ++t) {
         int32_t four;
         std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
@@ -387,6 +373,98 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
         const __m256 d = sm.d8(b, h);
         const __m256 m = sm.m8(b, h);
         const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, _mm256_mul_ps(m, sum));
+        acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < N; ++t) {
+    _mm256_storeu_ps(acc_out + t * QB_ROWS, acc[t][0]);
+    _mm256_storeu_ps(acc_out + t * QB_ROWS + 8, acc[t][1]);
+  }
+}
+
+// 4- and 6-bit codes (u <= 63) need no int16 widening: vpmaddubsw multiplies u8 codes by s8
+// activations and adds pairs into int16, at most 2 * 63 * 127 = 16002, so two steps' pairs
+// add without saturating (32004); 4-bit pairs (at most 3810) add over a whole block of 32
+// (30480). vpmaddwd by ones then sums each row's int16 pairs into its int32 lane. A step's
+// first 32 bytes are rows 0-7 (4 codes each), its last 32 rows 8-15: the lanes are rows, in
+// order. Half the multiplies of the widening path above, no widening shuffles; the exact
+// integer sums and the block's float operations are its, so the bits are the same.
+template <int BITS>
+inline void step_pair_avx2(const uint8_t* block, int k2, const uint8_t* tops, __m256i w[4]) {
+  // w[0], w[1]: step 2 k2's rows 0-7 and 8-15; w[2], w[3]: step 2 k2 + 1's
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * k2));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * k2 + 32));
+  w[0] = _mm256_and_si256(lo, mask);
+  w[1] = _mm256_and_si256(hi, mask);
+  w[2] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), mask);
+  w[3] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), mask);
+  if constexpr (BITS == 6) {
+    // steps 4k4..4k4+3 share 64 bytes of top bits, step 4k4+i's at bits 2i (see block_codes);
+    // NOTE: 16-bit shifts: a byte's bits that cross into its neighbour are masked off
+    const uint8_t* top = tops + 64 * (k2 / 2);
+    const __m256i t_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top));
+    const __m256i t_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32));
+    const __m256i t_lo2 = _mm256_srli_epi16(t_lo, 2), t_hi2 = _mm256_srli_epi16(t_hi, 2);
+    if ((k2 & 1) == 0) {  // steps 4k4 and 4k4+1: bits 0-1 and 2-3, moved to 4-5
+      const __m256i three = _mm256_set1_epi8(0x03);
+      w[0] = _mm256_or_si256(w[0], _mm256_slli_epi16(_mm256_and_si256(t_lo, three), 4));
+      w[1] = _mm256_or_si256(w[1], _mm256_slli_epi16(_mm256_and_si256(t_hi, three), 4));
+      w[2] = _mm256_or_si256(w[2], _mm256_slli_epi16(_mm256_and_si256(t_lo2, three), 4));
+      w[3] = _mm256_or_si256(w[3], _mm256_slli_epi16(_mm256_and_si256(t_hi2, three), 4));
+    } else {  // steps 4k4+2 and 4k4+3: bits 4-5 and 6-7
+      const __m256i top_two = _mm256_set1_epi8(0x30);
+      w[0] = _mm256_or_si256(w[0], _mm256_and_si256(t_lo, top_two));
+      w[1] = _mm256_or_si256(w[1], _mm256_and_si256(t_hi, top_two));
+      w[2] = _mm256_or_si256(w[2], _mm256_and_si256(t_lo2, top_two));
+      w[3] = _mm256_or_si256(w[3], _mm256_and_si256(t_hi2, top_two));
+    }
+  }
+}
+
+// Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2) in blocks of L, codes of BITS 4 or 6.
+template <int N, int L, int BITS, typename SM>
+void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
+                           const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
+  static_assert(BITS == 4 || BITS == 6, "codes of at most 6 bits");
+  constexpr int pairs = L / 8;  // step pairs per block
+  constexpr int64_t block_bytes = L * QB_ROWS * BITS / 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[N][2];
+  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const uint8_t* block = codes + b * block_bytes;
+    __builtin_prefetch(block + 4 * block_bytes);
+    __m256i sums16[N][2], dots[N][2];  // int16 pairs (4-bit: the block's), int32 rows
+    for (int t = 0; t < N; ++t)
+      for (int h = 0; h < 2; ++h) sums16[t][h] = dots[t][h] = _mm256_setzero_si256();
+    for (int k2 = 0; k2 < pairs; ++k2) {
+      __m256i w[4];
+      step_pair_avx2<BITS>(block, k2, block + L * 8, w);
+      for (int t = 0; t < N; ++t) {
+        int32_t four[2];  // the 8 activations of the two steps
+        std::memcpy(four, q.a.data() + (t0 + t) * s.in + b * L + 8 * k2, 8);
+        const __m256i a0 = _mm256_set1_epi32(four[0]), a1 = _mm256_set1_epi32(four[1]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(w[h], a0),
+                                                _mm256_maddubs_epi16(w[2 + h], a1));
+          if constexpr (BITS == 4) {
+            sums16[t][h] = _mm256_add_epi16(sums16[t][h], both);
+          } else {
+            dots[t][h] = _mm256_add_epi32(dots[t][h], _mm256_madd_epi16(both, ones));
+          }
+        }
+      }
+    }
+    for (int t = 0; t < N; ++t) {
+      const int64_t at = (t0 + t) * s.blocks + b;
+      const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
+        const __m256i rows =
+            BITS == 4 ? _mm256_madd_epi16(sums16[t][h], ones) : dots[t][h];
+        const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), sm.d8(b, h),
+                                            _mm256_mul_ps(sm.m8(b, h), sum));
         acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
       }
     }
@@ -463,14 +541,27 @@ void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
         default: return panel_rows_avx2<1, B, SM>(codes, sm, q, s, first, out);
       }
     };
+    auto run_small = [&](auto bits, auto len, int64_t first, int64_t rows, float* out) {
+      constexpr int B = decltype(bits)::value, L = decltype(len)::value;
+      switch (rows) {
+        case 4: return panel_rows_avx2_small<4, L, B, SM>(codes, sm, q, s, first, out);
+        case 3: return panel_rows_avx2_small<3, L, B, SM>(codes, sm, q, s, first, out);
+        case 2: return panel_rows_avx2_small<2, L, B, SM>(codes, sm, q, s, first, out);
+        default: return panel_rows_avx2_small<1, L, B, SM>(codes, sm, q, s, first, out);
+      }
+    };
+    auto run_len = [&](auto bits, int64_t first, int64_t rows, float* out) {
+      if (s.block_len == 16) run_small(bits, std::integral_constant<int, 16>(), first, rows, out);
+      else run_small(bits, std::integral_constant<int, 32>(), first, rows, out);
+    };
     for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
       const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
       float* out = acc_out + done * QB_ROWS;
       if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows, out);
-      else if (s.bits == 6) run(std::integral_constant<int, 6>(), t0 + done, rows, out);
-      else if (s.bits == QUANT_CODES_IQ4_NL)
+      else if (s.bits == 6) run_len(std::integral_constant<int, 6>(), t0 + done, rows, out);
+      else if (s.bits == QUANT_CODES_IQ4_NL)  // codes up to 241: widened, as 8-bit ones
         run(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), t0 + done, rows, out);
-      else run(std::integral_constant<int, 4>(), t0 + done, rows, out);
+      else run_len(std::integral_constant<int, 4>(), t0 + done, rows, out);
     }
     return;
   }
