@@ -1,5 +1,6 @@
-"""The GGUF block kernel's AVX2 path (no VNNI: vpmaddubsw for 4- and 6-bit codes, 8-bit ones widened to int16 for vpmaddwd), in the
-avx2 CPU class's own build (gcc -march=x86-64-v3, as SLOTSERVE_CPU_ISA=avx2 selects).
+"""The GGUF block kernel's AVX2 path (no VNNI: vpmaddubsw for 4- and 6-bit codes, 8-bit ones
+widened to int16 for vpmaddwd), in the avx2 CPU class's own build (gcc -march=x86-64-v3, as
+SLOTSERVE_CPU_ISA=avx2 selects).
 
 Its integer sums are exact and its float operations those of the VNNI path and the plain
 loops, in the same order: all three give the same bits, whatever the batch.
