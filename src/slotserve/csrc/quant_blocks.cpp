@@ -312,6 +312,10 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 // (vphaddd, then lanes put back in row order). NOTE: the integer sums are exact, so they
 // equal VNNI's; the block's float operations are the same as panel_rows_vnni's, per lane,
 // in the same order: the same bits.
+// NOTE: both AVX2 kernels prefetch every 64-byte line of a block 8 KB ahead (as the bf16
+// panels): one line of each block 4 blocks ahead (1 KB) held the Zen 3's 1-row Q4_K kernel to
+// ~16-23 GB/s of its ~30; this ~21-34 (benchmarks.gguf_kernel_ab, 8 and 16 KB alike).
+constexpr int64_t QB_PREFETCH_BYTES = 8192;
 constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
 
 template <int BITS>  // 8 or QUANT_CODES_IQ4_NL
@@ -347,7 +351,8 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
   const int64_t steps = s.block_len / 4;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * s.block_bytes();
-    __builtin_prefetch(block + 4 * s.block_bytes());
+    for (int64_t line = 0; line < s.block_bytes(); line += 64)
+      __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
     __m256i dots[N][4];
     for (int t = 0; t < N; ++t)
       for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
@@ -435,7 +440,8 @@ void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRo
   for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * block_bytes;
-    __builtin_prefetch(block + 4 * block_bytes);
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
     __m256i sums16[N][2], dots[N][2];  // int16 pairs (4-bit: the block's), int32 rows
     for (int t = 0; t < N; ++t)
       for (int h = 0; h < 2; ++h) sums16[t][h] = dots[t][h] = _mm256_setzero_si256();
