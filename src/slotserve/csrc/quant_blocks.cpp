@@ -316,6 +316,12 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 // panels): one line of each block 4 blocks ahead (1 KB) held the Zen 3's 1-row Q4_K kernel to
 // ~16-23 GB/s of its ~30; this ~21-34 (benchmarks.gguf_kernel_ab, 8 and 16 KB alike).
 constexpr int64_t QB_PREFETCH_BYTES = 8192;
+
+inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
+  for (int64_t line = 0; line < block_bytes; line += 64)
+    __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
+}
+
 constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
 
 template <int BITS>  // 8 or QUANT_CODES_IQ4_NL
@@ -351,8 +357,7 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
   const int64_t steps = s.block_len / 4;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * s.block_bytes();
-    for (int64_t line = 0; line < s.block_bytes(); line += 64)
-      __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
+    prefetch_block(block, s.block_bytes());
     __m256i dots[N][4];
     for (int t = 0; t < N; ++t)
       for (int g = 0; g < 4; ++g) dots[t][g] = _mm256_setzero_si256();
@@ -440,11 +445,9 @@ void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRo
   for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * block_bytes;
-    for (int64_t line = 0; line < block_bytes; line += 64)
-      __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
-    __m256i sums16[N][2], dots[N][2];  // int16 pairs (4-bit: the block's), int32 rows
-    for (int t = 0; t < N; ++t)
-      for (int h = 0; h < 2; ++h) sums16[t][h] = dots[t][h] = _mm256_setzero_si256();
+    prefetch_block(block, block_bytes);
+    __m256i sums[N][2];  // 4-bit: int16 pairs over the block; 6-bit: int32 rows
+    for (int t = 0; t < N; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
     for (int k2 = 0; k2 < pairs; ++k2) {
       __m256i w[4];
       step_pair_avx2<BITS>(block, k2, block + L * 8, w);
@@ -455,11 +458,8 @@ void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRo
         for (int h = 0; h < 2; ++h) {
           const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(w[h], a0),
                                                 _mm256_maddubs_epi16(w[2 + h], a1));
-          if constexpr (BITS == 4) {
-            sums16[t][h] = _mm256_add_epi16(sums16[t][h], both);
-          } else {
-            dots[t][h] = _mm256_add_epi32(dots[t][h], _mm256_madd_epi16(both, ones));
-          }
+          if constexpr (BITS == 4) sums[t][h] = _mm256_add_epi16(sums[t][h], both);
+          else sums[t][h] = _mm256_add_epi32(sums[t][h], _mm256_madd_epi16(both, ones));
         }
       }
     }
@@ -467,8 +467,7 @@ void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRo
       const int64_t at = (t0 + t) * s.blocks + b;
       const __m256 sum = _mm256_set1_ps(q.sum[at]), scale = _mm256_set1_ps(q.scale[at]);
       for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7
-        const __m256i rows =
-            BITS == 4 ? _mm256_madd_epi16(sums16[t][h], ones) : dots[t][h];
+        const __m256i rows = BITS == 4 ? _mm256_madd_epi16(sums[t][h], ones) : sums[t][h];
         const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), sm.d8(b, h),
                                             _mm256_mul_ps(sm.m8(b, h), sum));
         acc[t][h] = _mm256_fmadd_ps(part, scale, acc[t][h]);
