@@ -38,6 +38,8 @@
 #include "common.h"
 #include "ops.h"
 
+#include <atomic>
+#include <bit>
 #include <cfloat>
 #include <cstring>
 #include <string>
@@ -588,9 +590,82 @@ std::string quant_blocks_isa() {
 
 bool quant_blocks_vectorised() { return quant_blocks_isa() != "plain"; }
 
+namespace {
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, sizeof v); }
+
+// Row j's L codes `src` (one a byte) written into a panel's block in the layout code_of
+// reads: 8-bit, step k's 4 codes at bytes 64 k + 4 j; 4-bit, steps 2c and 2c + 1 as the
+// low and high nibbles of bytes 64 c + 4 j; 6-bit, those nibbles, then the top 2 bits of
+// steps 4g..4g+3 at bits 0-1, 2-3, 4-5, 6-7 of bytes L * 8 + 64 g + 4 j. Returns the OR of
+// the codes (the caller checks their range). NOTE: whole 4-byte groups, one row's each:
+// rows never share a written byte, so panels (and rows) pack in any order, and nothing
+// needs zeroing first.
+static_assert(std::endian::native == std::endian::little, "the 32-bit groups are little-endian");
+template <int L, int BITS>
+inline uint8_t pack_row_block(const uint8_t* src, uint8_t* block, int64_t j) {
+  uint8_t seen = 0;
+  for (int i = 0; i < L; ++i) seen |= src[i];
+  uint8_t* at = block + 4 * j;
+  if constexpr (BITS == 8) {
+    for (int k = 0; k < L / 4; ++k) store_u32(at + 64 * k, load_u32(src + 4 * k));
+  } else {
+    constexpr uint32_t kLow = 0x0F0F0F0F, kTop = 0x03030303;
+    for (int c = 0; c < L / 8; ++c)
+      store_u32(at + 64 * c,
+                (load_u32(src + 8 * c) & kLow) | ((load_u32(src + 8 * c + 4) & kLow) << 4));
+    if constexpr (BITS == 6) {
+      for (int g = 0; g < L / 16; ++g) {
+        uint32_t tops = 0;  // NOTE: >> 4 moves a byte's bits 4-5 to 0-1; the mask drops
+        for (int kk = 0; kk < 4; ++kk)  // what its neighbour shifted in
+          tops |= ((load_u32(src + 16 * g + 4 * kk) >> 4) & kTop) << (2 * kk);
+        store_u32(at + L * 8 + 64 * g, tops);
+      }
+    }
+  }
+  return seen;
+}
+
+// Whether every value is an fp16 value (c10::Half holds it exactly): NaN is not.
+bool all_fp16_values(const float* v, int64_t n) {
+  std::atomic<bool> all{true};
+  parallel_for(0, n, int64_t(1) << 16, [&](int64_t first, int64_t last) {
+    bool ok = true;
+    for (int64_t i = first; i < last; ++i) ok &= float(c10::Half(v[i])) == v[i];
+    if (!ok) all.store(false, std::memory_order_relaxed);
+  });
+  return all.load();
+}
+
+// Rows [first_row, last_row) of pack_quant_blocks' output; returns the OR of their codes.
+template <int L, int BITS, typename S>
+uint8_t pack_rows(const uint8_t* codes, const float* scales, const float* mins, int64_t first_row,
+                  int64_t last_row, int64_t blocks, uint8_t* packed, S* sm) {
+  constexpr int64_t block_bytes = L * QB_ROWS * BITS / 8;
+  uint8_t seen = 0;
+  for (int64_t o = first_row; o < last_row; ++o) {
+    const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = p * blocks + b;
+      seen |= pack_row_block<L, BITS>(codes + (o * blocks + b) * L, packed + at * block_bytes, j);
+      sm[at * 2 * QB_ROWS + j] = S(scales[o * blocks + b]);
+      sm[at * 2 * QB_ROWS + QB_ROWS + j] = S(mins[o * blocks + b]);
+    }
+  }
+  return seen;
+}
+
+}  // namespace
+
 // codes (out, blocks, block_len) uint8 (< 16 when bits == 4; IQ4_NL: its indices, < 16),
 // scales and mins (out, blocks) fp32 -> (packed codes (panels, blocks, block bytes),
 // scales_mins (panels, blocks, 2, 16), fp16 where that holds every value exactly, else fp32).
+// NOTE: the padding rows of the last panel (past `out`) are zero codes, scales and mins.
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits) {
@@ -610,43 +685,44 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                   scales.size(1) == blocks,
               "scales and mins must be (out, blocks)");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  if (bits == 4 || bits == 6)
-    for (int64_t i = 0; i < codes.numel(); ++i)
-      TORCH_CHECK(cp[i] < (1 << bits), "a ", bits, "-bit code above ", (1 << bits) - 1);
-  const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
-  const int64_t block_bytes = block_len * QB_ROWS * bits / 8;
-  auto packed = torch::zeros({panels, blocks, block_bytes}, codes.options());
-  auto sm = torch::zeros({panels, blocks, 2, QB_ROWS}, scales.options());
-  uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* smp = sm.data_ptr<float>();
   const float* dp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
-  // NOTE: panels in parallel: a panel's bytes are its 16 rows' only
-  parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-  for (int64_t o = first * QB_ROWS; o < std::min(out, last * QB_ROWS); ++o) {
-    const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* block = pp + (p * blocks + b) * block_bytes;
-      const uint8_t* src = cp + (o * blocks + b) * block_len;
-      for (int64_t i = 0; i < block_len; ++i) {  // NOTE: the layout code_of reads
-        const int64_t k = i / 4, at = 4 * j + i % 4;
-        if (bits == 8) {
-          block[64 * k + at] = src[i];
-          continue;
-        }
-        block[64 * (k / 2) + at] |= uint8_t((src[i] & 0x0F) << (4 * (k & 1)));
-        if (bits == 6)
-          block[block_len * 8 + 64 * (k / 4) + at] |= uint8_t((src[i] >> 4) << (2 * (k % 4)));
-      }
-      smp[((p * blocks + b) * 2) * QB_ROWS + j] = dp[o * blocks + b];
-      smp[((p * blocks + b) * 2 + 1) * QB_ROWS + j] = mp[o * blocks + b];
-    }
-  }
-  });
   // NOTE: fp16 where every scale and min is an fp16 value (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: d, m,
   // -8d, -16d, -128d), widened exactly in the kernel: the same fp32 values, half the bytes.
-  const torch::Tensor half = sm.to(torch::kFloat16);
-  if (half.to(torch::kFloat32).equal(sm)) return {packed, half};
+  const bool half = all_fp16_values(dp, out * blocks) && all_fp16_values(mp, out * blocks);
+  const int64_t panels = (out + QB_ROWS - 1) / QB_ROWS;
+  const int64_t block_bytes = block_len * QB_ROWS * bits / 8;
+  auto packed = torch::empty({panels, blocks, block_bytes}, codes.options());
+  auto sm = torch::empty({panels, blocks, 2, QB_ROWS},
+                         scales.options().dtype(half ? torch::kFloat16 : torch::kFloat32));
+  if (panels > 0 && out % QB_ROWS != 0) {  // the last panel's padding rows
+    packed[panels - 1].zero_();
+    sm[panels - 1].zero_();
+  }
+  std::atomic<uint8_t> seen{0};
+  auto pack = [&](auto length, auto width, auto* sm_data) {
+    constexpr int L = decltype(length)::value, BITS = decltype(width)::value;
+    // NOTE: panels in parallel: a panel's bytes are its 16 rows' only
+    parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+      const uint8_t chunk = pack_rows<L, BITS>(cp, dp, mp, first * QB_ROWS,
+                                               std::min(out, last * QB_ROWS), blocks,
+                                               packed.data_ptr<uint8_t>(), sm_data);
+      seen.fetch_or(chunk, std::memory_order_relaxed);
+    });
+  };
+  auto with_scales = [&](auto length, auto width) {
+    if (half) pack(length, width, sm.data_ptr<c10::Half>());
+    else pack(length, width, sm.data_ptr<float>());
+  };
+  auto with_bits = [&](auto length) {
+    if (bits == 8) with_scales(length, std::integral_constant<int, 8>());
+    else if (bits == 6) with_scales(length, std::integral_constant<int, 6>());
+    else with_scales(length, std::integral_constant<int, 4>());
+  };
+  if (block_len == 16) with_bits(std::integral_constant<int, 16>());
+  else with_bits(std::integral_constant<int, 32>());
+  if (bits == 4 || bits == 6)
+    TORCH_CHECK(seen.load() < (1 << bits), "a ", bits, "-bit code above ", (1 << bits) - 1);
   return {packed, sm};
 }
 
@@ -688,7 +764,9 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
   const int8_t* sf = scale_factors.data_ptr<int8_t>();
   const int8_t* mf = mins.data_ptr<int8_t>();
   const c10::Half* sp = halves.data_ptr<c10::Half>();
-  for (int64_t o = 0; o < out; ++o) {
+  // NOTE: panels in parallel: a panel's bytes are its 16 rows' only
+  parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t last_panel) {
+  for (int64_t o = first_panel * QB_ROWS; o < std::min(out, last_panel * QB_ROWS); ++o) {
     const int64_t p = o / QB_ROWS, j = o % QB_ROWS;
     auto* factors = reinterpret_cast<int8_t*>(pp + p * panel_bytes);
     auto* scales = reinterpret_cast<c10::Half*>(pp + p * panel_bytes + blocks * stride);
@@ -701,6 +779,7 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
       scales[g * 2 * QB_ROWS + QB_ROWS + j] = sp[(o * nsuper + g) * 2 + 1];
     }
   }
+  });
   return packed;
 }
 
