@@ -43,6 +43,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(out, supers, 2, fp32 of fp16 values) -> the factored scales_mins of "
         "quant_block_linear's panels; min_factors None: the scale factors serve the mins",
         py::arg("scale_factors"), py::arg("min_factors"), py::arg("supers"));
+  m.def(
+      "unpack_gguf_blocks",
+      [](const std::vector<py::buffer>& raws, int64_t type,
+         const std::vector<c10::optional<torch::Tensor>>& orders) {
+        TORCH_CHECK(!raws.empty() && orders.size() == raws.size(),
+                    "one order (or None) per part, and at least one part");
+        // NOTE: buffers, not tensors: the loader's raw blocks are read-only views of the
+        // memory-mapped file (torch.from_numpy warns on those)
+        std::vector<GgufRows> parts;
+        int64_t row_bytes = -1;
+        for (size_t i = 0; i < raws.size(); ++i) {
+          const py::buffer_info info = raws[i].request();
+          TORCH_CHECK(info.ndim == 2 && info.itemsize == 1 && info.strides[1] == 1 &&
+                          (info.shape[0] <= 1 || info.strides[0] == info.shape[1]),
+                      "each part must be contiguous (rows, row bytes) uint8");
+          TORCH_CHECK(row_bytes < 0 || info.shape[1] == row_bytes,
+                      "the parts' rows must be as long");
+          row_bytes = info.shape[1];
+          parts.push_back({static_cast<const uint8_t*>(info.ptr), info.shape[0], orders[i]});
+        }
+        return unpack_gguf_blocks(parts, row_bytes, type);
+      },
+      "GGUF tensors' raw blocks (each (rows, row bytes), ggml type `type`), rows in turn -> "
+      "[codes (rows, blocks, L) one a byte, scales, mins (rows, blocks) fp32] (+ "
+      "[scale_factors, min_factors int8, supers (rows, super-blocks, 2)] for the K-quants); "
+      "a part's row r is its raw row order[r] where its order is given",
+      py::arg("raws"), py::arg("type"), py::arg("orders"));
   m.def("quant_block_linear", &quant_block_linear, release_gil(),
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace slotserve::kernels {
 
@@ -138,6 +139,21 @@ void quant_block_rows_into(const uint8_t* codes, const void* scales_mins, int64_
                            const int64_t* ids, int64_t n, float* out);
 torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t out_features,
                                int64_t block_len, int64_t bits, torch::Tensor ids);
+
+// gguf_unpack.cpp
+// Rows of one GGUF tensor's raw blocks: `rows` rows at `data`, row r of them the tensor's
+// row order[r] where `order` (int64, a permutation of its rows) is given.
+struct GgufRows {
+  const uint8_t* data;
+  int64_t rows;
+  c10::optional<torch::Tensor> order;
+};
+// GGUF tensors' raw blocks (`parts`, one after the other, rows of row_bytes bytes of ggml
+// type `type`) as loader/gguf_blocks.py's BlockWeights arrays: codes (rows, blocks, L)
+// uint8, one stored value a byte; scales, mins (rows, blocks) fp32; for the K-quants also
+// scale_factors, min_factors (rows, blocks) int8 and supers (rows, super-blocks, 2) fp32.
+std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts,
+                                              int64_t row_bytes, int64_t type);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

@@ -22,6 +22,7 @@ from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
 from slotserve.loader.detokenize import IncrementalDetokenizer
 from slotserve.loader.gguf import blocks_kept, load_gguf
+from slotserve.loader.gguf_reader import read_gguf
 from slotserve.loader.safetensors import load_hf_dir
 from slotserve.loader.tokenizer import Tokenizer
 from slotserve.loader.validation import ModelFileError
@@ -62,9 +63,11 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
         config, weights, tokenizer = load_hf_dir(path)
     elif os.path.isfile(path):
         _check_gguf(path)
-        if keep_quantized and blocks_kept(path):
-            converted = load_gguf(path, keep_quantized=True)
+        gguf = read_gguf(path) if keep_quantized else None  # NOTE: read once, used twice
+        if gguf is not None and blocks_kept(path, gguf):
+            converted = load_gguf(path, keep_quantized=True, gguf=gguf)
         else:
+            del gguf
             converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)
         config, weights, tokenizer = converted
     else:

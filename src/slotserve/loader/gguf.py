@@ -7,6 +7,7 @@ tokenizer metadata and converts the weights. The parts' public names are re-expo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -20,11 +21,11 @@ from slotserve.config import ModelConfig
 from slotserve.loader.gguf_blocks import (
     BLOCK_FORMATS,
     FLOAT_TYPES,
-    BlockWeights,
+    FileBlocks,
     GGUFBlockTensor,
     LazyBlocks,
     check_blocks,
-    to_blocks,
+    unpack_files,
 )
 from slotserve.loader.gguf_config import CONFIG_TENSORS, SUPPORTED_ARCHS, model_config
 from slotserve.loader.gguf_dequant import dequantize
@@ -86,10 +87,12 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 log = logging.getLogger(__name__)
+# read_gguf's result: the metadata and the tensors.
+GGUFFile = tuple[dict[str, Any], list[GGUFTensor]]
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_gguf(path: str, keep_quantized: bool = False
+def load_gguf(path: str, keep_quantized: bool = False, gguf: GGUFFile | None = None
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
 
@@ -97,9 +100,11 @@ def load_gguf(path: str, keep_quantized: bool = False
     stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s: no fp32 copy of them is made.
     A type without a block form is then a ModelFileError.
     A malformed file raises ModelFileError (a ValueError) naming the file and the problem.
+    gguf: read_gguf(path)'s result where the caller has it (load_model: the header of a
+    large vocabulary takes ~0.5 s to read).
     """
     path = os.fspath(path)
-    meta, tensors = read_gguf(path)
+    meta, tensors = read_gguf(path) if gguf is None else gguf
     config = model_config(meta, tensors, name=_model_name(path), path=path)
     check_config(path, config)
     arch = meta["general.architecture"]
@@ -109,19 +114,19 @@ def load_gguf(path: str, keep_quantized: bool = False
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
     _check_no_extra_tensors(path, config, gguf_names)
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
-    weights = {hf: _block_tensor(t, config, path)
+    weights = {hf: _block_tensor(t, config, path, arch)
                if keep_quantized and _kept_in_blocks(hf, t, config) else _convert(t, config, arch)
                for hf, t in names.items()}
     return config, weights, tokenizer
 
 
-def blocks_kept(path: str) -> bool:
+def blocks_kept(path: str, gguf: GGUFFile | None = None) -> bool:
     """Whether `load_gguf(path, keep_quantized=True)` keeps blocks: the file has a linear
     weight in a quantized type, and every such weight's type has a block form. NOTE: a type
     without one (the IQ types but IQ4_NL, TQ*) is logged, and the whole file is then
-    dequantized as before.
+    dequantized as before. gguf: read_gguf(path)'s result where the caller has it.
     """
-    _, tensors = read_gguf(path)
+    _, tensors = read_gguf(path) if gguf is None else gguf
     quantized = [t for t in tensors if t.tensor_type not in FLOAT_TYPES
                  and t.name.endswith(".weight") and "norm" not in t.name]
     unsupported = [t for t in quantized if t.tensor_type not in BLOCK_FORMATS]
@@ -249,9 +254,11 @@ def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
     return kept and tensor.tensor_type not in FLOAT_TYPES
 
 
-def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlockTensor:
+def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str,
+                  arch: str) -> GGUFBlockTensor:
     """A linear weight's blocks (rows: output features; Q/K rows un-permuted for llama),
-    checked now and converted when its kernel packs it (LazyBlocks).
+    checked now and converted when its kernel packs it (LazyBlocks); kernels that do not
+    run blocks take its fp32 values, dequantized from the file as `_convert` does.
 
     NOTE: the file's pages of the tensor are released after each read (GGUFTensor.release):
     a loading process holds the packed model and one weight's conversion, not the file.
@@ -261,19 +268,23 @@ def _block_tensor(tensor: GGUFTensor, config: ModelConfig, path: str) -> GGUFBlo
     rows, row_bytes = tensor.data.shape
     block, size = GGML_QUANT_SIZES[tensor.tensor_type]
 
-    def make() -> BlockWeights:
-        blocks = to_blocks(tensor.data, tensor.tensor_type, tensor.name, path)
+    order = None
+    if config.architecture == "llama":
+        heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+        order = next((unpermute_qk(np.arange(rows), n_head)
+                      for part, n_head in heads.items() if part in tensor.name), None)
+    file = FileBlocks(tensor.data, tensor.tensor_type, tensor.name, path, order, tensor.release,
+                      checked=True)
+
+    def values() -> torch.Tensor:
+        weight = _convert(tensor, config, arch)
         tensor.release()
-        if config.architecture == "llama":
-            heads = {".attn_q.": config.num_attention_heads,
-                     ".attn_k.": config.num_key_value_heads}
-            for part, n_head in heads.items():
-                if part in tensor.name:
-                    blocks = blocks.rows(unpermute_qk(np.arange(blocks.shape[0]), n_head))
-        return blocks
+        return weight
 
     shape = (rows, row_bytes // size * block)
-    return GGUFBlockTensor(LazyBlocks((tensor.tensor_type.name,), shape, make))
+    return GGUFBlockTensor(LazyBlocks((tensor.tensor_type.name,), shape,
+                                      functools.partial(unpack_files, [file]), values=values,
+                                      file=file))
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

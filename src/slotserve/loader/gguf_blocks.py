@@ -6,7 +6,10 @@ unsigned codes u (uint8) with an fp32 scale d and min m per block, such that
 
     w = d * u + m
 
-reproduces gguf-py's `dequantize` (to fp32 rounding). The conversions:
+reproduces gguf-py's `dequantize` (to fp32 rounding). The fused CPU kernels unpack the
+raw blocks (csrc/gguf_unpack.cpp: one decoder per type, rows in parallel; the numpy
+conversions they replaced are the reference in tests/model/test_gguf_unpack.py). The
+conversions:
 
 | type | block_len | u | d | m | bits kept |
 | --- | --- | --- | --- | --- | --- |
@@ -46,6 +49,7 @@ Fused with another type (q/k/v, gate/up), its looked-up codes take a byte.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,27 +140,22 @@ class BlockFactors:
         return BlockFactors(self.scale_factors.repeat_interleave(parts, dim=1),
                             self.min_factors.repeat_interleave(parts, dim=1), self.supers)
 
-    def rows(self, index: torch.Tensor) -> BlockFactors:
-        return BlockFactors(self.scale_factors.index_select(0, index),
-                            self.min_factors.index_select(0, index),
-                            self.supers.index_select(0, index))
-
 
 @dataclass(frozen=True)
 class BlockWeights:
     """A (rows, cols) weight as blocks: w[r, b*L + i] = scales[r, b] * codes[r, b, i] + mins[r, b].
 
-    codes: uint8 (rows, blocks, L) when bits is 6 or 8 (6: every code < 64, packed into 6
-        bits by the kernel's packing); when bits == 4, two codes a byte, (rows, blocks, L / 2),
-        byte j = u[2j] | u[2j + 1] << 4 (`unpacked_codes` for all L).
+    codes: uint8 (rows, blocks, L), one stored value a byte: codes below 2**bits (4 or 6:
+        packed into 4 or 6 bits by the kernel's packing), or IQ4_NL's indices (`indexed`).
     scales, mins: fp32 (rows, blocks).
     types: the GGUF types it came from (several once q/k/v are fused).
     indexed: the stored 4-bit values are IQ4_NL's indices q, whose codes are
         IQ4_NL_CODES[q] (`unpacked_codes` looks them up; the kernel does too).
     factors: the K-quants' scales and mins as factors (BlockFactors; what GGUFBlockLinear
         keeps), None for other types or a fusion with one.
-    NOTE: 4-bit codes stay packed while the model loads: the loading's transient copies (the
-    weights dict and the fused q/k/v and gate/up) then take half the bytes.
+    NOTE: one value a byte, as pack_quant_blocks takes them: the loading holds one weight's
+    BlockWeights at a time (LazyBlocks), and 4-bit codes kept two a byte here were unpacked
+    again (a copy of the codes) before every packing.
     """
 
     codes: torch.Tensor
@@ -169,7 +168,7 @@ class BlockWeights:
 
     @property
     def block_len(self) -> int:
-        return self.codes.shape[2] * (2 if self.bits == 4 else 1)
+        return self.codes.shape[2]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -194,10 +193,7 @@ class BlockWeights:
     def stored_codes(self) -> torch.Tensor:
         """uint8 (rows, blocks, L): one stored value a byte whatever `bits` (indexed: the
         indices), what pack_quant_blocks takes."""
-        if self.bits != 4:
-            return self.codes
-        return torch.stack([self.codes & 0x0F, self.codes >> 4], dim=-1).reshape(
-            *self.codes.shape[:2], self.block_len)
+        return self.codes
 
     def unpacked_codes(self) -> torch.Tensor:
         """uint8 (rows, blocks, L): one code a byte whatever `bits` (indexed: looked up)."""
@@ -220,20 +216,12 @@ class BlockWeights:
         if block_len == self.block_len:
             return self
         split = self.block_len // block_len
-        rows, blocks, size = self.codes.shape  # NOTE: packed 4-bit pairs never straddle blocks
+        rows, blocks, size = self.codes.shape
         return BlockWeights(self.codes.reshape(rows, blocks * split, size // split),
                             self.scales.repeat_interleave(split, dim=1),
                             self.mins.repeat_interleave(split, dim=1), self.bits, self.types,
                             self.indexed,
                             None if self.factors is None else self.factors.split(split))
-
-    def rows(self, order: np.ndarray) -> BlockWeights:
-        """The rows in `order` (an index array)."""
-        index = torch.from_numpy(np.ascontiguousarray(order))
-        return BlockWeights(self.codes.index_select(0, index), self.scales.index_select(0, index),
-                            self.mins.index_select(0, index), self.bits, self.types,
-                            self.indexed,
-                            None if self.factors is None else self.factors.rows(index))
 
 
 def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
@@ -258,135 +246,7 @@ def concat_rows(parts: list[BlockWeights]) -> BlockWeights:
                         parts[0].indexed, factors)
 
 
-# -- conversions: raw GGUF blocks -> (codes (n, L'), scales (n, S), mins (n, S)) -------------
-
-
-def _f16(raw: np.ndarray, start: int) -> np.ndarray:
-    return raw[:, start:start + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n, 16k) bytes -> (n, 32k): per 16 bytes, their low nibbles, then their high ones."""
-    n = qs.shape[0]
-    qs = qs.reshape(n, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (qs & 0x0F).reshape(n, -1)
-
-
-def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
-    """(n, 4) bytes, a little-endian uint32 of `count` bits -> (n, count) of 0/1."""
-    bits = qh.copy().view(np.uint32) >> np.arange(count, dtype=np.uint32).reshape(1, count)
-    return (bits & 1).astype(np.uint8)
-
-
-def _q4_0(raw):
-    d = _f16(raw, 0)
-    return _nibbles(raw[:, 2:]), d, -8.0 * d
-
-
-def _q4_1(raw):
-    return _nibbles(raw[:, 4:]), _f16(raw, 0), _f16(raw, 2)
-
-
-def _q5_0(raw):
-    d = _f16(raw, 0)
-    return _nibbles(raw[:, 6:]) | (_high_bits(raw[:, 2:6], 32) << 4), d, -16.0 * d
-
-
-def _q5_1(raw):
-    return _nibbles(raw[:, 8:]) | (_high_bits(raw[:, 4:8], 32) << 4), _f16(raw, 0), _f16(raw, 2)
-
-
-def _q8_0(raw):
-    d = _f16(raw, 0)
-    return raw[:, 2:] ^ np.uint8(0x80), d, -128.0 * d  # q + 128 as the byte's bits
-
-
-def _crumbs(qs: np.ndarray) -> np.ndarray:
-    """Q2_K/Q3_K's 64 bytes of 2-bit values -> (n, 256): per 32 bytes, bits 0-1 of each,
-    then bits 2-3, 4-5, 6-7 (gguf-py's order)."""
-    n = qs.shape[0]
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    return ((qs.reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, QK_K)
-
-
-def _q2_k(raw):
-    sc = raw[:, :16]  # per sub-block of 16: scale (low nibble) and min (high nibble)
-    d, dmin = _f16(raw, 80), _f16(raw, 82)
-    scale = d * (sc & 0x0F).astype(np.float32)
-    return (_crumbs(raw[:, 16:80]), scale, -(dmin * (sc >> 4).astype(np.float32)),
-            (sc & 0x0F, sc >> 4, d, -dmin))
-
-
-def _q3_k(raw):
-    n = raw.shape[0]
-    hmask, qs, packed = raw[:, :32], raw[:, 32:96], raw[:, 96:108]
-    d = _f16(raw, 108)
-    # 16 6-bit scales: low nibbles in bytes 0-7 (then their high nibbles), 2 high bits each
-    # in bytes 8-11 (gguf-py's dequantize, ggml's dequantize_row_q3_K)
-    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1))
-    high = (packed[:, 8:].reshape(n, 1, 4)
-            >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1))
-    sc = (low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
-    scale = d * (sc.astype(np.float32) - 32.0)
-    bit = (hmask.reshape(n, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    # q = low bits - 4 unless the high bit is set: u = q + 4 = low bits + 4 * bit
-    signed = sc.astype(np.int16) - 32
-    return (_crumbs(qs) | (bit.reshape(n, QK_K) << 2), scale, -4.0 * scale,
-            (signed, signed, d, -4.0 * d))
-
-
-def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> (n, 8) each (ggml's get_scale_min_k4)."""
-    n = scales.shape[0]
-    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
-
-
-def _k_nibbles(qs: np.ndarray) -> np.ndarray:
-    """Q4_K/Q5_K's 128 bytes -> (n, 256): per 32 bytes, the low nibbles then the high ones."""
-    n = qs.shape[0]
-    qs = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (qs & 0x0F).reshape(n, QK_K)
-
-
-def _q4_k(raw):
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
-    sc, mn = _k_scales_mins(raw[:, 4:16])
-    return _k_nibbles(raw[:, 16:]), d * sc, -(dmin * mn), (sc, mn, d, -dmin)
-
-
-def _q5_k(raw):
-    n = raw.shape[0]
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
-    sc, mn = _k_scales_mins(raw[:, 4:16])
-    qh = raw[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    high = (qh & 1).reshape(n, QK_K)  # sub-block j's high bits: bit j of each byte
-    return _k_nibbles(raw[:, 48:]) | (high << 4), d * sc, -(dmin * mn), (sc, mn, d, -dmin)
-
-
-def _q6_k(raw):
-    n = raw.shape[0]
-    ql, qh = raw[:, :128], raw[:, 128:192]
-    sc = raw[:, 192:208].copy().view(np.int8).astype(np.float32)  # (n, 16)
-    d = _f16(raw, 208)
-    low = ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    low = (low & 0x0F).reshape(n, -1, 32)
-    high = qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    high = (high & 0x03).reshape(n, -1, 32)
-    scale = d * sc
-    return (low | (high << 4)).reshape(n, QK_K), scale, -32.0 * scale, (sc, sc, d, -32.0 * d)
-
-
-def _iq4_nl(raw):
-    d = _f16(raw, 0)
-    return _nibbles(raw[:, 2:]), d, -128.0 * d  # the indices q: BlockWeights.indexed
-
-
-_CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-            Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
-            Q.IQ4_NL: _iq4_nl}
+# -- raw GGUF blocks -> BlockWeights ---------------------------------------------------------
 
 
 # Byte offsets of each type's fp16 fields (d, and m or dmin) in its GGUF block: a block's
@@ -394,6 +254,7 @@ _CONVERT = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: 
 _F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
                Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                Q.Q6_K: (208,), Q.IQ4_NL: (0,)}
+_F16_EXPONENT = 0x7C00  # an fp16's exponent bits: all set for inf and NaN
 
 
 def check_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str) -> None:
@@ -401,7 +262,7 @@ def check_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path:
     weight first, and converts each only when its kernel packs it): a type without a block
     conversion, rows that are not whole blocks, or a non-finite scale or min raise
     ModelFileError naming the tensor."""
-    if qtype not in _CONVERT:
+    if qtype not in BLOCK_FORMATS:
         raise ModelFileError(path, f"tensor {name!r} has type {qtype.name}, which is not kept "
                                    f"quantized (supported: "
                                    f"{', '.join(t.name for t in BLOCK_FORMATS)}); "
@@ -414,71 +275,76 @@ def check_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path:
     if data.shape[1] % type_size:
         raise ModelFileError(path, f"tensor {name!r}: rows of {data.shape[1]} bytes are not "
                                    f"whole {qtype.name} blocks of {type_size} bytes")
-    raw = data.reshape(-1, type_size)  # one GGUF block per line
-    finite = np.ones(raw.shape[0], dtype=bool)
+    # NOTE: every supported block is an even number of bytes with its fp16 fields at even
+    # offsets: each field is one uint16 column of the blocks, read in place (no copy)
+    words = np.ascontiguousarray(data).reshape(-1, type_size).view(np.uint16)
+    finite = np.ones(words.shape[0], dtype=bool)
     for offset in _F16_FIELDS[qtype]:
-        finite &= np.isfinite(raw[:, offset:offset + 2].copy().view(np.float16)[:, 0])
+        finite &= (words[:, offset // 2] & _F16_EXPONENT) != _F16_EXPONENT
     if not finite.all():
         bad = int(np.flatnonzero(~finite)[0])
         raise ModelFileError(path, f"tensor {name!r}: block {bad} ({qtype.name}) has a "
                                    "non-finite scale or min")
 
 
-def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str
-              ) -> BlockWeights:
-    """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes)).
+@dataclass(frozen=True)
+class FileBlocks:
+    """A weight's raw blocks as its file holds them, to unpack (`unpack_files`): the data
+    (`GGUFTensor.data`: (rows, row bytes)), its type, the tensor's name and file (for
+    errors), the row order (order[r]: the data's row that is row r; None: as stored),
+    `release`, called once the blocks are unpacked (GGUFTensor.release: the file's pages
+    dropped), and `checked`: check_blocks passed it already (the loader checks every
+    weight first), so unpack_files does not read it a second time for that."""
 
-    What `check_blocks` refuses raises ModelFileError naming the tensor.
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+    name: str
+    path: str
+    order: np.ndarray | None = None
+    release: Callable[[], None] = lambda: None
+    checked: bool = False
+
+
+def to_blocks(data: np.ndarray, qtype: GGMLQuantizationType, name: str, path: str,
+              order: np.ndarray | None = None) -> BlockWeights:
+    """BlockWeights of a 2-D GGUF tensor's raw data (`GGUFTensor.data`: (rows, row bytes));
+    its row r is the data's row order[r] where `order` (a permutation of the rows) is given.
+    See unpack_files."""
+    return unpack_files([FileBlocks(data, qtype, name, path, order)])
+
+
+def unpack_files(files: list[FileBlocks]) -> BlockWeights:
+    """BlockWeights of GGUF tensors of one type, their rows one after the other (what
+    concat_rows makes of their to_blocks, made at once: no copy of them concatenated),
+    unpacked by the fused CPU kernels (csrc/gguf_unpack.cpp, rows in parallel); each
+    file's `release` called after.
+
+    What `check_blocks` refuses raises ModelFileError naming the tensor. NOTE: the kernels
+    must load here (model/cpu_ops.py); without them a GGUF's weights are dequantized
+    straight from the file instead (LazyBlocks.dequantized), never through this.
     """
-    check_blocks(data, qtype, name, path)
-    from gguf import GGML_QUANT_SIZES
+    from slotserve.model.cpu_ops import loaded_cpu_ops
 
-    block_len, bits, _ = BLOCK_FORMATS[qtype]
-    type_block, type_size = GGML_QUANT_SIZES[qtype]
-    rows = data.shape[0]
-    raw = np.ascontiguousarray(data).reshape(-1, type_size)  # one GGUF block per line
-    n, per_block = raw.shape[0], type_block // block_len
-    codes = np.empty((n, type_block // 2 if bits == 4 else type_block), dtype=np.uint8)
-    scales = np.empty((n, per_block), dtype=np.float32)
-    mins = np.empty_like(scales)
-    factors = (np.empty((n, per_block), dtype=np.int8), np.empty((n, per_block), dtype=np.int8),
-               np.empty((n, 2), dtype=np.float32)) if qtype in K_QUANTS else None
-    for first in range(0, n, CONVERT_CHUNK):  # NOTE: bounds the conversion's temporaries
-        part = slice(first, min(n, first + CONVERT_CHUNK))
-        _convert_into(_CONVERT[qtype](raw[part]), part, bits, codes, scales, mins, factors)
-    return BlockWeights(
-        codes=torch.from_numpy(codes).reshape(rows, -1, block_len // 2 if bits == 4
-                                               else block_len),
-        scales=torch.from_numpy(scales).reshape(rows, -1),
-        mins=torch.from_numpy(mins).reshape(rows, -1),
-        bits=bits, types=(qtype.name,), indexed=qtype == Q.IQ4_NL,
-        factors=None if factors is None else BlockFactors(
-            torch.from_numpy(factors[0]).reshape(rows, -1),
-            torch.from_numpy(factors[1]).reshape(rows, -1),
-            torch.from_numpy(factors[2]).reshape(rows, -1, 2)))
-
-
-# GGUF blocks converted at a time by to_blocks (~4M weights of a K-quant): a converter's
-# temporaries (several times its output) stay small beside the model.
-CONVERT_CHUNK = 1 << 14
-
-
-def _convert_into(converted, part: slice, bits: int, codes, scales, mins, factors) -> None:
-    """One chunk's converter output (codes (c, block), scales and mins (c, per_block) or
-    (c, 1), and for a K-quant its factors) written into to_blocks' arrays at `part`."""
-    chunk_codes, chunk_scales, chunk_mins, *factored = converted
-    chunk_codes = np.asarray(chunk_codes, dtype=np.uint8)
-    if bits == 4:  # two codes a byte: pairs within a block, as blocks are whole pairs
-        chunk_codes = chunk_codes[:, 0::2] | (chunk_codes[:, 1::2] << 4)
-    codes[part] = chunk_codes
-    scales[part] = chunk_scales  # NOTE: (c, 1) broadcasts over a GGUF block's sub-blocks
-    mins[part] = chunk_mins
-    if factors is not None:
-        scale_factors, min_factors, d, m = factored[0]
-        factors[0][part] = scale_factors
-        factors[1][part] = min_factors
-        factors[2][part, 0:1] = d
-        factors[2][part, 1:2] = m
+    qtype = files[0].qtype
+    if any(f.qtype != qtype for f in files):
+        raise ValueError(f"one GGUF type at a time, not {sorted({f.qtype.name for f in files})}")
+    for f in files:
+        if not f.checked:
+            check_blocks(f.data, f.qtype, f.name, f.path)
+    ops = loaded_cpu_ops()
+    if ops is None:
+        raise RuntimeError(f"tensor {files[0].name!r}: GGUF blocks are unpacked by the fused "
+                           "CPU kernels, which are not available here")
+    orders = [None if f.order is None
+              else torch.from_numpy(np.ascontiguousarray(f.order, dtype=np.int64))
+              for f in files]
+    codes, scales, mins, *factors = ops.unpack_gguf_blocks(
+        [np.ascontiguousarray(f.data) for f in files], int(qtype), orders)
+    for f in files:
+        f.release()
+    return BlockWeights(codes, scales, mins, BLOCK_FORMATS[qtype][1], (qtype.name,),
+                        indexed=qtype == Q.IQ4_NL,
+                        factors=BlockFactors(*factors) if factors else None)
 
 
 def packing(types: tuple[str, ...]) -> tuple:
@@ -508,9 +374,27 @@ class LazyBlocks:
     shape: tuple[int, int]
     make: Callable[[], BlockWeights]
     parts: tuple[LazyBlocks, ...] = ()  # a fusion's parts (LazyBlocks.fused), in row order
+    # The fp32 (rows, cols) values made without the blocks (the loader's: the file's tensor
+    # dequantized as --quantization none does it, no fused kernels needed); None: the
+    # blocks' own (BlockWeights.dequantize), or the parts' for a fusion.
+    values: Callable[[], torch.Tensor] | None = None
+    # The raw blocks `make` unpacks, where they come straight from a file (the loader's):
+    # a fusion of such parts of one type unpacks them together (LazyBlocks.fused).
+    file: FileBlocks | None = None
 
     def load(self) -> BlockWeights:
         return self.make()
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 (rows, cols) values: what kernels that do not run blocks take.
+        NOTE: the same values either way (BlockWeights.dequantize reproduces gguf-py's
+        dequantize, as the file's fp32 conversion does), but for a zero's sign (d (q - 8)
+        is -0 where d u - 8 d is +0)."""
+        if self.values is not None:
+            return self.values()
+        if self.parts:
+            return torch.cat([part.dequantized() for part in self.parts])
+        return self.load().dequantize()
 
     def segments(self) -> list[LazyBlocks]:
         """This weight as row segments that each keep one format: consecutive parts whose
@@ -534,11 +418,23 @@ class LazyBlocks:
 
     @staticmethod
     def fused(parts: list[LazyBlocks]) -> LazyBlocks:
-        """The row-wise concatenation of `parts` (concat_rows), made when asked."""
+        """The row-wise concatenation of `parts` (concat_rows), made when asked: parts of
+        one GGUF type straight from a file unpacked together (unpack_files). NOTE: the
+        3B's q+k and gate/up concatenated after unpacking cost ~1.8 s of its 14 s start
+        (a copy of each, in fresh memory)."""
         types = tuple(dict.fromkeys(t for p in parts for t in p.types))
         rows = sum(p.shape[0] for p in parts)
-        return LazyBlocks(types, (rows, parts[0].shape[1]),
-                          lambda: concat_rows([p.load() for p in parts]), tuple(parts))
+        files = [p.file for p in parts]
+        if all(f is not None for f in files) and len({f.qtype for f in files}) == 1:
+            make = functools.partial(unpack_files, files)
+        else:
+            make = functools.partial(_concat_loaded, tuple(parts))
+        return LazyBlocks(types, (rows, parts[0].shape[1]), make, tuple(parts))
+
+
+def _concat_loaded(parts: tuple[LazyBlocks, ...]) -> BlockWeights:
+    return concat_rows([part.load() for part in parts])
+
 
 # Tensor attribute names a GGUFBlockTensor answers itself (shape checks in the loading code).
 _METADATA = frozenset({"shape", "size", "dim", "numel", "dtype", "device", "ndim", "is_sparse",
@@ -620,14 +516,14 @@ def _copy_into(target: torch.Tensor, source, non_blocking: bool = False) -> torc
         setattr(target, BLOCKS_ATTRIBUTE, source.source)
         return target
     with torch._C.DisableTorchFunctionSubclass():
-        return target.copy_(source.blocks.dequantize())
+        return target.copy_(source.source.dequantized())
 
 
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     """A plain fp32 tensor: a GGUFBlockTensor's values, any other tensor as it is."""
     if not isinstance(tensor, GGUFBlockTensor):
         return tensor
-    values = tensor.blocks.dequantize()
+    values = tensor.source.dequantized()
     return values.t() if tensor.transposed else values
 
 

@@ -30,6 +30,9 @@ The module's functions, all fp32 on the CPU:
   every value is one, else fp32); quant_block_linear(x, codes, scales_mins, out, block_len,
   bits) -> (T, out): GGUF blocks x int8 activations (linear_kernels.GGUFBlockLinear);
   quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
+- unpack_gguf_blocks(raw (rows, row bytes), ggml type, order=None) -> a GGUF tensor's
+  blocks as loader/gguf_blocks.py's BlockWeights arrays (codes, scales, mins, and the
+  K-quants' factors)
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack; its linears
   (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included; per layer
@@ -184,12 +187,27 @@ def load_cpu_ops(march: str = NATIVE):
         with exclusive_build(build_dir):
             sources = _stage_sources(build_dir)
             # NOTE: copies of the flag lists: torch appends its own to extra_ldflags, in place.
-            return load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
-                        extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
-                        verbose=False)
+            module = load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                          extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
+                          verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
         log.warning("fused CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
+    _LOADED.append(module)
+    return module
+
+
+# The builds load_cpu_ops loaded in this process, in order.
+_LOADED: list = []
+
+
+def loaded_cpu_ops():
+    """A build of the kernels for work that every build does alike (a GGUF's blocks
+    unpacked at load: loader/gguf_blocks.py's to_blocks): the last one loaded, else this
+    CPU's (load_cpu_ops()); None where none can be built. NOTE: a CPU class forced lower
+    loads a build of its own first (model/kernels.py): this takes it, never building a
+    second one for the unpacking."""
+    return _LOADED[-1] if _LOADED else load_cpu_ops()
 
 
 def on_cpu_fp32(model) -> bool:

@@ -1,0 +1,348 @@
+// ---- GGUF blocks unpacked at load: a file's raw blocks -> BlockWeights' arrays ----------
+// loader/gguf_blocks.py's `to_blocks` keeps a GGUF tensor's quantized blocks as one form,
+// BlockWeights: per output row, blocks of L (16 or 32) unsigned codes u, one a byte, with a
+// scale d and min m per block (w = d * u + m), and for the K-quants the factors the file
+// stores them as (an int8 factor per block, an fp32 d and m per 256-weight super-block).
+// Each supported GGUF type has one decoder here (a struct: its ggml type number, block
+// bytes, weights per block, L, and `decode`), run over the tensor's blocks in parallel.
+//
+// NOTE (same bits): every scale and min is an fp16 value times an integer of at most 8 bits
+// (or times -8, -16, -32, -128: powers of two), so each product is exact in fp32, whatever
+// the order of operations or the instructions; the codes are bit fields. The numpy
+// conversions these replace stay the reference in tests/model/test_gguf_unpack.py, which
+// compares every type's arrays to the bit.
+// NOTE (finite scales): the loader refuses non-finite fp16 fields first (check_blocks); a
+// NaN or inf here would only flow into the arrays.
+
+#include "common.h"
+#include "ops.h"
+
+#include <cstring>
+#include <vector>
+
+namespace slotserve::kernels {
+
+namespace {
+
+// Where one GGUF block's values go in unpack_gguf_blocks' outputs.
+struct BlockOut {
+  uint8_t* codes;          // kWeights codes
+  float* scales;           // kWeights / kLen each
+  float* mins;
+  int8_t* scale_factors;   // the K-quants' factors (kWeights / kLen each), else unused
+  int8_t* min_factors;
+  float* super;            // the K-quants' super-block d and m (2), else unused
+};
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 bytes -> 32 codes: the 16 low nibbles, then the 16 high ones (Q4_0, Q4_1, Q5_0,
+// Q5_1, IQ4_NL: ggml's dequantize_row_q4_0 order).
+inline void nibbles32(const uint8_t* qs, uint8_t* codes) {
+  for (int i = 0; i < 16; ++i) {
+    codes[i] = qs[i] & 0x0F;
+    codes[i + 16] = qs[i] >> 4;
+  }
+}
+
+// Bit i of qh (a little-endian uint32) as bit 4 of code i (Q5_0, Q5_1).
+inline void fifth_bits32(uint32_t qh, uint8_t* codes) {
+  for (int i = 0; i < 32; ++i) codes[i] |= uint8_t(((qh >> i) & 1) << 4);
+}
+
+// 64 bytes of 2-bit values -> 256 codes: per 32 bytes, bits 0-1 of each, then bits 2-3,
+// 4-5, 6-7 (Q2_K, Q3_K: ggml's dequantize_row_q2_K order).
+inline void crumbs256(const uint8_t* qs, uint8_t* codes) {
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l) codes[128 * h + 32 * s + l] = (qs[32 * h + l] >> (2 * s)) & 3;
+}
+
+// 128 bytes -> 256 codes: per 32 bytes, the low nibbles, then the high ones (Q4_K, Q5_K).
+inline void k_nibbles256(const uint8_t* qs, uint8_t* codes) {
+  for (int g = 0; g < 4; ++g)
+    for (int l = 0; l < 32; ++l) {
+      codes[64 * g + l] = qs[32 * g + l] & 0x0F;
+      codes[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+    }
+}
+
+// Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins -> 8 of each (ggml's get_scale_min_k4).
+inline void k_scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int i = 0; i < 4; ++i) {
+    sc[i] = s[i] & 0x3F;
+    mn[i] = s[4 + i] & 0x3F;
+    sc[4 + i] = (s[8 + i] & 0x0F) | ((s[i] >> 2) & 0x30);
+    mn[4 + i] = (s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30);
+  }
+}
+
+// The K-quants' sub-block scales d * sc and mins -(dmin * mn), their factors, and the
+// super-block's d and m (m: -dmin).
+template <int N>
+inline void k_scales_out(float d, float dmin, const uint8_t sc[N], const uint8_t mn[N],
+                         const BlockOut& o) {
+  for (int k = 0; k < N; ++k) {
+    o.scales[k] = d * float(sc[k]);
+    o.mins[k] = -(dmin * float(mn[k]));
+    o.scale_factors[k] = int8_t(sc[k]);
+    o.min_factors[k] = int8_t(mn[k]);
+  }
+  o.super[0] = d;
+  o.super[1] = -dmin;
+}
+
+// ---- one struct per GGUF type: kType (ggml's number), kBytes, kWeights, kLen, kFactored --
+
+struct Q4_0 {  // d (fp16), 16 bytes of nibbles; u = q, m = -8 d
+  static constexpr int64_t kType = 2, kBytes = 18, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const float d = fp16_at(b);
+    nibbles32(b + 2, o.codes);
+    o.scales[0] = d;
+    o.mins[0] = -8.f * d;
+  }
+};
+
+struct Q4_1 {  // d, m (fp16), 16 bytes of nibbles
+  static constexpr int64_t kType = 3, kBytes = 20, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    nibbles32(b + 4, o.codes);
+    o.scales[0] = fp16_at(b);
+    o.mins[0] = fp16_at(b + 2);
+  }
+};
+
+struct Q5_0 {  // d, 32 fifth bits, 16 bytes of nibbles; m = -16 d
+  static constexpr int64_t kType = 6, kBytes = 22, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const float d = fp16_at(b);
+    nibbles32(b + 6, o.codes);
+    fifth_bits32(u32_at(b + 2), o.codes);
+    o.scales[0] = d;
+    o.mins[0] = -16.f * d;
+  }
+};
+
+struct Q5_1 {  // d, m, 32 fifth bits, 16 bytes of nibbles
+  static constexpr int64_t kType = 7, kBytes = 24, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    nibbles32(b + 8, o.codes);
+    fifth_bits32(u32_at(b + 4), o.codes);
+    o.scales[0] = fp16_at(b);
+    o.mins[0] = fp16_at(b + 2);
+  }
+};
+
+struct Q8_0 {  // d, 32 int8 q; u = q + 128 (the byte's top bit flipped), m = -128 d
+  static constexpr int64_t kType = 8, kBytes = 34, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const float d = fp16_at(b);
+    for (int i = 0; i < 32; ++i) o.codes[i] = b[2 + i] ^ 0x80;
+    o.scales[0] = d;
+    o.mins[0] = -128.f * d;
+  }
+};
+
+struct IQ4_NL {  // d, 16 bytes of 4-bit indices (kept as they are: BlockWeights.indexed)
+  static constexpr int64_t kType = 20, kBytes = 18, kWeights = 32, kLen = 32;
+  static constexpr bool kFactored = false;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const float d = fp16_at(b);
+    nibbles32(b + 2, o.codes);
+    o.scales[0] = d;
+    o.mins[0] = -128.f * d;
+  }
+};
+
+struct Q2_K {  // 16 bytes of 4-bit (scale, min) pairs, 64 bytes of 2-bit q, d, dmin
+  static constexpr int64_t kType = 10, kBytes = 84, kWeights = 256, kLen = 16;
+  static constexpr bool kFactored = true;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    uint8_t sc[16], mn[16];
+    for (int k = 0; k < 16; ++k) {
+      sc[k] = b[k] & 0x0F;
+      mn[k] = b[k] >> 4;
+    }
+    crumbs256(b + 16, o.codes);
+    k_scales_out<16>(fp16_at(b + 80), fp16_at(b + 82), sc, mn, o);
+  }
+};
+
+struct Q3_K {  // 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales, d
+  static constexpr int64_t kType = 11, kBytes = 110, kWeights = 256, kLen = 16;
+  static constexpr bool kFactored = true;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const uint8_t *hmask = b, *packed = b + 96;
+    const float d = fp16_at(b + 108);
+    crumbs256(b + 32, o.codes);
+    // q = low bits - 4 unless the high bit is set: u = q + 4 = low bits + 4 * bit; code
+    // 32 j + l's bit is bit j of hmask[l]
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) o.codes[32 * j + l] |= uint8_t(((hmask[l] >> j) & 1) << 2);
+    // 16 6-bit scales: low nibbles in bytes 0-7 (then their high nibbles), 2 high bits each
+    // in bytes 8-11 (ggml's dequantize_row_q3_K); the scale is d (sc - 32), the min -4 times it
+    for (int k = 0; k < 16; ++k) {
+      const int low = (packed[k % 8] >> (4 * (k / 8))) & 0x0F;
+      const int high = (packed[8 + k % 4] >> (2 * (k / 4))) & 0x03;
+      const int signed_sc = (low | (high << 4)) - 32;
+      o.scales[k] = d * float(signed_sc);
+      o.mins[k] = -4.f * o.scales[k];
+      o.scale_factors[k] = o.min_factors[k] = int8_t(signed_sc);
+    }
+    o.super[0] = d;
+    o.super[1] = -4.f * d;
+  }
+};
+
+struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+  static constexpr int64_t kType = 12, kBytes = 144, kWeights = 256, kLen = 32;
+  static constexpr bool kFactored = true;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    uint8_t sc[8], mn[8];
+    k_scales_mins(b + 4, sc, mn);
+    k_nibbles256(b + 16, o.codes);
+    k_scales_out<8>(fp16_at(b), fp16_at(b + 2), sc, mn, o);
+  }
+};
+
+struct Q5_K {  // as Q4_K, with 32 bytes of fifth bits before the nibbles
+  static constexpr int64_t kType = 13, kBytes = 176, kWeights = 256, kLen = 32;
+  static constexpr bool kFactored = true;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    uint8_t sc[8], mn[8];
+    k_scales_mins(b + 4, sc, mn);
+    const uint8_t* qh = b + 16;
+    k_nibbles256(b + 48, o.codes);
+    for (int j = 0; j < 8; ++j)  // sub-block j's fifth bits: bit j of each byte
+      for (int l = 0; l < 32; ++l) o.codes[32 * j + l] |= uint8_t(((qh[l] >> j) & 1) << 4);
+    k_scales_out<8>(fp16_at(b), fp16_at(b + 2), sc, mn, o);
+  }
+};
+
+struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d
+  static constexpr int64_t kType = 14, kBytes = 210, kWeights = 256, kLen = 16;
+  static constexpr bool kFactored = true;
+  static void decode(const uint8_t* b, const BlockOut& o) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const float d = fp16_at(b + 208);
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 2; ++s)  // code 128 h + 64 s + l: nibble s of ql[64 h + l]
+        for (int l = 0; l < 64; ++l)
+          o.codes[128 * h + 64 * s + l] = (ql[64 * h + l] >> (4 * s)) & 0x0F;
+      for (int s = 0; s < 4; ++s)  // code 128 h + 32 s + l: bits 2s, 2s+1 of qh[32 h + l]
+        for (int l = 0; l < 32; ++l)
+          o.codes[128 * h + 32 * s + l] |= uint8_t(((qh[32 * h + l] >> (2 * s)) & 3) << 4);
+    }
+    for (int k = 0; k < 16; ++k) {  // the scale d sc, the min -32 times it
+      const int8_t sc = int8_t(b[192 + k]);
+      o.scales[k] = d * float(sc);
+      o.mins[k] = -32.f * o.scales[k];
+      o.scale_factors[k] = o.min_factors[k] = sc;
+    }
+    o.super[0] = d;
+    o.super[1] = -32.f * d;
+  }
+};
+
+// The outputs for rows of row_blocks GGUF blocks of type T, row r read from rows[r].
+template <typename T>
+std::vector<torch::Tensor> unpack_rows(const std::vector<const uint8_t*>& sources,
+                                       int64_t row_blocks) {
+  constexpr int64_t subs = T::kWeights / T::kLen;  // blocks of L per GGUF block
+  const int64_t rows = int64_t(sources.size()), blocks = row_blocks * subs;  // blocks of L a row
+  std::vector<torch::Tensor> out{
+      torch::empty({rows, blocks, T::kLen}, torch::kUInt8),
+      torch::empty({rows, blocks}, torch::kFloat32), torch::empty({rows, blocks}, torch::kFloat32)};
+  if constexpr (T::kFactored) {
+    out.push_back(torch::empty({rows, blocks}, torch::kInt8));
+    out.push_back(torch::empty({rows, blocks}, torch::kInt8));
+    out.push_back(torch::empty({rows, row_blocks, 2}, torch::kFloat32));  // one super a block
+  }
+  uint8_t* codes = out[0].data_ptr<uint8_t>();
+  float *scales = out[1].data_ptr<float>(), *mins = out[2].data_ptr<float>();
+  int8_t *scale_factors = nullptr, *min_factors = nullptr;
+  float* supers = nullptr;
+  if constexpr (T::kFactored) {
+    scale_factors = out[3].data_ptr<int8_t>();
+    min_factors = out[4].data_ptr<int8_t>();
+    supers = out[5].data_ptr<float>();
+  }
+  // NOTE: chunks of at least ~64 KB of the file: a claim per row of a small tensor would
+  // cost more than its blocks
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (row_blocks * T::kBytes + 1));
+  parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t g = 0; g < row_blocks; ++g) {
+        const int64_t n = r * row_blocks + g;  // this GGUF block's place in the outputs
+        const BlockOut o{codes + n * T::kWeights, scales + n * subs, mins + n * subs,
+                         T::kFactored ? scale_factors + n * subs : nullptr,
+                         T::kFactored ? min_factors + n * subs : nullptr,
+                         T::kFactored ? supers + 2 * n : nullptr};
+        T::decode(sources[r] + g * T::kBytes, o);
+      }
+    }
+  });
+  return out;
+}
+
+// Unpacks into `out` if `type` is T's.
+template <typename T>
+bool unpack_if(int64_t type, const std::vector<const uint8_t*>& sources, int64_t row_bytes,
+               std::vector<torch::Tensor>& out) {
+  if (type != T::kType) return false;
+  TORCH_CHECK(row_bytes % T::kBytes == 0, "rows of ", row_bytes, " bytes are not whole blocks of ",
+              T::kBytes);
+  out = unpack_rows<T>(sources, row_bytes / T::kBytes);
+  return true;
+}
+
+template <typename... Types>
+std::vector<torch::Tensor> unpack_type(int64_t type, const std::vector<const uint8_t*>& sources,
+                                       int64_t row_bytes) {
+  std::vector<torch::Tensor> out;
+  const bool known = (unpack_if<Types>(type, sources, row_bytes, out) || ...);
+  TORCH_CHECK(known, "GGUF type ", type, " has no block unpacking (supported: Q4_0, Q4_1, "
+              "Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL)");
+  return out;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts,
+                                              int64_t row_bytes, int64_t type) {
+  TORCH_CHECK(row_bytes >= 0, "rows of ", row_bytes, " bytes");
+  std::vector<const uint8_t*> sources;  // each output row's bytes, parts in turn
+  for (const GgufRows& part : parts) {
+    TORCH_CHECK(part.rows >= 0, "a part of ", part.rows, " rows");
+    if (!part.order.has_value()) {
+      for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + r * row_bytes);
+      continue;
+    }
+    const torch::Tensor index = part.order->to(torch::kInt64).contiguous();
+    TORCH_CHECK(index.dim() == 1 && index.numel() == part.rows, "order must be (", part.rows,
+                ",)");
+    check_indices(index, part.rows, "order");
+    const int64_t* order = index.data_ptr<int64_t>();
+    for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + order[r] * row_bytes);
+  }
+  return unpack_type<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL>(
+      type, sources, row_bytes);
+}
+
+}  // namespace slotserve::kernels
