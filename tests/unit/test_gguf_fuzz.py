@@ -193,6 +193,21 @@ def test_each_problem_is_named(valid, tmp_path, damage, message):
     assert str(info.value).startswith(f"{path}: ")
 
 
+def test_a_string_arrays_items_are_checked_as_lone_strings(valid, tmp_path):
+    """The token list's items (read in one loop: the reader's `strings`): a token that is
+    not UTF-8, and a token's length past the file's end, named where they are."""
+    at = valid.index(b"<|im_end|>")  # the last token's bytes, after its 8-byte length
+    path = tmp_path / "m.gguf"
+    path.write_bytes(valid[:at] + b"\xff" + valid[at + 1:])
+    with pytest.raises(ModelFileError, match=rf"metadata 'tokenizer.ggml.tokens' at byte "
+                                             rf"{at} is not UTF-8"):
+        load_gguf(str(path))
+    path.write_bytes(valid[:at - 8] + struct.pack("<Q", 2**40) + valid[at:])
+    with pytest.raises(ModelFileError, match=rf"truncated: metadata 'tokenizer.ggml.tokens' "
+                                             rf"at byte {at} needs 1099511627776 bytes"):
+        load_gguf(str(path))
+
+
 def test_a_forged_string_length_is_not_allocated(valid, tmp_path):
     at = _u64_after(valid, b"general.architecture")
     damaged = valid[:at] + struct.pack("<Q", 2**62) + valid[at + 8:]
@@ -240,3 +255,20 @@ def test_load_model_raises_the_same_error(tmp_path, monkeypatch):
     with pytest.raises(ModelFileError, match="out of bounds"):
         load_model(str(path))
     assert issubclass(ModelFileError, ValueError)  # callers that catch ValueError still do
+
+
+def test_load_model_reads_a_files_header_once(valid, tmp_path, monkeypatch):
+    """Kept in blocks, a file's header (a large vocabulary's: ~0.5 s) is read once, for
+    blocks_kept and load_gguf both."""
+    import slotserve.loader as loader
+    from slotserve.loader import gguf
+    from slotserve.loader.gguf_reader import read_gguf
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(valid)
+    reads = []
+    monkeypatch.setattr(loader, "read_gguf", lambda p: reads.append(p) or read_gguf(p))
+    monkeypatch.setattr(gguf, "read_gguf", None)  # a second read would fail
+    loaded = load_model(str(path), keep_quantized=True)
+    assert reads == [str(path)]
+    assert "model.layers.0.mlp.up_proj.weight" in loaded.weights
