@@ -430,3 +430,44 @@ def test_a_fusion_of_one_type_unpacks_its_parts_together(monkeypatch, cpu_ops):
     mixed = LazyBlocks.fused(parts).load()
     assert mixed.types == ("Q4_0", "Q4_1")
     assert torch.equal(mixed.dequantize(), torch.cat([p.load().dequantize() for p in parts]))
+
+
+def test_a_weights_unpacked_memory_is_reused_once_dropped_and_released(cpu_ops):
+    """csrc/gguf_unpack.cpp's NOTE (reused memory): the next weight's arrays take the
+    memory of the last one's once they are dropped, never while one of them lives; the
+    memory is unmapped on release."""
+    cpu_ops.release_unpack_memory()
+    raw = [random_blocks(Q.Q4_K, 64, 512, seed=seed) for seed in range(3)]
+    first = to_blocks(raw[0], Q.Q4_K, "w", "m.gguf")
+    address = first.codes.data_ptr()
+    del first
+    assert cpu_ops.unpack_memory_spare_bytes() >= 64 * 512
+    second = to_blocks(raw[1], Q.Q4_K, "w", "m.gguf")
+    assert second.codes.data_ptr() == address and cpu_ops.unpack_memory_spare_bytes() == 0
+    scales = second.scales  # one array alive holds the memory
+    del second
+    third = to_blocks(raw[2], Q.Q4_K, "w", "m.gguf")
+    assert third.codes.data_ptr() != address
+    assert_same_bits(scales, reference_arrays(raw[1], Q.Q4_K)["scales"], "scales")
+    assert_blocks_equal(third, reference_arrays(raw[2], Q.Q4_K))
+    del third, scales
+    assert cpu_ops.unpack_memory_spare_bytes() > 0
+    cpu_ops.release_unpack_memory()
+    assert cpu_ops.unpack_memory_spare_bytes() == 0
+
+
+def test_the_loading_releases_the_unpacked_memory_when_its_model_is_dropped(tmp_path,
+                                                                            cpu_ops):
+    from slotserve.loader import load_model
+    from tests.unit.test_gguf_fuzz import tiny_gguf_bytes
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(tiny_gguf_bytes(tmp_path))
+    cpu_ops.release_unpack_memory()
+    loaded = load_model(str(path), keep_quantized=True)
+    blocks = loaded.weights["model.layers.0.mlp.up_proj.weight"].blocks
+    assert blocks.types == ("Q4_1",)
+    del blocks  # unpacked, then dropped: its memory kept for the next weight's
+    assert cpu_ops.unpack_memory_spare_bytes() > 0
+    del loaded
+    assert cpu_ops.unpack_memory_spare_bytes() == 0

@@ -70,6 +70,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "[scale_factors, min_factors int8, supers (rows, super-blocks, 2)] for the K-quants); "
       "a part's row r is its raw row order[r] where its order is given",
       py::arg("raws"), py::arg("type"), py::arg("orders"));
+  m.def("release_unpack_memory", &release_unpack_memory,
+        "unmap the memory unpack_gguf_blocks keeps for the next call's arrays (a loading done)");
+  m.def("unpack_memory_spare_bytes", &unpack_memory_spare_bytes,
+        "bytes unpack_gguf_blocks keeps now for the next call's arrays");
   m.def("quant_block_linear", &quant_block_linear, release_gil(),
         "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),

@@ -17,7 +17,11 @@
 #include "common.h"
 #include "ops.h"
 
+#include <sys/mman.h>
+
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace slotserve::kernels {
@@ -260,20 +264,109 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d
   }
 };
 
+// NOTE (reused memory): a fresh page costs a fault, the kernel zeroing it: ~0.35 s a GiB on
+// the 2-core Zen 3 VM, several times the unpacking of a GiB of codes into pages already there.
+// A model's weights are unpacked one at a time, and each weight's arrays are dropped once
+// its kernel has packed them (LazyBlocks), so their memory is kept for the next weight's:
+// one spare buffer, of at most kSpareBytes (a 3B layer's fused gate/up fits, its embedding
+// does not), unmapped when the loading is done (release_unpack_memory: load_model's
+// LoadedModel dropped). A call's arrays share their buffer's ownership: while one of them
+// lives (a test holding BlockWeights), the buffer is not handed out again. A request the
+// spare cannot hold unmaps it first: the loading never holds both.
+class UnpackMemory {
+ public:
+  static constexpr size_t kSpareBytes = size_t(256) << 20;
+
+  // A buffer of at least `bytes`, the spare one where it is big enough; given back (to be
+  // the spare, or unmapped) when the last owner drops it.
+  std::shared_ptr<uint8_t> take(size_t bytes) {
+    bytes = std::max<size_t>(bytes, 1);
+    std::lock_guard<std::mutex> lock(mu_);
+    uint8_t* buffer = nullptr;
+    size_t size = bytes;
+    if (spare_ != nullptr && spare_size_ >= bytes) {
+      std::swap(buffer, spare_);
+      size = spare_size_;
+    } else {
+      unmap_spare();
+      void* mapped = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                          -1, 0);
+      TORCH_CHECK(mapped != MAP_FAILED, "out of memory unpacking ", size, " bytes of blocks");
+      buffer = static_cast<uint8_t*>(mapped);
+    }
+    return std::shared_ptr<uint8_t>(buffer, [this, size](uint8_t* p) { give_back(p, size); });
+  }
+
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    unmap_spare();
+  }
+
+  size_t spare_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return spare_ == nullptr ? 0 : spare_size_;
+  }
+
+ private:
+  void give_back(uint8_t* buffer, size_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (size > kSpareBytes || (spare_ != nullptr && spare_size_ >= size)) {
+      munmap(buffer, size);
+      return;
+    }
+    unmap_spare();
+    spare_ = buffer;
+    spare_size_ = size;
+  }
+  void unmap_spare() {  // mu_ held
+    if (spare_ != nullptr) munmap(spare_, spare_size_);
+    spare_ = nullptr;
+  }
+
+  std::mutex mu_;
+  uint8_t* spare_ = nullptr;
+  size_t spare_size_ = 0;
+};
+
+// NOTE: never destroyed: arrays alive at exit give their buffers back to it.
+UnpackMemory& unpack_memory() {
+  static UnpackMemory* memory = new UnpackMemory();
+  return *memory;
+}
+
+// Uninitialised tensors of `sizes` and `dtypes`, one after the other (64-byte aligned) in
+// one buffer of unpack_memory().
+std::vector<torch::Tensor> unpack_arrays(const std::vector<std::vector<int64_t>>& sizes,
+                                         const std::vector<torch::ScalarType>& dtypes) {
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    offsets.push_back(total);
+    int64_t elements = 1;
+    for (int64_t n : sizes[i]) elements *= n;
+    total += (size_t(elements) * c10::elementSize(dtypes[i]) + 63) / 64 * 64;
+  }
+  const std::shared_ptr<uint8_t> buffer = unpack_memory().take(total);
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    out.push_back(torch::from_blob(buffer.get() + offsets[i], sizes[i],
+                                   [buffer](void*) {}, torch::dtype(dtypes[i])));
+  return out;
+}
+
 // The outputs for rows of row_blocks GGUF blocks of type T, row r read from rows[r].
 template <typename T>
 std::vector<torch::Tensor> unpack_rows(const std::vector<const uint8_t*>& sources,
                                        int64_t row_blocks) {
   constexpr int64_t subs = T::kWeights / T::kLen;  // blocks of L per GGUF block
   const int64_t rows = int64_t(sources.size()), blocks = row_blocks * subs;  // blocks of L a row
-  std::vector<torch::Tensor> out{
-      torch::empty({rows, blocks, T::kLen}, torch::kUInt8),
-      torch::empty({rows, blocks}, torch::kFloat32), torch::empty({rows, blocks}, torch::kFloat32)};
-  if constexpr (T::kFactored) {
-    out.push_back(torch::empty({rows, blocks}, torch::kInt8));
-    out.push_back(torch::empty({rows, blocks}, torch::kInt8));
-    out.push_back(torch::empty({rows, row_blocks, 2}, torch::kFloat32));  // one super a block
+  std::vector<std::vector<int64_t>> sizes{{rows, blocks, T::kLen}, {rows, blocks}, {rows, blocks}};
+  std::vector<torch::ScalarType> dtypes{torch::kUInt8, torch::kFloat32, torch::kFloat32};
+  if constexpr (T::kFactored) {  // the factors, and one super-block a GGUF block
+    sizes.insert(sizes.end(), {{rows, blocks}, {rows, blocks}, {rows, row_blocks, 2}});
+    dtypes.insert(dtypes.end(), {torch::kInt8, torch::kInt8, torch::kFloat32});
   }
+  std::vector<torch::Tensor> out = unpack_arrays(sizes, dtypes);
   uint8_t* codes = out[0].data_ptr<uint8_t>();
   float *scales = out[1].data_ptr<float>(), *mins = out[2].data_ptr<float>();
   int8_t *scale_factors = nullptr, *min_factors = nullptr;
@@ -344,5 +437,9 @@ std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts
   return unpack_type<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL>(
       type, sources, row_bytes);
 }
+
+void release_unpack_memory() { unpack_memory().release(); }
+
+int64_t unpack_memory_spare_bytes() { return int64_t(unpack_memory().spare_bytes()); }
 
 }  // namespace slotserve::kernels

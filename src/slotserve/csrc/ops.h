@@ -154,6 +154,10 @@ struct GgufRows {
 // scale_factors, min_factors (rows, blocks) int8 and supers (rows, super-blocks, 2) fp32.
 std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts,
                                               int64_t row_bytes, int64_t type);
+// The memory the arrays of unpack_gguf_blocks are kept in for the next call's, unmapped
+// (gguf_unpack.cpp's NOTE (reused memory)); the bytes kept now.
+void release_unpack_memory();
+int64_t unpack_memory_spare_bytes();
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);

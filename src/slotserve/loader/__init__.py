@@ -13,6 +13,7 @@ on disk (see `slotserve.loader.cache`).
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
 from slotserve.loader.detokenize import IncrementalDetokenizer
 from slotserve.loader.gguf import blocks_kept, load_gguf
+from slotserve.loader.gguf_blocks import GGUFBlockTensor
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.loader.safetensors import load_hf_dir
 from slotserve.loader.tokenizer import Tokenizer
@@ -72,7 +74,15 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
         config, weights, tokenizer = converted
     else:
         raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF directory)")
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+    loaded = LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+    if any(isinstance(w, GGUFBlockTensor) for w in weights.values()):
+        from slotserve.model.cpu_ops import release_unpack_memory
+
+        # NOTE: the blocks are unpacked as the model loads them, into memory kept from one
+        # weight to the next (csrc/gguf_unpack.cpp's NOTE (reused memory)); the loading is
+        # done when its LoadedModel is dropped (LLMEngine.from_config)
+        weakref.finalize(loaded, release_unpack_memory)
+    return loaded
 
 
 def _check_gguf(path: str) -> None:

@@ -32,7 +32,7 @@ The module's functions, all fp32 on the CPU:
   quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
 - unpack_gguf_blocks(raw (rows, row bytes), ggml type, order=None) -> a GGUF tensor's
   blocks as loader/gguf_blocks.py's BlockWeights arrays (codes, scales, mins, and the
-  K-quants' factors)
+  K-quants' factors), in memory kept for the next call's until release_unpack_memory()
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack; its linears
   (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included; per layer
@@ -208,6 +208,13 @@ def loaded_cpu_ops():
     loads a build of its own first (model/kernels.py): this takes it, never building a
     second one for the unpacking."""
     return _LOADED[-1] if _LOADED else load_cpu_ops()
+
+
+def release_unpack_memory() -> None:
+    """Unmap the memory each loaded build keeps for the next GGUF weight's unpacked arrays
+    (csrc/gguf_unpack.cpp's NOTE (reused memory)): a model's loading is done."""
+    for module in _LOADED:
+        module.release_unpack_memory()
 
 
 def on_cpu_fp32(model) -> bool:
