@@ -1,6 +1,6 @@
-"""IQ4_NL GGUF weights kept in blocks (loader/gguf_blocks.py's `_iq4_nl`): the file's 4-bit
-indices, which the kernel (csrc/quant_blocks.cpp) looks up as the codes u = level + 128, with
-m = -128 d; fused with other types, the looked-up codes in bytes.
+"""IQ4_NL GGUF weights kept in blocks (loader/gguf_blocks.py; csrc/gguf_unpack.cpp's IQ4_NL):
+the file's 4-bit indices, which the kernel (csrc/quant_blocks.cpp) looks up as the codes
+u = level + 128, with m = -128 d; fused with other types, the looked-up codes in bytes.
 
 The kernel's error against gguf-py's `dequantize` + an fp32 matmul is bounded as in
 tests/model/test_gguf_quant.py's docstring (`error_bound`): the activations' int8 rounding,
