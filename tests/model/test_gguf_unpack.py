@@ -456,6 +456,22 @@ def test_a_weights_unpacked_memory_is_reused_once_dropped_and_released(cpu_ops):
     assert cpu_ops.unpack_memory_spare_bytes() == 0
 
 
+def test_the_kept_memory_shrinks_to_the_largest_of_the_last_weights(cpu_ops):
+    """A big weight's memory, kept, shrinks to the largest of the last 8 weights' (the NOTE
+    (peak memory)): the tied embedding, unpacked first, is not kept through the layers."""
+    cpu_ops.release_unpack_memory()
+    to_blocks(random_blocks(Q.Q6_K, 256, 1024), Q.Q6_K, "w", "m.gguf")  # dropped at once
+    big = cpu_ops.unpack_memory_spare_bytes()
+    assert big >= 256 * 1024 * 1.5  # codes, scales and mins
+    small = random_blocks(Q.Q6_K, 16, 1024)
+    for _ in range(7):  # the big one is among the last 8: kept whole
+        to_blocks(small, Q.Q6_K, "w", "m.gguf")
+        assert cpu_ops.unpack_memory_spare_bytes() == big
+    to_blocks(small, Q.Q6_K, "w", "m.gguf")
+    assert 16 * 1024 <= cpu_ops.unpack_memory_spare_bytes() <= big / 8
+    cpu_ops.release_unpack_memory()
+
+
 def test_the_loading_releases_the_unpacked_memory_when_its_model_is_dropped(tmp_path,
                                                                             cpu_ops):
     from slotserve.loader import load_model
