@@ -54,8 +54,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests $(wildcard benchmarks)
 
 # NOTE: two workers, each taking whole files (module fixtures load once): on 2 cores the
-# suite ran in 1173 s against 1434 s on one (most tests wait on a server or a subprocess
-# part of the time). TEST_WORKERS=0 runs it in this process.
+# suite ran in 1173 and 1357 s (two runs) against 1434 s on one (most tests wait on a
+# server or a subprocess part of the time). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP) lint browser kernels models
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
