@@ -111,16 +111,21 @@ inline void k_scales_out(float d, float dmin, const uint8_t sc[N], const uint8_t
 
 // ---- one struct per GGUF type: kType (ggml's number), kBytes, kWeights, kLen, kFactored --
 
-struct Q4_0 {  // d (fp16), 16 bytes of nibbles; u = q, m = -8 d
-  static constexpr int64_t kType = 2, kBytes = 18, kWeights = 32, kLen = 32;
+// d (fp16), 16 bytes of nibbles, m = MIN_OVER_D d: Q4_0 (u = q, m = -8 d) and IQ4_NL (its
+// 4-bit indices kept as they are, BlockWeights.indexed; m = -128 d)
+template <int64_t TYPE, int MIN_OVER_D>
+struct NibblesWithScaledMin {
+  static constexpr int64_t kType = TYPE, kBytes = 18, kWeights = 32, kLen = 32;
   static constexpr bool kFactored = false;
   static void decode(const uint8_t* b, const BlockOut& o) {
     const float d = fp16_at(b);
     nibbles32(b + 2, o.codes);
     o.scales[0] = d;
-    o.mins[0] = -8.f * d;
+    o.mins[0] = float(MIN_OVER_D) * d;
   }
 };
+using Q4_0 = NibblesWithScaledMin<2, -8>;
+using IQ4_NL = NibblesWithScaledMin<20, -128>;
 
 struct Q4_1 {  // d, m (fp16), 16 bytes of nibbles
   static constexpr int64_t kType = 3, kBytes = 20, kWeights = 32, kLen = 32;
@@ -161,17 +166,6 @@ struct Q8_0 {  // d, 32 int8 q; u = q + 128 (the byte's top bit flipped), m = -1
   static void decode(const uint8_t* b, const BlockOut& o) {
     const float d = fp16_at(b);
     for (int i = 0; i < 32; ++i) o.codes[i] = b[2 + i] ^ 0x80;
-    o.scales[0] = d;
-    o.mins[0] = -128.f * d;
-  }
-};
-
-struct IQ4_NL {  // d, 16 bytes of 4-bit indices (kept as they are: BlockWeights.indexed)
-  static constexpr int64_t kType = 20, kBytes = 18, kWeights = 32, kLen = 32;
-  static constexpr bool kFactored = false;
-  static void decode(const uint8_t* b, const BlockOut& o) {
-    const float d = fp16_at(b);
-    nibbles32(b + 2, o.codes);
     o.scales[0] = d;
     o.mins[0] = -128.f * d;
   }
