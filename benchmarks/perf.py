@@ -263,8 +263,9 @@ class llama_server:  # noqa: N801 (a context manager used like a function)
     """llama-server on 127.0.0.1 for the duration of a `with` block."""
 
     def __init__(self, binary: str, model: str, parallel: int, threads: int,
-                 ctx_per_slot: int = 512) -> None:
+                 ctx_per_slot: int = 512, poll_s: float = 0.5) -> None:
         self.port = free_port()
+        self.poll_s = poll_s  # how often /health is asked while it starts
         self.cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "--parallel", str(parallel), "--threads", str(threads),
                     "-c", str(parallel * ctx_per_slot), "--no-warmup"]
@@ -273,8 +274,14 @@ class llama_server:  # noqa: N801 (a context manager used like a function)
         self.log = open(f"/tmp/llama-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{self.port}"
-        wait_healthy(url, 300, lambda: self.proc.poll() is not None,
-                     lambda: f"see {self.log.name}", poll_s=0.5)
+        try:
+            wait_healthy(url, 300, lambda: self.proc.poll() is not None,
+                         lambda: f"see {self.log.name}", poll_s=self.poll_s)
+        except Exception:  # NOTE: started but never healthy: no server left behind
+            self.proc.kill()
+            self.proc.wait(30)
+            self.log.close()
+            raise
         return url
 
     def __exit__(self, *exc) -> None:

@@ -159,13 +159,7 @@ def start_llamacpp(model: ModelFile) -> Server:
     t0 = time.perf_counter()
     server = llama_server(str(LLAMA_BIN / "llama-server"), str(model.path), SLOTS,
                           LLAMA_THREADS, ctx_per_slot=CTX_PER_SLOT)
-    try:
-        url = server.__enter__()
-    except Exception:
-        if getattr(server, "proc", None) is not None:  # NOTE: started but never healthy
-            server.proc.kill()
-            server.proc.wait(30)
-        raise
+    url = server.__enter__()  # NOTE: a server never healthy is killed there
     return Server("llama.cpp", url, server.proc.pid, time.perf_counter() - t0,
                   lambda: server.__exit__(None, None, None))
 

@@ -5,12 +5,13 @@
         --llama-server /tmp/llama-build/bin/llama-server
 
 Each (file, server) starts `--rounds` times, the servers' order rotated each round:
-`slotserve serve --model FILE --quantization gguf` with benchmarks/quant.py's flags (64
-sequences of 512 tokens, 2048 KV blocks), each tree's `src` on PYTHONPATH, and llama.cpp's
-server with quant.py's slots (64 x 512, 2 threads, no warm-up). Before each start the file
-is read once (the page cache warm: a VM's reclaim evicts it between runs otherwise). Per
-start: seconds from launch to /health answering 200 (polled every 50 ms) and the server's
-VmHWM then; per (file, server): the runs and their medians.
+`slotserve serve` with benchmarks/quant.py's flags (`slotserve_flags`: the file's own
+blocks, 64 sequences of 512 tokens), each tree's `src` on PYTHONPATH, and llama.cpp's
+server as quant.py starts it (benchmarks/perf.py's `llama_server`: 64 slots of 512, 2
+threads, no warm-up). Before each start the file is read once (the page cache warm: a
+VM's reclaim evicts it between runs otherwise). Per start: seconds from launch to /health
+answering 200 (polled every 50 ms) and the server's VmHWM then; per (file, server): the
+runs and their medians.
 """
 
 from __future__ import annotations
@@ -18,27 +19,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from slotserve.lab.bench.server import HOST, free_port, wait_healthy
+from benchmarks.perf import llama_server
+from benchmarks.quant import CTX_PER_SLOT, LLAMA_THREADS, SLOTS, slotserve_flags
+from slotserve.lab.bench.server import ServerProcess, wait_healthy
 
-SLOTS, CONTEXT, BLOCKS = 64, 512, 2048
 POLL_S = 0.05
 TIMEOUT_S = 300.0
-
-
-def server_command(tree: str | None, llama_server: str, path: str, port: int) -> list[str]:
-    """slotserve from `tree`, or llama.cpp's server where tree is None."""
-    if tree is None:
-        return [llama_server, "-m", path, "--host", HOST, "--port", str(port), "--parallel",
-                str(SLOTS), "--threads", "2", "-c", str(SLOTS * CONTEXT), "--no-warmup"]
-    return [sys.executable, "-m", "slotserve.cli", "serve", "--model", path, "--quantization",
-            "gguf", "--max-num-seqs", str(SLOTS), "--max-model-len", str(CONTEXT),
-            "--num-blocks", str(BLOCKS), "--host", HOST, "--port", str(port)]
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -46,34 +36,33 @@ def peak_rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
-def start_once(tree: str | None, llama_server: str, path: str) -> tuple[float, float]:
-    """(seconds to healthy, VmHWM MiB) of one start."""
-    with open(path, "rb") as f:  # the page cache warm
+def warm_page_cache(path: str) -> None:
+    with open(path, "rb") as f:
         while f.read(1 << 24):
             pass
-    port = free_port()
-    env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = f"{tree}/src{os.pathsep}{tree}"
-    with tempfile.TemporaryFile("w+") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(server_command(tree, llama_server, path, port), env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
 
-        def tail() -> str:
-            log.seek(0)
-            return log.read()[-2000:]
+
+def start_slotserve(tree: str, path: str) -> tuple[float, float]:
+    """(seconds to healthy, VmHWM MiB) of one start of `tree`'s slotserve."""
+    with tempfile.TemporaryDirectory() as logs:
+        start = time.perf_counter()
+        server = ServerProcess.launch(Path(logs) / "serve.log", *slotserve_flags(Path(path)),
+                                      env={"PYTHONPATH": f"{tree}/src{os.pathsep}{tree}"})
         try:
-            wait_healthy(f"http://{HOST}:{port}", TIMEOUT_S, lambda: proc.poll() is not None,
-                         tail, poll_s=POLL_S)
-            return time.perf_counter() - start, peak_rss_mib(proc.pid)
+            wait_healthy(server.url, TIMEOUT_S, lambda: server.proc.poll() is not None,
+                         lambda: server.log()[-3000:], poll_s=POLL_S)
+            return time.perf_counter() - start, peak_rss_mib(server.proc.pid)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            server.stop()
+
+
+def start_llamacpp(binary: str, path: str) -> tuple[float, float]:
+    """(seconds to healthy, VmHWM MiB) of one start of llama.cpp's server."""
+    server = llama_server(binary, path, SLOTS, LLAMA_THREADS, ctx_per_slot=CTX_PER_SLOT,
+                          poll_s=POLL_S)
+    start = time.perf_counter()
+    with server:
+        return time.perf_counter() - start, peak_rss_mib(server.proc.pid)
 
 
 def main() -> None:
@@ -96,7 +85,10 @@ def main() -> None:
     for r in range(args.rounds):
         for path in args.files.split(","):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                seconds, mib = start_once(servers[name], args.llama_server, path)
+                warm_page_cache(path)
+                tree = servers[name]
+                seconds, mib = (start_llamacpp(args.llama_server, path) if tree is None
+                                else start_slotserve(tree, path))
                 runs.setdefault((Path(path).name, name), []).append((seconds, mib))
                 print(f"round {r} {Path(path).name} {name}: {seconds:.2f} s, VmHWM {mib:.0f} MiB",
                       flush=True)

@@ -91,15 +91,16 @@ class ServerProcess:
 
     @classmethod
     def launch(cls, log_path: Path, *flags: str, port: int | None = None,
-               cwd: Path | None = None) -> ServerProcess:
+               cwd: Path | None = None, env: dict[str, str] | None = None) -> ServerProcess:
         """Start `python -m slotserve.cli serve` on loopback (not waiting for it to be ready).
 
-        port: None picks a free one. flags: more `serve` flags (see cli_flags).
+        port: None picks a free one. flags: more `serve` flags (see cli_flags). env: variables
+        set beside this process's (e.g. PYTHONPATH: another checkout's slotserve).
         """
         port = port or free_port()
         cmd = [sys.executable, "-m", "slotserve.cli", "serve", "--host", HOST,
                "--port", str(port), *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
         return cls(f"http://{HOST}:{port}", proc, Path(log_path))
