@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.decode_attention --baseline HEAD~1 \\
         --out benchmarks/results/decode-attention.json
+    .venv/bin/python -m benchmarks.decode_attention --baseline HEAD~1 --cache-dtype bfloat16
     .venv/bin/python -m benchmarks.decode_attention --cache-dtypes bfloat16,int8 \\
         --shapes 64x512,64x1024,64x2048 --layers 8 \\
         --out benchmarks/results/decode-attention-int8.json
@@ -10,7 +11,8 @@ SmolLM2-135M's shapes (9 query heads over 3 KV heads of 64, blocks of 16), each
 sequence's blocks spread at random over a pool, a separate cache per layer (so the K/V come
 from memory, as in a decode step). The baseline is the fused kernel of another revision of
 slotserve/csrc (`--baseline REV`, built under its own name) or, without it,
-the torch reference (gather + SDPA). Reported per shape: the median time of the 30 layers
+the torch reference (gather + SDPA), over caches of `--cache-dtype` (float32 unless
+given; the engine's default is bfloat16). Reported per shape: the median time of the 30 layers
 for each, and the median of the per-round ratios.
 
 --cache-dtypes A,B: instead, this revision's fused kernel over the same K/V stored as each
@@ -110,16 +112,20 @@ def summary(seqs: int, context: int, kv_mb, rounds_ms: dict, faster: str, **extr
             "speedup_median": statistics.median(ratios)}
 
 
-def compare(kernels: dict, seqs: int, context: int, rounds: int) -> dict:
+def compare(kernels: dict, seqs: int, context: int, rounds: int, layers: int = LAYERS,
+            dtype: str = "float32") -> dict:
     num_blocks, tables, lens, q = decode_shape(seqs, context)
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+    caches = [(as_cache(torch.randn(shape), dtype), as_cache(torch.randn(shape), dtype))
+              for _ in range(layers)]
     outs = [kernel(q, *caches[0], tables, lens, HEAD_DIM ** -0.5) for kernel in kernels.values()]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     rounds_ms = time_interleaved({name: (kernel, caches) for name, kernel in kernels.items()},
                                  q, tables, lens, rounds)
-    kv_mb = seqs * context * NUM_KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS / 1e6  # read per step
-    return summary(seqs, context, kv_mb, rounds_ms, faster=next(iter(kernels)))
+    read = seqs * context * NUM_KV_HEADS * 2 * layers  # cached heads read per step
+    kv_mb = read * caches[0][0].shape[-1] * caches[0][0].element_size() / 1e6
+    return summary(seqs, context, kv_mb, rounds_ms, faster=next(iter(kernels)), dtype=dtype,
+                   layers=layers)
 
 
 def compare_cache_dtypes(kernel, dtypes: list[str], seqs: int, context: int, layers: int,
@@ -158,6 +164,8 @@ def main() -> None:
     p.add_argument("--cache-dtypes", default=None,
                    help="A,B: the fused kernel over caches of these dtypes (float32, "
                         "bfloat16, int8) instead of against a baseline")
+    p.add_argument("--cache-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="against a baseline: the caches' dtype (default: float32)")
     p.add_argument("--shapes", default=None, type=parse_shapes,
                    help="SEQSxCONTEXT,...: the shapes to time (default: "
                         + ",".join(f"{s}x{c}" for s, c in SHAPES) + ")")
@@ -181,7 +189,7 @@ def main() -> None:
                baseline: baseline_kernel(args.baseline)}
     rows = []
     for seqs, context in shapes:
-        row = compare(kernels, seqs, context, args.rounds)
+        row = compare(kernels, seqs, context, args.rounds, args.layers, args.cache_dtype)
         med = row["median_ms"]
         print(f"{seqs:3d} x {context:4d} ({row['kv_mb']:4.0f} MB of K/V): fused "
               f"{med['fused kernel']:6.2f} ms, {baseline} {med[baseline]:6.2f} ms, "

@@ -88,7 +88,7 @@ def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len, kv_dtyp
 @pytest.mark.parametrize("head_dim,group,num_kv_heads,block_size,seqs", [
     (64, 3, 3, 16, 1),    # SmolLM2-135M's shape, one sequence (one task per KV head)
     (64, 3, 3, 16, 9),    # ... many sequences (a task per sequence, whole rows)
-    (64, 5, 2, 16, 6),    # 5 query heads per KV head: register chunks of 4 + 1
+    (64, 5, 2, 16, 6),    # 5 query heads per KV head: register chunks of 4 + 1 (AVX2: 1s)
     (64, 1, 4, 8, 5),     # no GQA; blocks of 8 (no prefetch of the next block)
     (128, 3, 2, 16, 6),   # head_dim 128: chunks of 2 + 1
     (128, 4, 1, 32, 2),   # blocks of 32
@@ -98,7 +98,7 @@ def test_decode_attention_register_path_equals_torch(cpu_ops, head_dim, group, n
                                                      block_size, seqs, kv_dtype):
     """The torch reference reads the same cached values (a bf16 cache widened exactly), so
     a bf16 cache is held to fp32's tolerance too."""
-    # head_dim 64 and 128 take the AVX-512 path where the CPU has it (the generic one if not)
+    # head_dim 64 and 128 take the AVX-512 path where the CPU has it, else the AVX2 one
     gen = torch.Generator().manual_seed(head_dim + group + seqs)
     num_blocks, max_len = 200, 150
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)

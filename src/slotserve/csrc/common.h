@@ -67,6 +67,34 @@ inline float vec_exp(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// vec_exp of 8 lanes, its steps as gcc compiles the scalar form (fused multiply-adds where it
+// contracts them): gcc leaves vec_exp's loops scalar (std::nearbyint). NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_add_ps(_mm256_set1_ps(1.f / 120), _mm256_div_ps(r, _mm256_set1_ps(720.f)));
+  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The sum of 8 lanes.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // An fp32 or bf16 element as fp32 (bf16 widens exactly).
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return float(x); }

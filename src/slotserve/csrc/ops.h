@@ -52,10 +52,10 @@ enum class KvElements { kFloat, kBf16, kInt8 };
 // followed by fp32 scales, one per run of KV_INT8_GROUP elements from the head's start (the
 // last run shorter where hd is not a multiple): slotserve/attention/kv_int8.py's format.
 constexpr int64_t KV_INT8_GROUP = 32;
-inline int64_t kv_int8_scales(int64_t head_dim) {
+constexpr int64_t kv_int8_scales(int64_t head_dim) {
   return (head_dim + KV_INT8_GROUP - 1) / KV_INT8_GROUP;
 }
-inline int64_t kv_int8_row_bytes(int64_t head_dim) {
+constexpr int64_t kv_int8_row_bytes(int64_t head_dim) {
   return head_dim + int64_t(sizeof(float)) * kv_int8_scales(head_dim);
 }
 // One layer's paged K/V caches (num_blocks, bs, nkv, hd) as raw pointers; an int8 cache's
