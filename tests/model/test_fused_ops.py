@@ -35,12 +35,14 @@ def test_add_rms_norm_adds_in_place_and_equals_add_then_norm_to_the_bit(cpu_ops,
 
 
 @pytest.mark.parametrize("rows", [1, 17])
-def test_silu_mul_equals_torch_over_the_whole_range(cpu_ops, rows):
-    gate_up = torch.randn(rows, 2 * 64) * 20  # large |gate|: exp under- and overflow paths
+@pytest.mark.parametrize("inter", [64, 13])  # 13: a row's last vector part-filled
+def test_silu_mul_equals_torch_over_the_whole_range(cpu_ops, rows, inter):
+    gate_up = torch.randn(rows, 2 * inter) * 20  # large |gate|: exp under- and overflow paths
     gate_up[0, :4] = torch.tensor([-200.0, -88.0, 88.0, 200.0])
-    gate, up = gate_up.split(64, dim=-1)
+    gate_up[-1, inter - 1] = float("nan")  # in the last, part-filled vector
+    gate, up = gate_up.split(inter, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate) * up,
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_rotary_in_place_rotates_only_the_view(cpu_ops):

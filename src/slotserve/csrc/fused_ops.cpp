@@ -139,8 +139,21 @@ void silu_mul_rows(const float* gate_up, float* y, int64_t rows, int64_t inter) 
       const float* gate = gate_up + r * 2 * inter;
       const float* up = gate + inter;
       float* yr = y + r * inter;
+#if defined(__AVX2__) && defined(__FMA__)
+      // NOTE: gcc left this loop scalar (vec_exp's std::nearbyint): ~0.4 ms of a batch-1
+      // step of SmolLM2 on a Zen 3. The last lanes masked: every element through exp8.
+      for (int64_t i = 0; i < inter; i += 8) {
+        const __m256i lanes = lanes_below(inter - i);
+        const __m256 g = _mm256_maskload_ps(gate + i, lanes);
+        const __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));  // exp(-g)
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        _mm256_maskstore_ps(yr + i, lanes,
+                            _mm256_mul_ps(silu, _mm256_maskload_ps(up + i, lanes)));
+      }
+#else
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) yr[i] = gate[i] / (1.f + vec_exp(-gate[i])) * up[i];
+#endif
     }
   });
 }

@@ -193,9 +193,7 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
     // Zen 3. The last lanes are masked, so every score goes through the same exp8.
     __m256 sums = _mm256_setzero_ps();
     for (int64_t pos = 0; pos < len; pos += 8) {
-      const __m256i lanes = _mm256_cmpgt_epi32(
-          _mm256_set1_epi32(int32_t(std::min<int64_t>(len - pos, 8))),
-          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i lanes = lanes_below(len - pos);
       const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + pos, lanes),
                                           _mm256_set1_ps(top)));
       _mm256_maskstore_ps(s + pos, lanes, e);
