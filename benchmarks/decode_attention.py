@@ -112,6 +112,12 @@ def summary(seqs: int, context: int, kv_mb, rounds_ms: dict, faster: str, **extr
             "speedup_median": statistics.median(ratios)}
 
 
+def kv_read_mb(seqs: int, context: int, layers: int, cache: torch.Tensor) -> float:
+    """MB of K and V a step reads from caches like `cache` (a head row's last axis)."""
+    head_rows = seqs * context * NUM_KV_HEADS * 2 * layers
+    return head_rows * cache.shape[-1] * cache.element_size() / 1e6
+
+
 def compare(kernels: dict, seqs: int, context: int, rounds: int, layers: int = LAYERS,
             dtype: str = "float32") -> dict:
     num_blocks, tables, lens, q = decode_shape(seqs, context)
@@ -122,8 +128,7 @@ def compare(kernels: dict, seqs: int, context: int, rounds: int, layers: int = L
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     rounds_ms = time_interleaved({name: (kernel, caches) for name, kernel in kernels.items()},
                                  q, tables, lens, rounds)
-    read = seqs * context * NUM_KV_HEADS * 2 * layers  # cached heads read per step
-    kv_mb = read * caches[0][0].shape[-1] * caches[0][0].element_size() / 1e6
+    kv_mb = kv_read_mb(seqs, context, layers, caches[0][0])
     return summary(seqs, context, kv_mb, rounds_ms, faster=next(iter(kernels)), dtype=dtype,
                    layers=layers)
 
@@ -145,9 +150,7 @@ def compare_cache_dtypes(kernel, dtypes: list[str], seqs: int, context: int, lay
                                                     HEAD_DIM ** -0.5), atol=1e-5, rtol=1e-4)
     rounds_ms = time_interleaved({dtype: (kernel, caches[dtype]) for dtype in dtypes}, q,
                                  tables, lens, rounds)
-    read = seqs * context * NUM_KV_HEADS * 2 * layers  # head rows read per step, K and V
-    kv_mb = {dtype: read * caches[dtype][0][0].shape[-1] * caches[dtype][0][0].element_size()
-             / 1e6 for dtype in dtypes}
+    kv_mb = {dtype: kv_read_mb(seqs, context, layers, caches[dtype][0][0]) for dtype in dtypes}
     return summary(seqs, context, kv_mb, rounds_ms, faster=dtypes[1], layers=layers)
 
 

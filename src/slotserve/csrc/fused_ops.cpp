@@ -140,8 +140,9 @@ void silu_mul_rows(const float* gate_up, float* y, int64_t rows, int64_t inter) 
       const float* up = gate + inter;
       float* yr = y + r * inter;
 #if defined(__AVX2__) && defined(__FMA__)
-      // NOTE: gcc left this loop scalar (vec_exp's std::nearbyint): ~0.4 ms of a batch-1
-      // step of SmolLM2 on a Zen 3. The last lanes masked: every element through exp8.
+      // NOTE: gcc left this loop scalar (vec_exp's std::nearbyint): SmolLM2's 30 layers took
+      // 0.21 ms at 1 row, 9.4 ms at 64 on a Zen 3 (0.09, 4.7 here). The last lanes masked:
+      // every element through exp8.
       for (int64_t i = 0; i < inter; i += 8) {
         const __m256i lanes = lanes_below(inter - i);
         const __m256 g = _mm256_maskload_ps(gate + i, lanes);

@@ -287,15 +287,17 @@ void attend(const float* const* queries, const int64_t* kv_offsets, int64_t n,
   }
 }
 
+// NOTE: the register kernels ask for the row PREFETCH_BLOCKS blocks on (the last one there
+// is, while a block is left): at 64 sequences x 300 positions with 16 layers' KV from memory
+// (1B's shapes, AMX Xeon) the next block's row came too late: 55.8 ms a step, 49.2 two
+// blocks on, 48.5 three, 50.5 four (/tmp probe of paged_decode_attention, one run each).
+constexpr int64_t PREFETCH_BLOCKS = 2;
+
+#if defined(__AVX512F__)
 // f(pos - start, offset of pos's row, offset of the row to ask for ahead or -1) for each of a
 // sequence's cached positions [start, end), block by block (no division per position); the
 // blocks before start's are never touched.
 static_assert(PREFETCH_POSITIONS == 16, "the row ahead is a row of a later block");
-// NOTE: the row ahead is the same row PREFETCH_BLOCKS blocks on (the last one there is, while
-// a block is left): at 64 sequences x 300 positions with 16 layers' KV from memory (1B's
-// shapes, AMX Xeon) the next block's row came too late: 55.8 ms a step, 49.2 two blocks
-// on, 48.5 three, 50.5 four (/tmp probe of paged_decode_attention, one run each).
-constexpr int64_t PREFETCH_BLOCKS = 2;
 template <typename F>
 inline void for_each_row(const int64_t* table, int64_t start, int64_t end, int64_t block_size,
                          int64_t row, F f) {
@@ -311,8 +313,6 @@ inline void for_each_row(const int64_t* table, int64_t start, int64_t end, int64
       f(first + i - start, base + i * row, next ? ahead + i * row : -1);
   }
 }
-
-#if defined(__AVX512F__)
 
 // 16 cached elements as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -413,12 +413,6 @@ void attend_kv_head_chunks(const float* const* queries, float* const* out, int64
 // the same reason: the generic attend's runtime-length loops, not the memory, set its pace
 // (Zen 3, SmolLM2's shapes: 1 x 300 positions 1.43 ms for 30 layers, 64 x 300 78 ms, 5-6 GB/s
 // of a bf16 cache). Eight lanes a vector, so the queries stay in L1 rather than registers.
-
-// The elements of one cached head of hd values: as many, or an int8 row's bytes.
-template <typename T>
-constexpr int64_t cached_head_elements(int64_t head_dim) {
-  return std::is_same_v<T, int8_t> ? kv_int8_row_bytes(head_dim) : head_dim;
-}
 
 // Elements 8 v .. 8 v + 7 of a cached head of hd values as fp32: float and bf16 loaded (bf16
 // widened exactly), int8 codes times their run's scale (KV_INT8_GROUP = 4 vectors a scale).
