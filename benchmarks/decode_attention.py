@@ -75,12 +75,12 @@ def as_cache(x: torch.Tensor, dtype: str) -> torch.Tensor:
     return kv_int8.quantize(x) if dtype == "int8" else x.to(getattr(torch, dtype))
 
 
-def decode_shape(seqs: int, context: int):
+def decode_shape(seqs: int, context: int, num_heads: int = NUM_HEADS):
     """(num_blocks, tables (seqs, max_blocks) of scattered blocks, lens, q)."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_blocks = seqs * max_blocks + 8
     tables = torch.randperm(num_blocks)[:seqs * max_blocks].view(seqs, max_blocks)
-    return num_blocks, tables, torch.full((seqs,), context), torch.randn(seqs, NUM_HEADS,
+    return num_blocks, tables, torch.full((seqs,), context), torch.randn(seqs, num_heads,
                                                                           HEAD_DIM)
 
 
@@ -113,15 +113,15 @@ def summary(seqs: int, context: int, kv_mb, rounds_ms: dict, faster: str, **extr
 
 
 def kv_read_mb(seqs: int, context: int, layers: int, cache: torch.Tensor) -> float:
-    """MB of K and V a step reads from caches like `cache` (a head row's last axis)."""
-    head_rows = seqs * context * NUM_KV_HEADS * 2 * layers
+    """MB of K and V a step reads from caches like `cache` (num_blocks, bs, nkv, row)."""
+    head_rows = seqs * context * cache.shape[2] * 2 * layers
     return head_rows * cache.shape[-1] * cache.element_size() / 1e6
 
 
 def compare(kernels: dict, seqs: int, context: int, rounds: int, layers: int = LAYERS,
-            dtype: str = "float32") -> dict:
-    num_blocks, tables, lens, q = decode_shape(seqs, context)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+            dtype: str = "float32", heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS)) -> dict:
+    num_blocks, tables, lens, q = decode_shape(seqs, context, heads[0])
+    shape = (num_blocks, BLOCK_SIZE, heads[1], HEAD_DIM)
     caches = [(as_cache(torch.randn(shape), dtype), as_cache(torch.randn(shape), dtype))
               for _ in range(layers)]
     outs = [kernel(q, *caches[0], tables, lens, HEAD_DIM ** -0.5) for kernel in kernels.values()]
@@ -130,7 +130,7 @@ def compare(kernels: dict, seqs: int, context: int, rounds: int, layers: int = L
                                  q, tables, lens, rounds)
     kv_mb = kv_read_mb(seqs, context, layers, caches[0][0])
     return summary(seqs, context, kv_mb, rounds_ms, faster=next(iter(kernels)), dtype=dtype,
-                   layers=layers)
+                   layers=layers, heads=list(heads))
 
 
 def compare_cache_dtypes(kernel, dtypes: list[str], seqs: int, context: int, layers: int,
@@ -154,6 +154,14 @@ def compare_cache_dtypes(kernel, dtypes: list[str], seqs: int, context: int, lay
     return summary(seqs, context, kv_mb, rounds_ms, faster=dtypes[1], layers=layers)
 
 
+def parse_heads(text: str) -> tuple[int, int]:
+    """"14/2" -> (14, 2): query heads / KV heads."""
+    num_heads, num_kv_heads = (int(n) for n in text.split("/"))
+    if num_heads % num_kv_heads:
+        raise argparse.ArgumentTypeError(f"{num_heads} query heads over {num_kv_heads} KV heads")
+    return num_heads, num_kv_heads
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """"64x512,1x2048" -> [(64, 512), (1, 2048)] (sequences x context positions)."""
     return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
@@ -174,6 +182,9 @@ def main() -> None:
                         + ",".join(f"{s}x{c}" for s, c in SHAPES) + ")")
     p.add_argument("--layers", type=int, default=LAYERS,
                    help=f"caches timed, one per layer (default: {LAYERS})")
+    p.add_argument("--heads", default=f"{NUM_HEADS}/{NUM_KV_HEADS}", type=parse_heads,
+                   help="QUERY/KV heads against a baseline (default: SmolLM2's "
+                        f"{NUM_HEADS}/{NUM_KV_HEADS}; Qwen2.5-0.5B's 14/2)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch's threads, which the kernel runs on (default: torch's own)")
     p.add_argument("--out", default=None)
@@ -192,7 +203,8 @@ def main() -> None:
                baseline: baseline_kernel(args.baseline)}
     rows = []
     for seqs, context in shapes:
-        row = compare(kernels, seqs, context, args.rounds, args.layers, args.cache_dtype)
+        row = compare(kernels, seqs, context, args.rounds, args.layers, args.cache_dtype,
+                      args.heads)
         med = row["median_ms"]
         print(f"{seqs:3d} x {context:4d} ({row['kv_mb']:4.0f} MB of K/V): fused "
               f"{med['fused kernel']:6.2f} ms, {baseline} {med[baseline]:6.2f} ms, "

@@ -91,6 +91,7 @@ def test_decode_attention_equals_torch_reference(cpu_ops, seqs, max_len, kv_dtyp
     (64, 3, 3, 16, 1),    # SmolLM2-135M's shape, one sequence (one task per KV head)
     (64, 3, 3, 16, 9),    # ... many sequences (a task per sequence, whole rows)
     (64, 5, 2, 16, 6),    # 5 query heads per KV head: register chunks of 4 + 1 (AVX2: 1s)
+    (64, 7, 2, 16, 3),    # 7 (Qwen2.5-0.5B's): chunks of 4 + 3 (AVX2: 1s)
     (64, 1, 4, 8, 5),     # no GQA; blocks of 8 (no prefetch of the next block)
     (128, 3, 2, 16, 6),   # head_dim 128: chunks of 2 + 1
     (128, 4, 1, 32, 2),   # blocks of 32

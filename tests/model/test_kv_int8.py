@@ -91,15 +91,16 @@ def per_element_scales(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return scales.repeat_interleave(kv_int8.GROUP, dim=-1)[..., :head_dim]
 
 
+@pytest.mark.parametrize("num_heads,nkv", [(9, 3), (14, 2)], ids=["group-3", "group-7"])
 @pytest.mark.parametrize("window", [0, 21], ids=["full", "window"])
 @pytest.mark.parametrize("seqs", [1, 9], ids=["per-kv-head", "whole-rows"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_decode_attention_over_int8_is_the_math_over_the_dequantized_cache(
-        cpu_ops, head_dim, seqs, window):
+        cpu_ops, head_dim, seqs, window, num_heads, nkv):
     """Same math: code x scale in fp32, then what the fp32 cache's kernel does (the same
     bits); against torch's SDPA over the dequantized cache, fp32 rounding only (1e-5)."""
     gen = torch.Generator().manual_seed(head_dim + seqs)
-    num_heads, nkv, scale = 9, 3, head_dim ** -0.5
+    scale = head_dim ** -0.5
     _, (k8, v8) = quantized_pair(gen, nkv, head_dim)
     kd, vd = kv_int8.dequantize(k8), kv_int8.dequantize(v8)
     q, tables, lens = decode_inputs(gen, seqs, num_heads, head_dim)
