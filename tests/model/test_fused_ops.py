@@ -150,6 +150,41 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(cpu_ops, he
     torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [0, 700], ids=["full", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp32-cache", "bf16-cache"])
+def test_decode_attention_of_long_contexts_equals_torch_alone_or_batched(cpu_ops, head_dim,
+                                                                         kv_dtype, window):
+    """Contexts past 512 read positions (which the AVX2 kernel cuts into runs of 512 and
+    merges): against the torch reference, and each sequence alone the same bits as in its
+    batch. Lengths around the cuts: 512 (one run), 513, 1024, 1025, 1300; a window of 700
+    cuts 700 positions into 512 + 188 wherever the context is longer."""
+    gen = torch.Generator().manual_seed(head_dim + window)
+    block_size, num_kv_heads, group = 16, 3, 3
+    lens = torch.tensor([1300, 512, 513, 1024, 1025, 40])
+    seqs, max_blocks = len(lens), -(-1300 // block_size)
+    num_blocks = seqs * max_blocks + 5
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:seqs * max_blocks].view(seqs, max_blocks)
+    q = torch.randn(seqs, num_kv_heads * group, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+
+    batch = cpu_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+
+    pos = torch.arange(max_blocks * block_size)[None, :]
+    mask = pos < lens[:, None]
+    if window:
+        mask &= pos >= lens[:, None] - window
+    expected = decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-4)
+    for i in range(seqs):
+        alone = cpu_ops.paged_decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1],
+                                               lens[i:i + 1], scale, window)
+        assert torch.equal(alone[0], batch[i]), f"sequence of {int(lens[i])} positions"
+
+
 def test_write_kv_into_a_bf16_cache_rounds_as_torch_does(cpu_ops):
     """The fused store and torch's index_copy_ of .to(bfloat16) (round to nearest even) give
     the same bits; k and v as the model passes them (views into a wider row)."""

@@ -17,6 +17,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace slotserve::kernels {
@@ -184,8 +185,10 @@ inline void prefetch_row(const T* row, int64_t width) {
     __builtin_prefetch(row + i);
 }
 
-// Each of the n rows of scores (n, len), in place.
-void softmax_rows(float* scores, int64_t n, int64_t len) {
+// Each of the n rows of scores (n, len), in place; where tops is given, row j's largest score
+// in tops[j] and its sum of exp(score - top) in totals[j] (what merges split rows).
+void softmax_rows(float* scores, int64_t n, int64_t len, float* tops = nullptr,
+                  float* totals = nullptr) {
   for (int64_t j = 0; j < n; ++j) {
     float* s = scores + j * len;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -194,10 +197,10 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
     // vectors plain, the last part-filled one masked, so every score goes through the same
     // exp8 and each lane's sum runs over the same vectors as before (the same bits).
     const int64_t whole = len / 8 * 8;
-    __m256 tops = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 maxima = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t pos = 0; pos < whole; pos += 8)
-      tops = _mm256_max_ps(tops, _mm256_loadu_ps(s + pos));
-    float top = max8(tops);
+      maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(s + pos));
+    float top = max8(maxima);
     for (int64_t pos = whole; pos < len; ++pos) top = std::max(top, s[pos]);
     const __m256 shift = _mm256_set1_ps(top);
     __m256 sums = _mm256_setzero_ps();
@@ -219,6 +222,7 @@ void softmax_rows(float* scores, int64_t n, int64_t len) {
 #pragma omp simd reduction(+ : total)
     for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = vec_exp(s[pos] - top));
 #endif
+    if (tops) tops[j] = top, totals[j] = total;
     const float inv = 1.f / total;
     for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
   }
@@ -480,7 +484,7 @@ void attend_heads_avx2(const float* const* queries, float* const* out, int64_t g
                        int64_t kv_heads, const T* k_cache, const T* v_cache,
                        const int64_t* table, int64_t start, int64_t end, int64_t block_size,
                        int64_t row, int64_t kv_offset, int64_t head_stride, float scale,
-                       float* scores) {
+                       float* scores, float* tops, float* totals) {
   constexpr int NV = HD / 8;
   const int64_t len = end - start;  // scores' columns: positions start..end-1
   const int64_t width = kv_heads * head_stride, n = kv_heads * group;
@@ -514,7 +518,7 @@ void attend_heads_avx2(const float* const* queries, float* const* out, int64_t g
       }
     }
   });
-  softmax_rows(scores, n, len);
+  softmax_rows(scores, n, len, tops, totals);
   constexpr int DV = std::min(NV, G == 1 ? 8 : G == 2 ? 4 : 2);  // G x DV <= 8 registers
   for (int64_t j = 0; j < n; ++j) std::fill_n(out[j], HD, 0.f);
   for_each_block(table, start, end, block_size, row,
@@ -550,17 +554,66 @@ void attend_heads_avx2_of(const float* const* queries, float* const* out, int64_
                           int64_t kv_heads, const T* k_cache, const T* v_cache,
                           const int64_t* table, int64_t start, int64_t end, int64_t block_size,
                           int64_t row, int64_t kv_offset, int64_t head_stride, float scale,
-                          std::vector<float>& scores) {
+                          std::vector<float>& scores, float* tops, float* totals) {
   scores.resize(kv_heads * group * (end - start));
   const auto args = std::make_tuple(queries, out, group, kv_heads, k_cache, v_cache, table,
                                     start, end, block_size, row, kv_offset, head_stride, scale,
-                                    scores.data());
+                                    scores.data(), tops, totals);
   if (group % 4 == 0) std::apply(attend_heads_avx2<HD, 4, T>, args);
   else if (group % 3 == 0) std::apply(attend_heads_avx2<HD, 3, T>, args);
   else if (group % 2 == 0) std::apply(attend_heads_avx2<HD, 2, T>, args);
   else std::apply(attend_heads_avx2<HD, 1, T>, args);
 }
 #endif
+
+// Whether this build's decode attention cuts long contexts into runs (the AVX2 kernel).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+constexpr bool SPLITS_LONG_CONTEXTS = true;
+#else
+constexpr bool SPLITS_LONG_CONTEXTS = false;
+#endif
+// NOTE (batch invariance): a context of more than SPLIT_POSITIONS read positions is cut into
+// runs of SPLIT_POSITIONS from its first read position, each attended by tasks of its own,
+// and the runs' outputs merged in order (flash-decoding's merge, merge_runs). The cut depends
+// on the sequence's own positions only, never on its batch or the threads. What it buys: one
+// long sequence's KV heads spread over every thread (batch 1 on SmolLM2: 3 KV heads ran on 2
+// threads as 2:1, and on a many-core CPU only as many threads as KV heads worked).
+constexpr int64_t SPLIT_POSITIONS = 512;
+
+// A task: query heads of KV heads [kv_first, kv_first + kv_per_task) of sequence `seq` over
+// its read positions [start, end); `run`: the run's index among the cut contexts' runs (its
+// outputs in their scratch), or -1 for a context attended whole (outputs straight to out).
+struct AttentionTask {
+  int64_t seq, kv_first, start, end, run;
+};
+
+// out[seq, head] for each cut sequence: its runs' outputs (normalized within the run),
+// weighted by each run's sum of exp(score - the run's top) rescaled to the largest top, in
+// run order. runs[seq]: the sequence's first run and count (count 1: not cut).
+void merge_runs(const std::vector<std::pair<int64_t, int64_t>>& runs, int64_t num_heads,
+                int64_t head_dim, const float* run_out, const float* tops, const float* totals,
+                float* out) {
+  for (int64_t seq = 0; seq < int64_t(runs.size()); ++seq) {
+    const auto [first, count] = runs[seq];
+    if (count == 1) continue;
+    for (int64_t head = 0; head < num_heads; ++head) {
+      float top = -std::numeric_limits<float>::infinity(), weights = 0.f;
+      for (int64_t r = first; r < first + count; ++r)
+        top = std::max(top, tops[r * num_heads + head]);
+      float* o = out + (seq * num_heads + head) * head_dim;
+      std::fill_n(o, head_dim, 0.f);
+      for (int64_t r = first; r < first + count; ++r) {
+        const int64_t at = r * num_heads + head;
+        const float weight = totals[at] * std::exp(tops[at] - top);
+        weights += weight;
+        const float* part = run_out + at * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * part[d];
+      }
+      const float inv = 1.f / weights;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+    }
+  }
+}
 
 }  // namespace
 
@@ -583,36 +636,58 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
   const int64_t kv_per_task = seqs >= 2 * pool_threads() ? num_kv_heads : 1;
   const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
   const int64_t heads_per_task = kv_per_task * group;
+  const bool cuts = SPLITS_LONG_CONTEXTS && (head_dim == 64 || head_dim == 128);
+  std::vector<AttentionTask> tasks;
+  std::vector<std::pair<int64_t, int64_t>> runs(seqs);  // a sequence's first run, count
+  int64_t cut_runs = 0;
+  for (int64_t seq = 0; seq < seqs; ++seq) {
+    const int64_t start = first_window_position(lens[seq], window), end = lens[seq];
+    const int64_t count = cuts && end - start > SPLIT_POSITIONS
+                              ? (end - start + SPLIT_POSITIONS - 1) / SPLIT_POSITIONS
+                              : 1;
+    runs[seq] = {cut_runs, count};
+    for (int64_t t = 0; t < tasks_per_seq; ++t)
+      for (int64_t r = 0; r < count; ++r)
+        tasks.push_back({seq, t * kv_per_task, start + r * SPLIT_POSITIONS,
+                         r + 1 < count ? start + (r + 1) * SPLIT_POSITIONS : end,
+                         count > 1 ? cut_runs + r : -1});
+    if (count > 1) cut_runs += count;
+  }
+  // the cut runs' outputs (cut_runs, nh, hd), tops and totals (cut_runs, nh)
+  std::vector<float> run_out(cut_runs * num_heads * head_dim), run_tops(cut_runs * num_heads),
+      run_totals(cut_runs * num_heads);
   // NOTE: waking a second thread costs more than attending a very short context: tables of
   // fewer than SERIAL_POSITIONS positions in all run on the calling thread. (It was 1024
   // while the engine's OpenMP workers slept between regions; with them spinning, batch 1's
   // attention at ~180 positions took 0.55-0.60 ms per step on both threads, 0.78 on one.)
   constexpr int64_t SERIAL_POSITIONS = 64;
-  const int64_t tasks = seqs * tasks_per_seq;  // one (sequence, KV heads) each
   const int64_t positions = max_blocks * block_size;  // a sequence's most positions read
+  const int64_t num_tasks = int64_t(tasks.size());
   const int64_t grain =
-      seqs * (window > 0 ? std::min(window, positions) : positions) < SERIAL_POSITIONS ? tasks
-                                                                                       : 1;
+      seqs * (window > 0 ? std::min(window, positions) : positions) < SERIAL_POSITIONS
+          ? num_tasks
+          : 1;
   // (kc, vc): the caches' elements, float, c10::BFloat16 or int8_t
   with_cache_elements(cache, [&](const auto* kc, const auto* vc) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
-    parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       const float* queries[MAX_ATTENTION_HEADS];
       float* outs[MAX_ATTENTION_HEADS];
       int64_t kv_offsets[MAX_ATTENTION_HEADS];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / tasks_per_seq;
-        const int64_t kv_first = task % tasks_per_seq * kv_per_task;
+      for (int64_t index = begin; index < end; ++index) {
+        const AttentionTask& task = tasks[index];
+        const int64_t seq = task.seq, kv_first = task.kv_first;
         const int64_t* table = tables + seq * max_blocks;
-        const int64_t start = first_window_position(lens[seq], window), end = lens[seq];
         auto row_of = [&](int64_t pos) {
           return (table[pos / block_size] * block_size + pos % block_size) * row;
         };
+        float* const to = task.run < 0 ? out + seq * num_heads * head_dim
+                                       : run_out.data() + task.run * num_heads * head_dim;
         for (int64_t j = 0; j < heads_per_task; ++j) {
           const int64_t head = kv_first * group + j;
           queries[j] = q + seq * q_token_stride + head * q_head_stride;
-          outs[j] = out + (seq * num_heads + head) * head_dim;
+          outs[j] = to + head * head_dim;
           kv_offsets[j] = head / group * head_stride;
         }
 #if defined(__AVX512F__)
@@ -620,8 +695,9 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
           for (int64_t h = 0; h < kv_per_task; ++h) {
             const auto chunks =
                 head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
-            chunks(queries + h * group, outs + h * group, group, kc, vc, table, start, end,
-                   block_size, row, (kv_first + h) * head_stride, float(scale), scores);
+            chunks(queries + h * group, outs + h * group, group, kc, vc, table, task.start,
+                   task.end, block_size, row, (kv_first + h) * head_stride, float(scale),
+                   scores);
           }
           continue;
         }
@@ -629,17 +705,23 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
         if (head_dim == 64 || head_dim == 128) {
           const auto heads = head_dim == 64 ? attend_heads_avx2_of<64, T>
                                             : attend_heads_avx2_of<128, T>;
-          heads(queries, outs, group, kv_per_task, kc, vc, table, start, end, block_size, row,
-                kv_first * head_stride, head_stride, float(scale), scores);
+          const int64_t at = task.run * num_heads + kv_first * group;
+          heads(queries, outs, group, kv_per_task, kc, vc, table, task.start, task.end,
+                block_size, row, kv_first * head_stride, head_stride, float(scale), scores,
+                task.run < 0 ? nullptr : run_tops.data() + at,
+                task.run < 0 ? nullptr : run_totals.data() + at);
           continue;
         }
 #endif
-        attend(queries, kv_offsets, heads_per_task, kc, vc, start, end, row_of,
+        attend(queries, kv_offsets, heads_per_task, kc, vc, task.start, task.end, row_of,
                kv_first * head_stride, kv_per_task * head_stride, head_dim, head_stride,
                float(scale), scores, outs);
       }
     });
   });
+  if (cut_runs > 0)
+    merge_runs(runs, num_heads, head_dim, run_out.data(), run_tops.data(), run_totals.data(),
+               out);
 }
 
 // q: (D, nh, hd), unit stride in hd; k_cache, v_cache: (num_blocks, bs, nkv, hd);
