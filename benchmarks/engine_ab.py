@@ -21,6 +21,8 @@ from unittest import mock
 from benchmarks.gguf_kernel_ab import load_build
 
 PROMPTS = [f"Tell me fact number {i} about the roads of the Roman empire." for i in range(64)]
+# --prefix-sentences: this sentence (16 tokens) repeated before every prompt, a long context
+PASSAGE = "The Roman roads ran straight from town to town across hills, rivers and marshes. "
 
 
 def engine_on(build, quantization: str):
@@ -32,13 +34,15 @@ def engine_on(build, quantization: str):
         return LLM(quantization=quantization, max_num_seqs=64)
 
 
-def timed(llm, batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
-    """(output tok/s, each completion's tokens) of `batch` prompts at once."""
+def timed(llm, batch: int, max_tokens: int,
+          prefix: str = "") -> tuple[float, list[list[int]]]:
+    """(output tok/s, each completion's tokens) of `batch` prompts at once, each after
+    `prefix` (a shared one: after the first run the prefix cache holds it)."""
     from slotserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     start = time.perf_counter()
-    outputs = llm.generate(PROMPTS[:batch], params, use_tqdm=False)
+    outputs = llm.generate([prefix + p for p in PROMPTS[:batch]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     return sum(map(len, tokens)) / seconds, tokens
@@ -53,13 +57,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--quantization", default="bf16")
+    p.add_argument("--prefix-sentences", type=int, default=0,
+                   help="a passage of this many sentences (16 tokens each) before every "
+                        "prompt: decode over a long context (default: none)")
     args = p.parse_args()
 
     engines = {name: engine_on(load_build(path), args.quantization)
                for name, path in (("A", args.a), ("B", args.b))}
     for llm in engines.values():  # warm-up: every batch size once
         for batch in args.batch:
-            timed(llm, batch, 8)
+            timed(llm, batch, 8, PASSAGE * args.prefix_sentences)
     rates = {(name, batch): [] for name in engines for batch in args.batch}
     same = dict.fromkeys(args.batch, True)
     for round_index in range(args.rounds):
@@ -67,7 +74,8 @@ def main() -> None:
         for batch in args.batch:
             tokens = {}
             for name in order:
-                rate, tokens[name] = timed(engines[name], batch, args.max_tokens)
+                rate, tokens[name] = timed(engines[name], batch, args.max_tokens,
+                                           PASSAGE * args.prefix_sentences)
                 rates[name, batch].append(rate)
             same[batch] &= tokens["A"] == tokens["B"]
     for batch in args.batch:
