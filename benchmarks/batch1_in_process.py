@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 from benchmarks.perf import batch1_floor_ms, measure_bandwidth_gbs
 from slotserve import LLM, SamplingParams
+from slotserve.lab.bench import write_report
 
 WEIGHT_BYTES = {"none": 4, "bf16": 2}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -46,12 +46,6 @@ def measure_round(llm: LLM, tokens: int, params: int, weight_bytes: int) -> dict
             "of_floor": round(floor_ms / step_ms, 3)}
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")), platform.processor())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model path (default: the embedded one)")
@@ -68,17 +62,13 @@ def main() -> None:
     for index in range(args.rounds):
         rounds.append(measure_round(llm, args.tokens, params, WEIGHT_BYTES[args.quantization]))
         print(f"round {index + 1}: {json.dumps(rounds[-1])}", flush=True)
-    report = {"command": "python -m benchmarks.batch1_in_process " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-              "cpu": cpu_model(), "parameters": params, "quantization": args.quantization,
-              "rounds": rounds,
-              "median_ms_per_token": statistics.median(r["ms_per_token"] for r in rounds),
-              "median_of_floor": statistics.median(r["of_floor"] for r in rounds)}
-    print(f"median: {report['median_ms_per_token']:.2f} ms per token, "
-          f"{report['median_of_floor']:.1%} of its floor")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    medians = {"median_ms_per_token": statistics.median(r["ms_per_token"] for r in rounds),
+               "median_of_floor": statistics.median(r["of_floor"] for r in rounds)}
+    print(f"median: {medians['median_ms_per_token']:.2f} ms per token, "
+          f"{medians['median_of_floor']:.1%} of its floor")
+    if args.out:  # with the date, the machine (CPU model and flags) and the command
+        write_report(args.out, parameters=params, quantization=args.quantization,
+                     rounds=rounds, **medians)
 
 
 if __name__ == "__main__":

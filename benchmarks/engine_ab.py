@@ -61,12 +61,13 @@ def main() -> None:
                    help="a passage of this many sentences (16 tokens each) before every "
                         "prompt: decode over a long context (default: none)")
     args = p.parse_args()
+    prefix = PASSAGE * args.prefix_sentences
 
     engines = {name: engine_on(load_build(path), args.quantization)
                for name, path in (("A", args.a), ("B", args.b))}
     for llm in engines.values():  # warm-up: every batch size once
         for batch in args.batch:
-            timed(llm, batch, 8, PASSAGE * args.prefix_sentences)
+            timed(llm, batch, 8, prefix)
     rates = {(name, batch): [] for name in engines for batch in args.batch}
     same = dict.fromkeys(args.batch, True)
     for round_index in range(args.rounds):
@@ -74,8 +75,7 @@ def main() -> None:
         for batch in args.batch:
             tokens = {}
             for name in order:
-                rate, tokens[name] = timed(engines[name], batch, args.max_tokens,
-                                           PASSAGE * args.prefix_sentences)
+                rate, tokens[name] = timed(engines[name], batch, args.max_tokens, prefix)
                 rates[name, batch].append(rate)
             same[batch] &= tokens["A"] == tokens["B"]
     for batch in args.batch:
