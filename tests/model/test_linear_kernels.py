@@ -73,6 +73,53 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(cpu_ops):
         assert torch.equal(kernel(x[-rows:]), full[-rows:]), rows
 
 
+def panels_by_torch_ops(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """The panel layouts written with torch ops (the packers' first version): (out, in) ->
+    fp32 (P, in, 32) / bf16 (P, padded pairs, 64), zero padded."""
+    outs, in_features = weight.shape
+    panels = -(-outs // 32)
+    if not bf16:
+        padded = torch.zeros(panels * 32, in_features)
+        padded[:outs] = weight
+        return padded.view(panels, 32, in_features).transpose(1, 2).contiguous()
+    pairs = (-(-in_features // 2) + 15) // 16 * 16
+    padded = torch.zeros(panels * 32, 2 * pairs)
+    padded[:outs, :in_features] = weight
+    return (padded.to(torch.bfloat16).view(panels, 32, pairs, 2).permute(0, 2, 1, 3)
+            .contiguous().view(panels, pairs, 64))
+
+
+# out 1, 31, 33, 200: partial last panels; in 1, 3, 95: odd (a half-empty bf16 pair), 64,
+# 576: whole pairs; the weight given contiguous, as a transposed view (a Linear's (in, out)
+# parameter, .t()) and with a row stride past its width (a slice).
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 1), (31, 3), (33, 95), (200, 64), (96, 576)])
+def test_packed_panels_are_the_layout_bit_for_bit(cpu_ops, bf16, layout, out_features,
+                                                  in_features):
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    weight[0, 0] = 1 + 2 ** -8  # a tie: to even (1.0) in bf16
+    weight[-1, -1] = -(1 + 3 * 2 ** -8)  # a tie: to even (-(1 + 2^-6))
+    given = {"contiguous": weight, "transposed": weight.t().contiguous().t(),
+             "sliced": torch.cat([weight, weight], dim=1)[:, :in_features]}[layout]
+    assert given.is_contiguous() == (layout == "contiguous" or in_features == 1)
+    packed = (cpu_ops.pack_panels_bf16 if bf16 else cpu_ops.pack_panels)(given)
+    want = panels_by_torch_ops(weight, bf16)
+    assert packed.dtype == want.dtype and packed.shape == want.shape
+    assert torch.equal(packed.view(torch.int16) if bf16 else packed,
+                       want.view(torch.int16) if bf16 else want)
+
+
+def test_bf16_packing_keeps_infinities_and_nans(cpu_ops):
+    weight = torch.tensor([[float("inf"), float("-inf"), float("nan"),
+                            torch.finfo(torch.float32).max]])
+    packed = cpu_ops.pack_panels_bf16(weight)[0, :2, :2].reshape(-1).float()
+    assert packed[0] == float("inf") and packed[1] == float("-inf")
+    assert packed[2].isnan() and packed[3] == float("inf")  # rounds up past bf16's largest
+
+
 def test_panel_linear_checks_its_inputs(cpu_ops):
     panels = cpu_ops.pack_panels(torch.randn(40, 8))  # 2 panels: 33-64 outputs fit
     with pytest.raises(RuntimeError, match="out_features"):

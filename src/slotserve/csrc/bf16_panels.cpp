@@ -24,19 +24,32 @@
 
 namespace slotserve::kernels {
 
-// weight (out, in) fp32 -> panels (ceil(out / 32), padded_pairs(in), 64) bf16, zero padded.
+// weight (out, in) fp32, any strides -> panels (ceil(out / 32), padded_pairs(in), 64) bf16,
+// zero padded: panels[p, kp, 2 j + e] = bf16(weight[32 p + j, 2 kp + e]), rounded to nearest
+// even as torch's .to(bfloat16) (c10::BFloat16's conversion). One pass, panels in parallel.
 torch::Tensor pack_panels_bf16(torch::Tensor weight) {
   check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH, pairs = padded_pairs(in);
-  auto padded = torch::zeros({panels * PANEL_WIDTH, 2 * pairs}, weight.options());
-  padded.narrow(0, 0, outs).narrow(1, 0, in).copy_(weight);
-  return padded.to(torch::kBFloat16)  // round to nearest even
-      .view({panels, PANEL_WIDTH, pairs, 2})
-      .permute({0, 2, 1, 3})
-      .contiguous()
-      .view({panels, pairs, 2 * PANEL_WIDTH});
+  auto packed = torch::empty({panels, pairs, 2 * PANEL_WIDTH},
+                             weight.options().dtype(torch::kBFloat16));
+  const float* w = weight.data_ptr<float>();
+  const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = dst + p * pairs * 2 * PANEL_WIDTH;
+      for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
+        const int64_t o = p * PANEL_WIDTH + j, filled = o < outs ? in : 0;
+        const float* row = w + (o < outs ? o : 0) * out_stride;
+        for (int64_t k = 0; k < 2 * pairs; ++k)  // input k: pair k / 2, lane half k % 2
+          panel[(k / 2) * 2 * PANEL_WIDTH + 2 * j + k % 2] =
+              k < filled ? c10::BFloat16(row[k * in_stride]).x : uint16_t(0);
+      }
+    }
+  });
+  return packed;
 }
 
 // x (T, in) fp32 and panels from pack_panels_bf16 of a weight (out_features, in): the

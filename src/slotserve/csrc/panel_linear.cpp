@@ -8,15 +8,33 @@
 
 namespace slotserve::kernels {
 
-// weight (out, in) -> panels (ceil(out / 32), in, 32), the last one padded with zeros.
+// weight (out, in), any strides -> panels (ceil(out / 32), in, 32), the last one padded with
+// zeros: panels[p, k, j] = weight[32 p + j, k]. One pass, panels in parallel (a model's load
+// packs every linear: the torch ops this replaces made four copies of each weight).
 torch::Tensor pack_panels(torch::Tensor weight) {
   check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
-  auto padded = torch::zeros({panels * PANEL_WIDTH, in}, weight.options());
-  padded.narrow(0, 0, outs).copy_(weight);
-  return padded.view({panels, PANEL_WIDTH, in}).transpose(1, 2).contiguous();
+  auto packed = torch::empty({panels, in, PANEL_WIDTH}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
+  float* dst = packed.data_ptr<float>();
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = dst + p * in * PANEL_WIDTH;
+      for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
+        const int64_t o = p * PANEL_WIDTH + j;
+        if (o >= outs) {  // the last panel's padding
+          for (int64_t k = 0; k < in; ++k) panel[k * PANEL_WIDTH + j] = 0.f;
+          continue;
+        }
+        const float* row = w + o * out_stride;
+        for (int64_t k = 0; k < in; ++k) panel[k * PANEL_WIDTH + j] = row[k * in_stride];
+      }
+    }
+  });
+  return packed;
 }
 
 namespace {

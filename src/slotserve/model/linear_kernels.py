@@ -62,7 +62,7 @@ class PanelLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
         self.out_features = weight.shape[1]
-        self.panels = ops.pack_panels(weight.detach().t().contiguous())  # (P, in, 32)
+        self.panels = ops.pack_panels(weight.detach().t())  # (P, in, 32)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
 
@@ -122,7 +122,7 @@ class Bf16PanelLinear:
             raise ValueError(f"amx_min_rows ({amx_min_rows}) and dot_min_rows "
                              f"({dot_min_rows}): at most one, and not negative")
         self.out_features = weight.shape[1]
-        self.panels = ops.pack_panels_bf16(weight.detach().float().t().contiguous())
+        self.panels = ops.pack_panels_bf16(weight.detach().float().t())
         self.bias = None if bias is None else bias.detach()
         self.amx_min_rows = amx_min_rows
         self.dot_min_rows = dot_min_rows
@@ -155,7 +155,7 @@ class Bf16RoundedLinear:
     held in fp32 (no bytes saved: the math of Bf16PanelLinear, not its speed)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = bf16_round(weight)  # (in, out)
+        self.weight = bf16_round(weight).contiguous()  # (in, out)
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
@@ -403,12 +403,22 @@ class LinearKernelSwap:
             raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the "
                              "CPU in float32")
 
-    def swap(self, name: str, module) -> None:
-        """Linear `module` (named `name` in the model), its weights set, runs its kernel."""
+    def takes(self, weight: torch.Tensor) -> bool:
+        """Whether a Linear's (in, out) `weight` can go to its kernel as it is (`swap`'s
+        `weight`), never copied into the layer's fp32 parameter: a kernel will take it, and
+        it is a plain tensor on the CPU (a GGUF block weight attaches its blocks through the
+        parameter)."""
+        return (self.factory is not None and type(weight) is torch.Tensor
+                and weight.device.type == "cpu" and weight.is_floating_point())
+
+    def swap(self, name: str, module, weight: torch.Tensor | None = None) -> None:
+        """Linear `module` (named `name` in the model), its weights set, runs its kernel;
+        `weight`: its (in, out) weight where it is not in the parameter (`takes`)."""
         if self.factory is None:
             return
         make = self.head_factory if name == "lm_head" and self.head_factory else self.factory
-        module.use_kernel(make(module.weight, module.bias))
+        module.use_kernel(make(module.weight if weight is None else weight.float(),
+                               module.bias))
 
     def finish(self) -> None:
         """Swap every Linear not swapped yet; the panels into one arena, in forward order."""

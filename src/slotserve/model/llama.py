@@ -234,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         """
         loaded, embedding_blocks = set(), None
         swap = LinearKernelSwap(self, self.kernels)
+        given = {}  # Linear name -> its weight, handed to its kernel as it is (swap.takes)
         for name, tensor in fuse_hf_weights(weights, self.config):
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
@@ -252,10 +253,13 @@ class LlamaForCausalLM(nn.Module):
             if target.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
+            if isinstance(module, Linear) and kind == "weight" and swap.takes(tensor):
+                given[module_name] = tensor  # NOTE: its kernel packs it: no fp32 copy first
+            else:
+                target.copy_(tensor)
             loaded.add(name)
             if isinstance(module, Linear) and _has_all_weights(module, module_name, loaded):
-                swap.swap(module_name, module)
+                swap.swap(module_name, module, given.pop(module_name, None))
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"weights missing: {sorted(missing)[:5]}")
