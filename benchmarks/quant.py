@@ -135,10 +135,11 @@ def workload_label(name: str, scale: Scale) -> str:
 
 
 # --------------------------------------------------------------------------- servers
-def slotserve_flags(path: Path) -> list[str]:
-    """`serve` flags: the file's own blocks, 64 slots, llama.cpp's context per slot (the KV
-    pool holds SLOTS x CTX_PER_SLOT positions, as llama.cpp's `-c`)."""
-    return cli_flags(model=path, quantization="gguf", max_num_seqs=SLOTS,
+def slotserve_flags(path: Path, quantization: str = "gguf") -> list[str]:
+    """`serve` flags: the file's own blocks (or `quantization`), 64 slots, llama.cpp's
+    context per slot (the KV pool holds SLOTS x CTX_PER_SLOT positions, as llama.cpp's
+    `-c`)."""
+    return cli_flags(model=path, quantization=quantization, max_num_seqs=SLOTS,
                      max_model_len=CTX_PER_SLOT, num_blocks=SLOTS * CTX_PER_SLOT // BLOCK_SIZE,
                      block_size=BLOCK_SIZE)
 

@@ -1,4 +1,4 @@
-"""A GGUF file's start-up: launch to a healthy /health, two trees and llama.cpp interleaved.
+"""A model file's start-up: launch to a healthy /health, two trees and llama.cpp interleaved.
 
     .venv/bin/python -m benchmarks.startup --files A.gguf,B.gguf --rounds 3 \
         --trees before=/path/to/old/checkout after=. \
@@ -6,12 +6,12 @@
 
 Each (file, server) starts `--rounds` times, the servers' order rotated each round:
 `slotserve serve` with benchmarks/quant.py's flags (`slotserve_flags`: the file's own
-blocks, 64 sequences of 512 tokens), each tree's `src` on PYTHONPATH, and llama.cpp's
-server as quant.py starts it (benchmarks/perf.py's `llama_server`: 64 slots of 512, 2
-threads, no warm-up). Before each start the file is read once (the page cache warm: a
-VM's reclaim evicts it between runs otherwise). Per start: seconds from launch to /health
-answering 200 (polled every 50 ms) and the server's VmHWM then; per (file, server): the
-runs and their medians.
+blocks, or `--quantization`; 64 sequences of 512 tokens), each tree's `src` on
+PYTHONPATH, and llama.cpp's server as quant.py starts it (benchmarks/perf.py's
+`llama_server`: 64 slots of 512, 2 threads, no warm-up). Before each start the file is
+read once (the page cache warm: a VM's reclaim evicts it between runs otherwise). Per
+start: seconds from launch to /health answering 200 (polled every 50 ms) and the server's
+VmHWM then; per (file, server): the runs and their medians.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ def warm_page_cache(path: str) -> None:
             pass
 
 
-def start_slotserve(tree: str, path: str) -> tuple[float, float]:
+def start_slotserve(tree: str, path: str, quantization: str) -> tuple[float, float]:
     """(seconds to healthy, VmHWM MiB) of one start of `tree`'s slotserve."""
     with tempfile.TemporaryDirectory() as logs:
         start = time.perf_counter()
-        server = ServerProcess.launch(Path(logs) / "serve.log", *slotserve_flags(Path(path)),
+        server = ServerProcess.launch(Path(logs) / "serve.log",
+                                      *slotserve_flags(Path(path), quantization),
                                       env={"PYTHONPATH": f"{tree}/src{os.pathsep}{tree}"})
         try:
             wait_healthy(server.url, TIMEOUT_S, lambda: server.proc.poll() is not None,
@@ -73,6 +74,9 @@ def main() -> None:
                    help="NAME=DIR: checkouts of slotserve to start")
     p.add_argument("--llama-server", default=None, help="llama.cpp's server, started too")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quantization", default="gguf",
+                   help="slotserve's --quantization (gguf: the file's own blocks; auto: the "
+                        "CPU class's default, bf16 panels on x86; none: fp32 panels)")
     args = p.parse_args()
     servers: dict[str, str | None] = {}
     for item in args.trees:
@@ -88,7 +92,7 @@ def main() -> None:
                 warm_page_cache(path)
                 tree = servers[name]
                 seconds, mib = (start_llamacpp(args.llama_server, path) if tree is None
-                                else start_slotserve(tree, path))
+                                else start_slotserve(tree, path, args.quantization))
                 runs.setdefault((Path(path).name, name), []).append((seconds, mib))
                 print(f"round {r} {Path(path).name} {name}: {seconds:.2f} s, VmHWM {mib:.0f} MiB",
                       flush=True)

@@ -112,6 +112,26 @@ def test_packed_panels_are_the_layout_bit_for_bit(cpu_ops, bf16, layout, out_fea
                        want.view(torch.int16) if bf16 else want)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_panels_pack_into_a_given_part_of_an_arena(cpu_ops, bf16):
+    weight = torch.randn(40, 95, generator=torch.Generator().manual_seed(5))
+    kernel = Bf16PanelLinear if bf16 else PanelLinear
+    shape, dtype = kernel.panels_layout(95, 40)
+    pack = cpu_ops.pack_panels_bf16 if bf16 else cpu_ops.pack_panels
+    assert pack(weight).shape == shape and pack(weight).dtype == dtype
+    arena = torch.full((2 * torch.Size(shape).numel(),), 7, dtype=dtype)
+    part = arena[arena.numel() // 2:].view(shape)
+    assert pack(weight, part).data_ptr() == part.data_ptr()
+    assert torch.equal(part.float(), pack(weight).float())
+    assert (arena[:arena.numel() // 2] == 7).all()  # nothing written outside the part
+    wrong = [torch.empty(shape[0], shape[1] + 1, shape[2], dtype=dtype),
+             torch.empty(shape, dtype=torch.float64),
+             torch.empty(shape[::-1], dtype=dtype).permute(2, 1, 0)]  # not contiguous
+    for out in wrong:
+        with pytest.raises(RuntimeError, match="out must be a contiguous CPU tensor"):
+            pack(weight, out)
+
+
 def test_bf16_packing_keeps_infinities_and_nans(cpu_ops):
     weight = torch.tensor([[float("inf"), float("-inf"), float("nan"),
                             torch.finfo(torch.float32).max]])

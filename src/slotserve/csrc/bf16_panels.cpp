@@ -26,14 +26,15 @@ namespace slotserve::kernels {
 
 // weight (out, in) fp32, any strides -> panels (ceil(out / 32), padded_pairs(in), 64) bf16,
 // zero padded: panels[p, kp, 2 j + e] = bf16(weight[32 p + j, 2 kp + e]), rounded to nearest
-// even as torch's .to(bfloat16) (c10::BFloat16's conversion). One pass, panels in parallel.
-torch::Tensor pack_panels_bf16(torch::Tensor weight) {
+// even as torch's .to(bfloat16) (c10::BFloat16's conversion); into `out` where given. One
+// pass, panels in parallel.
+torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH, pairs = padded_pairs(in);
-  auto packed = torch::empty({panels, pairs, 2 * PANEL_WIDTH},
-                             weight.options().dtype(torch::kBFloat16));
+  torch::Tensor packed =
+      packed_destination(out, {panels, pairs, 2 * PANEL_WIDTH}, torch::kBFloat16);
   const float* w = weight.data_ptr<float>();
   const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());

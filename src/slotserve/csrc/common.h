@@ -47,6 +47,19 @@ inline void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
 }
 
+// `out` where given (checked: on the CPU, contiguous, this shape and dtype), else a new
+// tensor of them: a packer's destination (a part of one arena, or its own).
+inline torch::Tensor packed_destination(const c10::optional<torch::Tensor>& out,
+                                        torch::IntArrayRef shape, torch::ScalarType dtype) {
+  if (!out.has_value()) return torch::empty(shape, torch::dtype(dtype));
+  const torch::Tensor& t = *out;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() &&
+                  t.sizes() == shape,
+              "out must be a contiguous CPU tensor of ", c10::toString(dtype), " and shape ",
+              shape, ", got ", t.scalar_type(), " ", t.sizes());
+  return t;
+}
+
 // Every value of `indices` (int64, contiguous) in [0, size): slots, token ids, positions,
 // all checked before a kernel writes or reads through them.
 inline void check_indices(const torch::Tensor& indices, int64_t size, const char* what) {

@@ -160,14 +160,15 @@ void release_unpack_memory();
 int64_t unpack_memory_spare_bytes();
 
 // panel_linear.cpp
-torch::Tensor pack_panels(torch::Tensor weight);
+// out: where to write the panels (their shape and dtype, contiguous), else a new tensor
+torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 bool panel_linear_vectorised();
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
 void panel_linear_into(const float* x, int64_t tokens, int64_t in, const float* panels,
                        int64_t num_panels, int64_t out_features, float* y);
 
 // bf16_panels.cpp
-torch::Tensor pack_panels_bf16(torch::Tensor weight);
+torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor> out);
 std::tuple<bool, bool> panel_bf16_vectorised();
 void set_force_plain_loops(bool force);
 torch::Tensor panel_linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t out_features,

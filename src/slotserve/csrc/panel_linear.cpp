@@ -9,14 +9,15 @@
 namespace slotserve::kernels {
 
 // weight (out, in), any strides -> panels (ceil(out / 32), in, 32), the last one padded with
-// zeros: panels[p, k, j] = weight[32 p + j, k]. One pass, panels in parallel (a model's load
-// packs every linear: the torch ops this replaces made four copies of each weight).
-torch::Tensor pack_panels(torch::Tensor weight) {
+// zeros: panels[p, k, j] = weight[32 p + j, k]; into `out` where given (a part of the
+// model's arena). One pass, panels in parallel (a model's load packs every linear: the torch
+// ops this replaces made four copies of each weight).
+torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
-  auto packed = torch::empty({panels, in, PANEL_WIDTH}, weight.options());
+  torch::Tensor packed = packed_destination(out, {panels, in, PANEL_WIDTH}, torch::kFloat32);
   const float* w = weight.data_ptr<float>();
   const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
   float* dst = packed.data_ptr<float>();

@@ -44,6 +44,7 @@ from slotserve.model.cpu_ops import on_cpu_fp32
 # NOTE: MKL's packed layout depends on the batch size it was packed for; packed for 64
 # rows it ran every batch from 1 to 256 at least as fast as the plain matmul here.
 MKL_PACK_ROWS = 64
+PANEL_WIDTH = 32  # outputs per weight panel (csrc/panels.h)
 # NOTE: torch's CPU int8 weight-only kernel (the reference int8 path) is vectorised for
 # bfloat16 activations; with fp32 ones it ran 20-70x slower here.
 INT8_ACTIVATION_DTYPE = torch.bfloat16
@@ -60,11 +61,17 @@ def panel_kernel_available(ops) -> bool:
 class PanelLinear:
     """y = x @ W (+ b) through the fused kernel `panel_linear`; W given (in, out), fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
+                 panels_out: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[1]
-        self.panels = ops.pack_panels(weight.detach().t())  # (P, in, 32)
+        self.panels = ops.pack_panels(weight.detach().t(), panels_out)  # (P, in, 32)
         self.bias = None if bias is None else bias.detach()
         self.ops = ops
+
+    @staticmethod
+    def panels_layout(in_features: int, out_features: int) -> tuple[tuple, torch.dtype]:
+        """The panels' shape and dtype for these features (pack_panels checks its `out`)."""
+        return (-(-out_features // PANEL_WIDTH), in_features, PANEL_WIDTH), torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         y = self.ops.panel_linear(x, self.panels, self.out_features)
@@ -115,18 +122,25 @@ class Bf16PanelLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
                  bf16_activations: bool = False, amx_min_rows: int = 0,
-                 dot_min_rows: int = 0) -> None:
+                 dot_min_rows: int = 0, panels_out: torch.Tensor | None = None) -> None:
         if bf16_activations:
             dot_min_rows = dot_min_rows or 1
         if amx_min_rows < 0 or dot_min_rows < 0 or (amx_min_rows and dot_min_rows):
             raise ValueError(f"amx_min_rows ({amx_min_rows}) and dot_min_rows "
                              f"({dot_min_rows}): at most one, and not negative")
         self.out_features = weight.shape[1]
-        self.panels = ops.pack_panels_bf16(weight.detach().float().t())
+        self.panels = ops.pack_panels_bf16(weight.detach().float().t(), panels_out)
         self.bias = None if bias is None else bias.detach()
         self.amx_min_rows = amx_min_rows
         self.dot_min_rows = dot_min_rows
         self.ops = ops
+
+    @staticmethod
+    def panels_layout(in_features: int, out_features: int) -> tuple[tuple, torch.dtype]:
+        """The panels' shape and dtype for these features (pack_panels_bf16 checks its
+        `out`): input pairs padded to whole AMX tiles of 16 pairs (csrc/panels.h)."""
+        pairs = (-(-in_features // 2) + 15) // 16 * 16
+        return (-(-out_features // PANEL_WIDTH), pairs, 2 * PANEL_WIDTH), torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         rows = x.shape[0]
@@ -402,6 +416,25 @@ class LinearKernelSwap:
         if self.factory is not None and not on_cpu_fp32(model):
             raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the "
                              "CPU in float32")
+        self.arena_parts = self._plan_arena()
+        self.planned = frozenset(self.arena_parts)
+
+    def _factory_of(self, name: str):
+        return self.head_factory if name == "lm_head" and self.head_factory else self.factory
+
+    def _plan_arena(self) -> dict[str, torch.Tensor]:
+        """Linear name -> its panels' part of the arena, for the Linears whose kernel is
+        known to keep panels: packed there, not packed and then copied (finish)."""
+        from slotserve.model.layers import Linear
+
+        if self.factory is None:
+            return {}
+        layouts = {}
+        for name, module in self.model.named_modules():  # in the order a forward reads them
+            kind = getattr(self._factory_of(name), "func", None)  # a functools.partial's
+            if isinstance(module, Linear) and kind in PANEL_KERNELS:
+                layouts[name] = kind.panels_layout(module.in_features, module.out_features)
+        return carve_arena(layouts)
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a Linear's (in, out) `weight` can go to its kernel as it is (`swap`'s
@@ -416,9 +449,10 @@ class LinearKernelSwap:
         `weight`: its (in, out) weight where it is not in the parameter (`takes`)."""
         if self.factory is None:
             return
-        make = self.head_factory if name == "lm_head" and self.head_factory else self.factory
-        module.use_kernel(make(module.weight if weight is None else weight.float(),
-                               module.bias))
+        make, part = self._factory_of(name), self.arena_parts.pop(name, None)
+        weight = module.weight if weight is None else weight.float()
+        module.use_kernel(make(weight, module.bias) if part is None
+                          else make(weight, module.bias, panels_out=part))
 
     def finish(self) -> None:
         """Swap every Linear not swapped yet; the panels into one arena, in forward order."""
@@ -429,13 +463,16 @@ class LinearKernelSwap:
         for name, module in linears:
             if module.kernel is None:
                 self.swap(name, module)
-        place_panels_in_one_arena([module.kernel for _, module in linears
-                                   if isinstance(module.kernel, PANEL_KERNELS)])
+        place_panels_in_one_arena([module.kernel for name, module in linears
+                                   if isinstance(module.kernel, PANEL_KERNELS)
+                                   and name not in self.planned])  # (GGUF: not planned)
 
 
 def place_panels_in_one_arena(kernels: list) -> None:
     """Move the weight panels of `kernels` (listed in the order a forward reads them) into
     one tensor per dtype, each kernel keeping a view of its part; the math is unchanged.
+    (A model's loading packs straight into such an arena where it knows the kernels ahead:
+    LinearKernelSwap; this moves the rest, the panels of a GGUF's plain tensors.)
 
     NOTE: a matmul streams its weights faster from one allocation than from many. Measured
     here at batch 1 (bf16 weights, 1 thread per core, 5 interleaved runs): a decode step of
@@ -444,19 +481,27 @@ def place_panels_in_one_arena(kernels: list) -> None:
     tensor 4.4-4.6 ms against 5.3-5.6 over 30 tensors of the same bytes (one matmul of them
     all: 3.8-4.1).
     """
-    by_dtype: dict[torch.dtype, list] = {}
-    for kernel in kernels:
-        by_dtype.setdefault(kernel.panels.dtype, []).append(kernel)
-    for dtype, group in by_dtype.items():
-        arena = torch.empty(sum(k.panels.numel() for k in group), dtype=dtype)
-        offset = 0
-        for kernel in group:  # each part starts on a whole panel row (128 bytes or more)
-            size = kernel.panels.numel()
-            part = arena[offset:offset + size].view(kernel.panels.shape)
-            part.copy_(kernel.panels)
-            kernel.panels = part
-            offset += size
+    parts = carve_arena({i: (k.panels.shape, k.panels.dtype) for i, k in enumerate(kernels)})
+    for i, kernel in enumerate(kernels):
+        parts[i].copy_(kernel.panels)
+        kernel.panels = parts[i]
     return_freed_memory()
+
+
+def carve_arena(layouts: dict) -> dict:
+    """key -> (shape, dtype) to key -> a view of that shape in one new tensor per dtype, the
+    views in the order of `layouts`, untouched (no memory until written)."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for key, (shape, dtype) in layouts.items():
+        by_dtype.setdefault(dtype, []).append((key, shape))
+    parts = {}
+    for dtype, group in by_dtype.items():
+        sizes = [torch.Size(shape).numel() for _, shape in group]
+        arena, offset = torch.empty(sum(sizes), dtype=dtype), 0
+        for (key, shape), size in zip(group, sizes):  # NOTE: whole panel rows (128 B or more)
+            parts[key] = arena[offset:offset + size].view(shape)
+            offset += size
+    return parts
 
 
 def return_freed_memory() -> None:
