@@ -417,10 +417,11 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle
     """12 requests over 2 replicas of 2 slots: most wait in a replica's queue. Killing one
     replica fails only the requests it had streamed; the rest finish elsewhere, correct.
 
-    NOTE: ray.kill lands some time after it is called (on a loaded 2-core host, long enough
-    for 6 requests of 24 tokens to finish: then nothing is left to retry). The victim's
-    queued requests start only after its first two ran KILL_MAX_TOKENS steps, so the kill
-    always lands while some have not streamed."""
+    NOTE: the victim's process gets SIGKILL from here, which lands at once: ray.kill lands
+    some time after it is called, on a loaded 2-core host once after the victim had finished
+    all 6 of its requests of 240 tokens (nothing left to retry). The victim's queued requests
+    start only after its first two ran KILL_MAX_TOKENS steps, so the kill lands while some
+    have not streamed."""
     prompts = random_prompts(12, seed=5)
     expected = oracle.generate(prompts, SamplingParams(max_tokens=KILL_MAX_TOKENS, **GREEDY))
 
@@ -429,7 +430,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle
     async def main():
         await front.wait_all_up(120)
         victim = "slotserve-replica-0"
-        actor = ray.get_actor(await handles[victim].actor_name.remote(), namespace="serve")
+        pid = (await handles[victim].describe.remote())["pid"]
         streamed_on_victim: set[str] = set()
 
         async def one(i, prompt):
@@ -437,7 +438,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle
             async for out in front.generate(f"k{i}", prompt,
                                             SamplingParams(max_tokens=KILL_MAX_TOKENS,
                                                            **GREEDY)):
-                # NOTE: outputs the victim sent before it died may arrive after ray.kill
+                # NOTE: outputs the victim sent before it died may arrive after the kill
                 if front._active.get(f"k{i}") is front.replicas[victim]:
                     streamed_on_victim.add(f"k{i}")
                 final = out
@@ -446,7 +447,7 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed(handles, oracle
         async def killer():
             while not streamed_on_victim:
                 await asyncio.sleep(0.01)
-            ray.kill(actor)
+            os.kill(pid, signal.SIGKILL)
 
         results = await asyncio.gather(killer(), *(one(i, p) for i, p in enumerate(prompts)),
                                        return_exceptions=True)

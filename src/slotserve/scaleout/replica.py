@@ -95,12 +95,6 @@ class EngineReplica:
                 "metrics": self.metrics.render().decode(),
                 "iterations": self.tap.since(cursor, instance)}
 
-    def actor_name(self) -> str:
-        """The Ray actor's name (tests kill it with ray.kill)."""
-        import ray
-
-        return ray.get_runtime_context().get_actor_name()
-
     def check_health(self) -> None:
         """Serve's health check: a dead engine loop gets the replica restarted."""
         if not self.async_engine.healthy:
