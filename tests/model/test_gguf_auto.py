@@ -12,12 +12,16 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 from slotserve.config import engine_config
 from slotserve.engine.llm import LLM
-from slotserve.loader import default_model_path
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.loader import default_model_path, load_model
+from slotserve.loader.gguf_blocks import GGUFBlockTensor
 from slotserve.model import linear_kernels
 from slotserve.model.kernels import keeps_gguf_blocks
+from slotserve.model.layers import Linear
 from slotserve.sampling import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -77,3 +81,36 @@ def test_auto_on_the_default_model_keeps_the_class_default(small, cpu_ops):
     named = dataclasses.replace(engine_config(quantization="auto", **settings),
                                 model=default_model_path(), dtype="float32")
     assert not keeps_gguf_blocks(named)
+
+
+@pytest.mark.parametrize("quantization", ["none", "bf16", "int8"])
+def test_other_quantizations_read_the_blocks_one_weight_at_a_time(quantization, small,
+                                                                  tmp_path, monkeypatch):
+    """A quantized GGUF under none/bf16/int8: its blocks are read and each weight
+    dequantized as the model loads it (KernelSet.prepare_weights): no fp32 cache is written,
+    and the engine is the one built from the whole file converted to fp32 (the same values:
+    the same tokens)."""
+    _, settings = small
+    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    lazy = LLM(path, quantization=quantization, **settings)
+    assert lazy.engine.runner.kernels.weights != "gguf"
+    assert not any(os.scandir(tmp_path)), f"{quantization} wrote an fp32 cache"
+    whole = load_model(path, use_cache=False)
+    assert not any(isinstance(w, GGUFBlockTensor) for w in whole.weights.values())
+    config = engine_config(path, quantization=quantization, **settings)
+    eager = LLM(engine=LLMEngine(config, whole.config, whole.weights, whole.tokenizer))
+    pairs = list(zip(_kernels(lazy), _kernels(eager), strict=True))
+    assert len(pairs) == 30 * 4 + 1  # every linear of SmolLM2's 30 layers, and the head
+    for a, b in pairs:
+        assert type(a) is type(b)
+        for name, value in vars(a).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, getattr(b, name)), (type(a).__name__, name)
+    assert _greedy(lazy) == _greedy(eager)
+    lazy.engine.check_integrity()
+
+
+def _kernels(llm: LLM) -> list:
+    return [m.kernel for m in llm.engine.runner.model.modules()
+            if isinstance(m, Linear) and m.kernel is not None]

@@ -29,9 +29,9 @@ from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
 from slotserve.loader import ModelFileError, default_model_path, load_model
 from slotserve.loader.gguf_blocks import (
     BLOCK_FORMATS,
+    DequantizedWeights,
     GGUFBlockTensor,
     concat_rows,
-    dequantize_all,
     to_blocks,
 )
 from slotserve.loader.gguf_reader import read_gguf
@@ -138,7 +138,7 @@ def test_block_tensor_allows_only_the_loading_operations():
     with torch.no_grad():
         param.copy_(tensor.t())  # transposed (a linear's weight): the blocks, attached
     assert param.gguf_blocks.load() is blocks  # made when the kernel packs them (LazyBlocks)
-    assert torch.equal(dequantize_all({"w": tensor.t()})["w"], blocks.dequantize().t())
+    assert torch.equal(DequantizedWeights({"w": tensor.t()})["w"], blocks.dequantize().t())
 
 
 def test_an_unsupported_type_or_a_bad_scale_is_a_clear_error():

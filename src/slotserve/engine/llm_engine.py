@@ -56,7 +56,6 @@ from slotserve.engine.trace import TraceRecorder, policy_fields_of, trace_settin
 from slotserve.layer_windows import uniform_window
 from slotserve.model.kernels import (
     KernelSet,
-    keeps_gguf_blocks,
     kernels_for,
     resolve_dtype,
     resolve_kv_cache_dtype,
@@ -140,9 +139,11 @@ class LLMEngine:
         from slotserve.loader import load_model
 
         set_torch_threads()
-        # NOTE: quantization="gguf" (and "auto" for a named GGUF file: keeps_gguf_blocks)
-        # serves a GGUF's quantized linears in their own blocks.
-        loaded = load_model(config.model, keep_quantized=keeps_gguf_blocks(config))
+        # NOTE: a GGUF's quantized linears are read in their own blocks, never through an
+        # fp32 copy: quantization="gguf" (and "auto" for a named GGUF file:
+        # keeps_gguf_blocks) serves them so; the others dequantize one weight at a time as
+        # the model loads it (KernelSet.prepare_weights).
+        loaded = load_model(config.model, keep_quantized=True)
         engine = cls(config, loaded.config, loaded.weights, loaded.tokenizer)
         del loaded  # NOTE: the loading's copies (a GGUF's converted blocks): freed, and
         gc.collect()  # their pages given back to the OS, not kept in the heap

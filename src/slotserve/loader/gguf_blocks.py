@@ -50,7 +50,7 @@ Fused with another type (q/k/v, gate/up), its looked-up codes take a byte.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -534,6 +534,21 @@ def block_types(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(sorted(found)))
 
 
-def dequantize_all(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`weights` with every GGUFBlockTensor replaced by its fp32 values."""
-    return {name: dequantized(w) for name, w in weights.items()}
+class DequantizedWeights(Mapping):
+    """`weights` read with every GGUFBlockTensor as its fp32 values, each made when it is
+    read and not kept: a model loading its weights one at a time holds one fp32 weight of
+    a GGUF at a time, never the whole model in fp32 (nor an fp32 copy of it on disk)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return dequantized(self.weights[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+

@@ -295,7 +295,7 @@ class KernelSet:
     def prepare_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights as this KernelSet's linears take them: GGUF block weights as they are
         when it runs them, else dequantized to fp32 (what quantization none/bf16/int8 do)."""
-        return weights if self.gguf_types else gguf_blocks.dequantize_all(weights)
+        return weights if self.gguf_types else gguf_blocks.DequantizedWeights(weights)
 
     def _kernel_text(self, kind: str) -> str:
         """Linear kernel `kind` (a key of LINEAR_KERNELS) in words, with its bf16 mode."""
