@@ -346,7 +346,8 @@ REFERENCE = KernelSet()
 
 def keeps_gguf_blocks(config) -> bool:
     """Whether an EngineConfig serves a GGUF's quantized linears in their own blocks (the
-    engine then loads them with `load_model(keep_quantized=True)`): quantization="gguf", or
+    engine reads them in blocks either way, `load_model(keep_quantized=True)`, and otherwise
+    dequantizes each as it loads it: KernelSet.prepare_weights): quantization="gguf", or
     "auto" for a model file the user names, as llama.cpp means it (a Q4_K_M file is served
     as Q4_K_M, at its own size), on the CPU with no dtype named and the fused kernels
     allowed. A GGUF without quantized linears (F32/F16/BF16) or an HF directory gets auto's
