@@ -141,6 +141,17 @@ def test_block_tensor_allows_only_the_loading_operations():
     assert torch.equal(DequantizedWeights({"w": tensor.t()})["w"], blocks.dequantize().t())
 
 
+def test_dequantized_weights_dequantize_a_weight_only_when_it_is_read(monkeypatch):
+    from slotserve.loader import gguf_blocks
+
+    reads = []
+    monkeypatch.setattr(gguf_blocks, "dequantized", lambda t: reads.append(t) or t)
+    weights = DequantizedWeights({"w": torch.ones(2), "v": torch.zeros(3)})
+    assert "w" in weights and "x" not in weights and len(weights) == 2
+    assert list(weights) == ["w", "v"] and reads == []  # membership and names: nothing made
+    assert torch.equal(weights["v"], torch.zeros(3)) and len(reads) == 1
+
+
 def test_an_unsupported_type_or_a_bad_scale_is_a_clear_error():
     raw = raw_tensor(Q.Q4_0, 4, 64)
     with pytest.raises(ModelFileError, match=r"'blk.1.attn_q.weight' has type IQ2_XXS"):

@@ -545,6 +545,9 @@ class DequantizedWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return dequantized(self.weights[name])
 
+    def __contains__(self, name: object) -> bool:  # NOTE: Mapping's own would dequantize
+        return name in self.weights
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
 
