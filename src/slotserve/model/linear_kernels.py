@@ -417,7 +417,6 @@ class LinearKernelSwap:
             raise ValueError(f"the {kernel_set.linear!r} linear kernel needs the model on the "
                              "CPU in float32")
         self.arena_parts = self._plan_arena()
-        self.planned = frozenset(self.arena_parts)
 
     def _factory_of(self, name: str):
         return self.head_factory if name == "lm_head" and self.head_factory else self.factory
@@ -449,7 +448,7 @@ class LinearKernelSwap:
         `weight`: its (in, out) weight where it is not in the parameter (`takes`)."""
         if self.factory is None:
             return
-        make, part = self._factory_of(name), self.arena_parts.pop(name, None)
+        make, part = self._factory_of(name), self.arena_parts.get(name)
         weight = module.weight if weight is None else weight.float()
         module.use_kernel(make(weight, module.bias) if part is None
                           else make(weight, module.bias, panels_out=part))
@@ -465,7 +464,7 @@ class LinearKernelSwap:
                 self.swap(name, module)
         place_panels_in_one_arena([module.kernel for name, module in linears
                                    if isinstance(module.kernel, PANEL_KERNELS)
-                                   and name not in self.planned])  # (GGUF: not planned)
+                                   and name not in self.arena_parts])  # (GGUF: unplanned)
 
 
 def place_panels_in_one_arena(kernels: list) -> None:
