@@ -26,10 +26,9 @@ from gguf.quants import dequantize, quantize
 from slotserve.config import engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.lab.quality import greedy_continuations, teacher_forced_agreement
-from slotserve.loader import ModelFileError, default_model_path, load_model
+from slotserve.loader import ModelFileError, default_model_path, gguf_blocks, load_model
 from slotserve.loader.gguf_blocks import (
     BLOCK_FORMATS,
-    DequantizedWeights,
     GGUFBlockTensor,
     concat_rows,
     to_blocks,
@@ -138,18 +137,7 @@ def test_block_tensor_allows_only_the_loading_operations():
     with torch.no_grad():
         param.copy_(tensor.t())  # transposed (a linear's weight): the blocks, attached
     assert param.gguf_blocks.load() is blocks  # made when the kernel packs them (LazyBlocks)
-    assert torch.equal(DequantizedWeights({"w": tensor.t()})["w"], blocks.dequantize().t())
-
-
-def test_dequantized_weights_dequantize_a_weight_only_when_it_is_read(monkeypatch):
-    from slotserve.loader import gguf_blocks
-
-    reads = []
-    monkeypatch.setattr(gguf_blocks, "dequantized", lambda t: reads.append(t) or t)
-    weights = DequantizedWeights({"w": torch.ones(2), "v": torch.zeros(3)})
-    assert "w" in weights and "x" not in weights and len(weights) == 2
-    assert list(weights) == ["w", "v"] and reads == []  # membership and names: nothing made
-    assert torch.equal(weights["v"], torch.zeros(3)) and len(reads) == 1
+    assert torch.equal(gguf_blocks.dequantized(tensor.t()), blocks.dequantize().t())
 
 
 def test_an_unsupported_type_or_a_bad_scale_is_a_clear_error():
@@ -260,6 +248,6 @@ def test_kernels_that_do_not_run_blocks_get_them_dequantized():
     from slotserve.model.kernels import REFERENCE
 
     blocks = to_blocks(raw_tensor(Q.Q4_K, 16, 256), Q.Q4_K, "w", "test.gguf")
-    prepared = REFERENCE.prepare_weights({"w": GGUFBlockTensor(blocks).t()})["w"]
+    prepared = REFERENCE.prepare_weight(GGUFBlockTensor(blocks).t())
     assert type(prepared) is torch.Tensor
     assert torch.equal(prepared, blocks.dequantize().t())

@@ -5,7 +5,8 @@ factors to the bit, on random blocks with extreme fp16 scales (zero, -0, subnorm
 largest finite); their packing into the kernel's panels (pack_quant_blocks) against the
 layout csrc/quant_blocks.cpp's code_of reads (`reference_packing`); the loader's checks
 of malformed blocks; and the fp32 values a GGUF's block weights give kernels that do not
-run blocks (LazyBlocks.dequantized: the file's own conversion, no kernels needed).
+run blocks (LazyBlocks.dequantized: the kernels' dequantize_gguf_blocks against gguf-py's
+dequantize, or the file's own conversion where there are no kernels).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
 from slotserve.loader import ModelFileError, gguf_blocks
 from slotserve.loader.gguf import _block_tensor, unpermute_qk
@@ -23,6 +25,7 @@ from slotserve.loader.gguf_blocks import (
     BLOCK_FORMATS,
     IQ4_NL_KERNEL_BITS,
     K_QUANTS,
+    FileBlocks,
     LazyBlocks,
     check_blocks,
     concat_rows,
@@ -346,10 +349,8 @@ def test_a_truncated_row_is_the_loaders_clear_error():
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"])
 def test_kernels_without_blocks_get_the_blocks_values_from_the_file(qtype, name, cpu_ops):
     """A GGUF weight's LazyBlocks (loader/gguf.py): its blocks (q's rows un-permuted) and,
-    for kernels that do not run blocks, its fp32 values made from the file without the
-    kernels, equal to the blocks' dequantized values. NOTE: equal, not the same bits: a
-    zero's sign may differ (the file's conversion computes d (q - 8), the blocks d u - 8 d:
-    -0 against +0 where d < 0), as it did between --quantization none and the blocks."""
+    for kernels that do not run blocks, its fp32 values made straight from the file (the
+    fused kernels' dequantize_gguf_blocks), equal to the blocks' dequantized values."""
     rows, cols, heads = 64, 256, 4
     raw = random_blocks(qtype, rows, cols, seed=3)
     tensor = GGUFTensor(name, (cols, rows), qtype, raw)
@@ -430,6 +431,50 @@ def test_a_fusion_of_one_type_unpacks_its_parts_together(monkeypatch, cpu_ops):
     mixed = LazyBlocks.fused(parts).load()
     assert mixed.types == ("Q4_0", "Q4_1")
     assert torch.equal(mixed.dequantize(), torch.cat([p.load().dequantize() for p in parts]))
+
+
+def gguf_py_values(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf_dequantize(raw, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
+def test_every_type_dequantizes_straight_from_the_file_as_gguf_py_does(qtype, cpu_ops):
+    """csrc/gguf_unpack.cpp's dequantize_row: the fp32 values kernels that do not run blocks
+    take (--quantization none/bf16/int8 on a GGUF), equal to gguf-py's (-0 may be +0:
+    torch.equal compares values), extreme fp16 scales included; a large tensor in many
+    parallel chunks alike."""
+    for rows, cols in ((40, 512), (1024, 1024)):
+        raw = random_blocks(qtype, rows, cols, seed=11)
+        values = gguf_blocks.dequantize_files([FileBlocks(raw, qtype, "w", "m.gguf")])
+        assert values.dtype == torch.float32 and values.shape == (rows, cols)
+        assert torch.equal(values, gguf_py_values(raw, qtype))
+
+
+def test_a_fusion_of_several_types_dequantizes_in_one_pass(monkeypatch, cpu_ops):
+    """q, k, v of Q4_K, Q4_K and Q6_K (a Q4_K_M file's; q/k rows un-permuted) dequantize
+    into one tensor, rows in turn: equal to each part's gguf-py values, q and k in the
+    loader's order; nothing concatenated."""
+    parts = [file_weight(Q.Q4_K, "blk.0.attn_q.weight", 64, seed=12),
+             file_weight(Q.Q4_K, "blk.0.attn_k.weight", 32, seed=13),
+             file_weight(Q.Q6_K, "blk.0.attn_v.weight", 32, seed=14)]
+    expected = torch.cat([gguf_py_values(p.file.data, p.file.qtype)[p.file.order]
+                          if p.file.order is not None
+                          else gguf_py_values(p.file.data, p.file.qtype) for p in parts])
+    monkeypatch.setattr(torch, "cat", None)  # a call would fail
+    values = LazyBlocks.fused(parts).dequantized()
+    assert values.shape == (128, 256)
+    monkeypatch.undo()
+    assert torch.equal(values, expected)
+
+
+def test_dequantizing_refuses_parts_of_different_widths_or_an_unknown_type(cpu_ops):
+    wide, narrow = random_blocks(Q.Q8_0, 4, 512), random_blocks(Q.Q8_0, 4, 256)
+    with pytest.raises(RuntimeError, match="as many weights"):
+        cpu_ops.dequantize_gguf_blocks([wide, narrow], [int(Q.Q8_0)] * 2, [None, None])
+    with pytest.raises(RuntimeError, match="no block dequantizing"):
+        cpu_ops.dequantize_gguf_blocks([wide], [int(Q.IQ2_XXS)], [None])
+    with pytest.raises(RuntimeError, match="order"):
+        cpu_ops.dequantize_gguf_blocks([wide], [int(Q.Q8_0)], [torch.tensor([0, 1, 2, 4])])
 
 
 def test_a_weights_unpacked_memory_is_reused_once_dropped_and_released(cpu_ops):

@@ -24,6 +24,26 @@ using namespace slotserve::kernels;
 // Python exception. Short calls (the fused norms, RoPE, packing at load) keep the GIL.
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
+// GGUF tensors' raw blocks as the kernels read them. NOTE: buffers, not tensors: the
+// loader's raw blocks are read-only views of the memory-mapped file (torch.from_numpy warns
+// on those).
+std::vector<GgufTypedRows> gguf_parts(const std::vector<py::buffer>& raws,
+                                      const std::vector<int64_t>& types,
+                                      const std::vector<c10::optional<torch::Tensor>>& orders) {
+  TORCH_CHECK(!raws.empty() && orders.size() == raws.size() && types.size() == raws.size(),
+              "one type and one order (or None) per part, and at least one part");
+  std::vector<GgufTypedRows> parts;
+  for (size_t i = 0; i < raws.size(); ++i) {
+    const py::buffer_info info = raws[i].request();
+    TORCH_CHECK(info.ndim == 2 && info.itemsize == 1 && info.strides[1] == 1 &&
+                    (info.shape[0] <= 1 || info.strides[0] == info.shape[1]),
+                "each part must be contiguous (rows, row bytes) uint8");
+    parts.push_back({{static_cast<const uint8_t*>(info.ptr), info.shape[0], orders[i]},
+                     types[i], info.shape[1]});
+  }
+  return parts;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (fp32)");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row");
@@ -47,29 +67,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "unpack_gguf_blocks",
       [](const std::vector<py::buffer>& raws, int64_t type,
          const std::vector<c10::optional<torch::Tensor>>& orders) {
-        TORCH_CHECK(!raws.empty() && orders.size() == raws.size(),
-                    "one order (or None) per part, and at least one part");
-        // NOTE: buffers, not tensors: the loader's raw blocks are read-only views of the
-        // memory-mapped file (torch.from_numpy warns on those)
-        std::vector<GgufRows> parts;
-        int64_t row_bytes = -1;
-        for (size_t i = 0; i < raws.size(); ++i) {
-          const py::buffer_info info = raws[i].request();
-          TORCH_CHECK(info.ndim == 2 && info.itemsize == 1 && info.strides[1] == 1 &&
-                          (info.shape[0] <= 1 || info.strides[0] == info.shape[1]),
-                      "each part must be contiguous (rows, row bytes) uint8");
-          TORCH_CHECK(row_bytes < 0 || info.shape[1] == row_bytes,
-                      "the parts' rows must be as long");
-          row_bytes = info.shape[1];
-          parts.push_back({static_cast<const uint8_t*>(info.ptr), info.shape[0], orders[i]});
+        const std::vector<GgufTypedRows> parts =
+            gguf_parts(raws, std::vector<int64_t>(raws.size(), type), orders);
+        std::vector<GgufRows> rows;
+        for (const GgufTypedRows& part : parts) {
+          TORCH_CHECK(part.row_bytes == parts[0].row_bytes, "the parts' rows must be as long");
+          rows.push_back(part.rows);
         }
-        return unpack_gguf_blocks(parts, row_bytes, type);
+        return unpack_gguf_blocks(rows, parts[0].row_bytes, type);
       },
       "GGUF tensors' raw blocks (each (rows, row bytes), ggml type `type`), rows in turn -> "
       "[codes (rows, blocks, L) one a byte, scales, mins (rows, blocks) fp32] (+ "
       "[scale_factors, min_factors int8, supers (rows, super-blocks, 2)] for the K-quants); "
       "a part's row r is its raw row order[r] where its order is given",
       py::arg("raws"), py::arg("type"), py::arg("orders"));
+  m.def(
+      "dequantize_gguf_blocks",
+      [](const std::vector<py::buffer>& raws, const std::vector<int64_t>& types,
+         const std::vector<c10::optional<torch::Tensor>>& orders) {
+        return dequantize_gguf_blocks(gguf_parts(raws, types, orders));
+      },
+      "GGUF tensors' raw blocks (each (rows, row bytes), of ggml type types[i]), rows in "
+      "turn -> their fp32 values (rows, weights a row), as gguf-py's dequantize; a part's "
+      "row r is its raw row order[r] where its order is given",
+      py::arg("raws"), py::arg("types"), py::arg("orders"));
   m.def("release_unpack_memory", &release_unpack_memory,
         "unmap the memory unpack_gguf_blocks keeps for the next call's arrays (a loading done)");
   m.def("unpack_memory_spare_bytes", &unpack_memory_spare_bytes,

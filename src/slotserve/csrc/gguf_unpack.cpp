@@ -422,25 +422,106 @@ std::vector<torch::Tensor> unpack_type(int64_t type, const std::vector<const uin
   return out;
 }
 
+// ---- a GGUF tensor's fp32 values, straight from its blocks ----------------------------
+
+// One row of row_blocks GGUF blocks of type T -> its values w = d u + m (the scale and min
+// of each block of L), through T::decode on the stack. NOTE (same values): gguf-py's
+// dequantize computes each value as one product of exact factors (d (q - 8)) or as
+// d' q - m' with d' = d sc and m' = dmin mn (the K-quants, Q4_1, Q5_1): d u is exact (an
+// fp16 times small integers fits fp32's 24 bits), so d u + m rounds as theirs does, fused
+// into an FMA or not; only a zero's sign can differ (+0 where theirs is -0).
+template <typename T>
+void dequantize_row(const uint8_t* row, int64_t row_blocks, float* out) {
+  constexpr int64_t subs = T::kWeights / T::kLen;
+  alignas(64) uint8_t codes[T::kWeights];
+  float scales[subs], mins[subs], supers[2];
+  int8_t scale_factors[subs], min_factors[subs];
+  const BlockOut o{codes, scales, mins, scale_factors, min_factors, supers};
+  for (int64_t g = 0; g < row_blocks; ++g, out += T::kWeights) {
+    T::decode(row + g * T::kBytes, o);
+    if constexpr (T::kType == QUANT_CODES_IQ4_NL)  // its indices kept: the codes looked up
+      for (uint8_t& code : codes) code = IQ4_NL_CODES[code];
+    for (int64_t k = 0; k < subs; ++k)
+      for (int64_t i = 0; i < T::kLen; ++i)
+        out[k * T::kLen + i] = scales[k] * float(codes[k * T::kLen + i]) + mins[k];
+  }
+}
+
+// A type's row dequantizer, its block bytes and weights.
+struct RowDequantizer {
+  void (*row)(const uint8_t*, int64_t, float*);
+  int64_t bytes, weights;
+};
+
+template <typename T>
+bool dequantizer_if(int64_t type, RowDequantizer& out) {
+  if (type != T::kType) return false;
+  out = {&dequantize_row<T>, T::kBytes, T::kWeights};
+  return true;
+}
+
+template <typename... Types>
+RowDequantizer dequantizer_of(int64_t type) {
+  RowDequantizer out{};
+  const bool known = (dequantizer_if<Types>(type, out) || ...);
+  TORCH_CHECK(known, "GGUF type ", type, " has no block dequantizing (supported: Q4_0, Q4_1, "
+              "Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL)");
+  return out;
+}
+
+// Each of a part's rows' bytes, in the order asked (GgufRows).
+void append_rows(const GgufRows& part, int64_t row_bytes, std::vector<const uint8_t*>& sources) {
+  TORCH_CHECK(part.rows >= 0, "a part of ", part.rows, " rows");
+  if (!part.order.has_value()) {
+    for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + r * row_bytes);
+    return;
+  }
+  const torch::Tensor index = part.order->to(torch::kInt64).contiguous();
+  TORCH_CHECK(index.dim() == 1 && index.numel() == part.rows, "order must be (", part.rows,
+              ",)");
+  check_indices(index, part.rows, "order");
+  const int64_t* order = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + order[r] * row_bytes);
+}
+
 }  // namespace
+
+torch::Tensor dequantize_gguf_blocks(const std::vector<GgufTypedRows>& parts) {
+  TORCH_CHECK(!parts.empty(), "at least one part");
+  std::vector<const uint8_t*> sources;  // each output row's bytes, parts in turn
+  std::vector<RowDequantizer> kinds;    // and its type's dequantizer
+  int64_t cols = -1;
+  for (const GgufTypedRows& part : parts) {
+    const RowDequantizer kind =
+        dequantizer_of<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL>(
+            part.type);
+    TORCH_CHECK(part.row_bytes >= 0 && part.row_bytes % kind.bytes == 0, "rows of ",
+                part.row_bytes, " bytes are not whole blocks of ", kind.bytes);
+    const int64_t part_cols = part.row_bytes / kind.bytes * kind.weights;
+    TORCH_CHECK(cols < 0 || part_cols == cols, "the parts' rows must hold as many weights (",
+                cols, " and ", part_cols, ")");
+    cols = part_cols;
+    append_rows(part.rows, part.row_bytes, sources);
+    kinds.resize(sources.size(), kind);
+  }
+  const int64_t rows = int64_t(sources.size());
+  torch::Tensor out = unpack_arrays({{rows, cols}}, {torch::kFloat32})[0];
+  float* values = out.data_ptr<float>();
+  // NOTE: chunks of at least ~256 KB of output: a claim per row of a small tensor would cost
+  // more than its values
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (cols + 1));
+  parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      kinds[r].row(sources[r], cols / kinds[r].weights, values + r * cols);
+  });
+  return out;
+}
 
 std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts,
                                               int64_t row_bytes, int64_t type) {
   TORCH_CHECK(row_bytes >= 0, "rows of ", row_bytes, " bytes");
   std::vector<const uint8_t*> sources;  // each output row's bytes, parts in turn
-  for (const GgufRows& part : parts) {
-    TORCH_CHECK(part.rows >= 0, "a part of ", part.rows, " rows");
-    if (!part.order.has_value()) {
-      for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + r * row_bytes);
-      continue;
-    }
-    const torch::Tensor index = part.order->to(torch::kInt64).contiguous();
-    TORCH_CHECK(index.dim() == 1 && index.numel() == part.rows, "order must be (", part.rows,
-                ",)");
-    check_indices(index, part.rows, "order");
-    const int64_t* order = index.data_ptr<int64_t>();
-    for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + order[r] * row_bytes);
-  }
+  for (const GgufRows& part : parts) append_rows(part, row_bytes, sources);
   return unpack_type<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL>(
       type, sources, row_bytes);
 }

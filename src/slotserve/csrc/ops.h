@@ -86,6 +86,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 // QUANT_CODES_IQ4_NL (ggml's number for the type): 4-bit indices into IQ4_NL's 16 levels,
 // stored as 4-bit codes and looked up in the kernel as the codes level + 128.
 constexpr int64_t QUANT_CODES_IQ4_NL = 20;
+// IQ4_NL's levels + 128 (ggml-common.h's kvalues_iq4nl): the codes of its indices.
+alignas(16) inline constexpr uint8_t IQ4_NL_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                         129, 141, 153, 166, 181, 197, 217, 241};
 inline bool quant_codes_format_known(int64_t bits) {
   return bits == 4 || bits == 6 || bits == 8 || bits == QUANT_CODES_IQ4_NL;
 }
@@ -154,6 +157,16 @@ struct GgufRows {
 // scale_factors, min_factors (rows, blocks) int8 and supers (rows, super-blocks, 2) fp32.
 std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts,
                                               int64_t row_bytes, int64_t type);
+// Rows of a GGUF tensor of ggml type `type`, rows of row_bytes bytes.
+struct GgufTypedRows {
+  GgufRows rows;
+  int64_t type;
+  int64_t row_bytes;
+};
+// GGUF tensors' raw blocks (`parts`, one after the other, each of its own type) as their
+// fp32 values (rows, cols): gguf-py's dequantize of each, rows in the order asked, in the
+// memory of unpack_gguf_blocks' arrays.
+torch::Tensor dequantize_gguf_blocks(const std::vector<GgufTypedRows>& parts);
 // The memory the arrays of unpack_gguf_blocks are kept in for the next call's, unmapped
 // (gguf_unpack.cpp's NOTE (reused memory)); the bytes kept now.
 void release_unpack_memory();

@@ -54,10 +54,6 @@ namespace {
 constexpr int64_t QB_ROWS = 16;  // output rows per panel (one int32 lane each)
 constexpr int QB_TILE = 8;       // activation rows sharing one pass over a panel
 
-// IQ4_NL's levels + 128 (ggml-common.h's kvalues_iq4nl): the codes of its indices.
-alignas(16) constexpr uint8_t IQ4_NL_CODES[16] = {1,   24,  45,  63,  79,  93,  106, 118,
-                                                  129, 141, 153, 166, 181, 197, 217, 241};
-
 // Code i of row j in a block of block_len codes in format `bits` (ops.h), as the kernels
 // read it: the plain loops, the row lookup, and the layout pack_quant_blocks writes.
 inline uint32_t code_of(const uint8_t* block, int64_t block_len, int64_t bits, int64_t j,

@@ -50,7 +50,7 @@ Fused with another type (q/k/v, gate/up), its looked-up codes take a byte.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -347,6 +347,31 @@ def unpack_files(files: list[FileBlocks]) -> BlockWeights:
                         factors=BlockFactors(*factors) if factors else None)
 
 
+def dequantize_files(files: list[FileBlocks]) -> torch.Tensor | None:
+    """The fp32 (rows, cols) values of GGUF tensors of any block types, their rows one after
+    the other (what concat_rows' dequantize makes of their to_blocks, made at once: neither
+    their blocks nor a concatenation), dequantized by the fused CPU kernels (rows in
+    parallel, in the unpacking's reused memory); each file's `release` called after. None
+    where the kernels are not available (the caller dequantizes another way).
+    NOTE: the same values as gguf-py's dequantize (csrc/gguf_unpack.cpp, dequantize_row)."""
+    from slotserve.model.cpu_ops import loaded_cpu_ops
+
+    ops = loaded_cpu_ops()
+    if ops is None:
+        return None
+    for f in files:
+        if not f.checked:
+            check_blocks(f.data, f.qtype, f.name, f.path)
+    orders = [None if f.order is None
+              else torch.from_numpy(np.ascontiguousarray(f.order, dtype=np.int64))
+              for f in files]
+    values = ops.dequantize_gguf_blocks([np.ascontiguousarray(f.data) for f in files],
+                                        [int(f.qtype) for f in files], orders)
+    for f in files:
+        f.release()
+    return values
+
+
 def packing(types: tuple[str, ...]) -> tuple:
     """What the kernel keeps of blocks of GGUF `types`: block length, code bits, IQ4_NL's
     indices or not, and the scales' form (factored, shared factors, or bytes each). Weights
@@ -386,15 +411,28 @@ class LazyBlocks:
         return self.make()
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 (rows, cols) values: what kernels that do not run blocks take.
-        NOTE: the same values either way (BlockWeights.dequantize reproduces gguf-py's
-        dequantize, as the file's fp32 conversion does), but for a zero's sign (d (q - 8)
-        is -0 where d u - 8 d is +0)."""
+        """The fp32 (rows, cols) values: what kernels that do not run blocks take. Straight
+        from the file's blocks by the fused kernels where it (or every part of a fusion)
+        comes from a file, else `values`, else the blocks' own.
+        NOTE: the same values every way (each reproduces gguf-py's dequantize, as the file's
+        fp32 conversion does), but for a zero's sign (d (q - 8) is -0 where d u - 8 d is +0)."""
+        files = self.files()
+        values = dequantize_files(files) if files else None
+        if values is not None:
+            return values
         if self.values is not None:
             return self.values()
         if self.parts:
             return torch.cat([part.dequantized() for part in self.parts])
         return self.load().dequantize()
+
+    def files(self) -> list[FileBlocks] | None:
+        """The raw blocks of this weight's rows in turn, where they all come from a file
+        (its own, or every part's of a fusion); None otherwise."""
+        if self.file is not None:
+            return [self.file]
+        files = [part.file for part in self.parts]
+        return files if files and all(f is not None for f in files) else None
 
     def segments(self) -> list[LazyBlocks]:
         """This weight as row segments that each keep one format: consecutive parts whose
@@ -532,26 +570,3 @@ def block_types(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
     found = (t for w in weights.values() if isinstance(w, GGUFBlockTensor)
              for t in w.source.types)
     return tuple(dict.fromkeys(sorted(found)))
-
-
-class DequantizedWeights(Mapping):
-    """`weights` read with every GGUFBlockTensor as its fp32 values, each made when it is
-    read and not kept: a model loading its weights one at a time holds one fp32 weight of
-    a GGUF at a time, never the whole model in fp32 (nor an fp32 copy of it on disk)."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self.weights = weights
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return dequantized(self.weights[name])
-
-    def __contains__(self, name: object) -> bool:  # NOTE: Mapping's own would dequantize
-        return name in self.weights
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.weights)
-
-    def __len__(self) -> int:
-        return len(self.weights)
-
-

@@ -32,7 +32,9 @@ The module's functions, all fp32 on the CPU:
   quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
 - unpack_gguf_blocks(raw (rows, row bytes), ggml type, order=None) -> a GGUF tensor's
   blocks as loader/gguf_blocks.py's BlockWeights arrays (codes, scales, mins, and the
-  K-quants' factors), in memory kept for the next call's until release_unpack_memory()
+  K-quants' factors), in memory kept for the next call's until release_unpack_memory();
+  dequantize_gguf_blocks(raws, types, orders) -> fp32 (rows, cols) of tensors of any
+  supported types, rows in turn (gguf-py's dequantize), in the same memory
 - DecodeStack: all decoder layers (and the final norm) of an all-decode iteration in one
   call, the GIL released; built by LlamaForCausalLM.build_decode_stack; its linears
   (`linear_weights`) of every kind above, GGUF blocks ("gguf_blocks") included; per layer

@@ -292,10 +292,12 @@ class KernelSet:
         """The lm_head's kernel factory: head_linear's where set, else linear_factory()."""
         return self.linear_factory(self.head_linear or None)
 
-    def prepare_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The weights as this KernelSet's linears take them: GGUF block weights as they are
-        when it runs them, else dequantized to fp32 (what quantization none/bf16/int8 do)."""
-        return weights if self.gguf_types else gguf_blocks.DequantizedWeights(weights)
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight as this KernelSet's linears take it: a GGUF block weight as it is when it
+        runs them, else its fp32 values (what quantization none/bf16/int8 do), made now: a
+        model loading its weights one at a time holds one fp32 weight of a GGUF at a time,
+        never the whole model in fp32 (nor an fp32 copy of it on disk)."""
+        return weight if self.gguf_types else gguf_blocks.dequantized(weight)
 
     def _kernel_text(self, kind: str) -> str:
         """Linear kernel `kind` (a key of LINEAR_KERNELS) in words, with its bf16 mode."""
@@ -347,7 +349,7 @@ REFERENCE = KernelSet()
 def keeps_gguf_blocks(config) -> bool:
     """Whether an EngineConfig serves a GGUF's quantized linears in their own blocks (the
     engine reads them in blocks either way, `load_model(keep_quantized=True)`, and otherwise
-    dequantizes each as it loads it: KernelSet.prepare_weights): quantization="gguf", or
+    dequantizes each as it loads it: KernelSet.prepare_weight): quantization="gguf", or
     "auto" for a model file the user names, as llama.cpp means it (a Q4_K_M file is served
     as Q4_K_M, at its own size), on the CPU with no dtype named and the fused kernels
     allowed. A GGUF without quantized linears (F32/F16/BF16) or an HF directory gets auto's
@@ -382,7 +384,7 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...],
                  why: str = "quantization=gguf: the file's own types") -> KernelSet:
     """`kernels` with the linears of GGUF types `types` kept in their blocks
     (linear_kernels.GGUFBlockLinear), where the fused kernels have it vectorised; else
-    `kernels` unchanged (the blocks are then dequantized: KernelSet.prepare_weights).
+    `kernels` unchanged (the blocks are then dequantized: KernelSet.prepare_weight).
 
     The decode stack (csrc/decode_stack.cpp, its `gguf_blocks` kind) runs the block kernel
     too: decodes stay one C++ call for all layers, as `kernels` has it.

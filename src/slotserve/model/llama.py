@@ -9,7 +9,7 @@ family's block differs from Llama's is data (model/families.py), read here once 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -226,7 +226,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter is set.
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter is set. GGUF
+        block weights are dequantized as each is loaded unless the kernels run them
+        (KernelSet.prepare_weight).
 
         Then the linear layers take the KernelSet's kernels (which keep their own copy of the
         weights) and the decode stack is built. NOTE: once only, and after any `.to()`: a
@@ -235,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         loaded, embedding_blocks = set(), None
         swap = LinearKernelSwap(self, self.kernels)
         given = {}  # Linear name -> its weight, handed to its kernel as it is (swap.takes)
-        for name, tensor in fuse_hf_weights(weights, self.config):
+        for name, tensor in fuse_hf_weights(weights, self.config, self.kernels.prepare_weight):
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
@@ -305,9 +307,12 @@ _AS_IS = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attentio
           "self_attn.k_norm")
 
 
-def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
+def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig,
+                    prepare: Callable[[torch.Tensor], torch.Tensor] = lambda w: w
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts and dtypes.
+    """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts and dtypes,
+    each tensor yielded as `prepare` makes it (fused ones once fused: GGUF blocks' parts
+    dequantized in one pass).
 
     Tensors HF already stores fused (Phi-3's qkv_proj, gate_up_proj: q, k, v and gate, up
     in this order too) are taken as they are; a tensor the model has no place for is left
@@ -315,19 +320,20 @@ def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig
     NOTE: yielded one at a time, a layer's weights before its biases: a fused tensor exists
     while it is being loaded, not all of them at once.
     """
-    embed = weights["model.embed_tokens.weight"]
+    embed = prepare(weights["model.embed_tokens.weight"])  # NOTE: once, though tied
     yield "embed_tokens.weight", embed
-    yield "norm.weight", weights["model.norm.weight"]
-    yield "lm_head.weight", embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+    yield "norm.weight", prepare(weights["model.norm.weight"])
+    head = embed if cfg.tie_word_embeddings else prepare(weights["lm_head.weight"])
+    yield "lm_head.weight", head
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for kind in ("weight", "bias"):
             for name, parts in _FUSED.items():
                 if f"{src}{name}.{kind}" in weights:
-                    yield f"{dst}{name}.{kind}", weights[f"{src}{name}.{kind}"]
+                    yield f"{dst}{name}.{kind}", prepare(weights[f"{src}{name}.{kind}"])
                 elif f"{src}{parts[0]}.{kind}" in weights:
-                    yield f"{dst}{name}.{kind}", torch.cat(
-                        [weights[f"{src}{part}.{kind}"] for part in parts])
+                    yield f"{dst}{name}.{kind}", prepare(torch.cat(
+                        [weights[f"{src}{part}.{kind}"] for part in parts]))
             for name in _AS_IS:
                 if f"{src}{name}.{kind}" in weights:
-                    yield f"{dst}{name}.{kind}", weights[f"{src}{name}.{kind}"]
+                    yield f"{dst}{name}.{kind}", prepare(weights[f"{src}{name}.{kind}"])

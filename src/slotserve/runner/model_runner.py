@@ -108,7 +108,7 @@ class ModelRunner:
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # NOTE: RoPE tables stay fp32 whatever the weights' dtype
         # NOTE: after .to(): it builds the kernels (GGUF blocks dequantized unless they run them)
-        self.model.load_hf_weights(self.kernels.prepare_weights(weights))
+        self.model.load_hf_weights(weights)
         self.kernels = self.kernels.loaded(self.model)  # the start-up line's bytes per step
         self.kv_caches = self._allocate_kv_cache()
         if self.device.type == "cpu":
