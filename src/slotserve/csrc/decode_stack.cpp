@@ -235,9 +235,14 @@ void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
   torch::Tensor local_cos = cos_local ? *cos_local : cos;
   torch::Tensor local_sin = sin_local ? *sin_local : sin;
   for (const torch::Tensor* table : {&embedding, &cos, &sin, &local_cos, &local_sin}) {
-    check_cpu_float(*table, "lookup table");
+    TORCH_CHECK(table->device().is_cpu(), "lookup tables must be on the CPU");
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(), "lookup tables are 2-D, contiguous");
   }
+  for (const torch::Tensor* table : {&cos, &sin, &local_cos, &local_sin})
+    check_cpu_float(*table, "a RoPE table");
+  const auto kind = embedding.scalar_type();  // NOTE: a 16-bit table is widened exactly
+  TORCH_CHECK(kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kHalf,
+              "the embedding must be float32, bfloat16 or float16");
   TORCH_CHECK(embedding.size(1) == final_norm_.numel(), "the embedding must be (V, H)");
   TORCH_CHECK(cos.size(1) == head_dim_ / 2 && sin.sizes() == cos.sizes(),
               "cos and sin must be (max positions, hd/2)");
@@ -334,6 +339,28 @@ void gather_rows(const float* table, int64_t width, const int64_t* indices, int6
   for (int64_t i = 0; i < n; ++i) std::copy_n(table + indices[i] * width, width, out + i * width);
 }
 
+// Rows of a bf16 or fp16 table widened to fp32 (exact: WidenedEmbedding's lookup).
+template <typename Half>
+void gather_widened_rows(const Half* table, int64_t width, const int64_t* indices, int64_t n,
+                         float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const Half* row = table + indices[i] * width;
+    float* widened = out + i * width;
+    for (int64_t j = 0; j < width; ++j) widened[j] = static_cast<float>(row[j]);
+  }
+}
+
+// The embedding's rows of `ids` as fp32, whatever the table's dtype (set_lookup_tables').
+void gather_embedding(const torch::Tensor& table, const int64_t* ids, int64_t n, float* out) {
+  const int64_t width = table.size(1);
+  if (table.scalar_type() == torch::kBFloat16)
+    gather_widened_rows(table.data_ptr<c10::BFloat16>(), width, ids, n, out);
+  else if (table.scalar_type() == torch::kHalf)
+    gather_widened_rows(table.data_ptr<c10::Half>(), width, ids, n, out);
+  else
+    gather_rows(table.data_ptr<float>(), width, ids, n, out);
+}
+
 }  // namespace
 
 torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positions,
@@ -378,7 +405,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor input_ids, torch::Tensor positi
                           embedding_.size(0), hidden, embedding_block_len_, embedding_bits_, ids,
                           D, residual);
   else
-    gather_rows(embedding_.data_ptr<float>(), hidden, ids, D, residual);
+    gather_embedding(embedding_, ids, D, residual);
   gather_rows(cos_.data_ptr<float>(), half, token_positions, D, cos_rows);
   gather_rows(sin_.data_ptr<float>(), half, token_positions, D, sin_rows);
   if (local_tables) {

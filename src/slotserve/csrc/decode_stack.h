@@ -99,8 +99,9 @@ class DecodeStack {
   // Gemma: the looked-up embeddings x scale (fp32; the Python model's factor); 0: none.
   void set_embedding_scale(double scale) { embed_scale_ = scale; }
 
-  // The tables forward looks its tokens up in: the embedding (V, H) and RoPE's cos, sin
-  // (max positions, hd/2), fp32 and contiguous; the model's own tensors (no copy).
+  // The tables forward looks its tokens up in: the embedding (V, H; fp32, or bf16 / fp16
+  // rows widened as they are read: WidenedEmbedding) and RoPE's cos, sin (max positions,
+  // hd/2, fp32), contiguous; the model's own tensors (no copy).
   // cos_local, sin_local: Gemma 3's sliding layers' tables (add_layer's local_rope).
   void set_lookup_tables(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin,
                          c10::optional<torch::Tensor> cos_local = c10::nullopt,

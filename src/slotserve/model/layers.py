@@ -28,6 +28,26 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class WidenedEmbedding(nn.Module):
+    """A token embedding kept in the 16-bit dtype its checkpoint stores (bf16 or fp16):
+    (T,) ids -> (T, H) fp32, each row widened as it is looked up.
+
+    NOTE (exact): every bf16 and fp16 value is an fp32 value, so the model computes as with
+    the table widened to fp32, at half its memory (a 1B Llama's 128k x 2048 table: 0.5 GB
+    instead of 1). The decode stack looks its rows up the same way.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
+            raise ValueError(f"a (V, H) bf16 or fp16 table, not {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H) fp32
+        return F.embedding(ids, self.weight).float()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the HF Llama convention), cos/sin cached for every position.
 

@@ -21,7 +21,14 @@ from slotserve.layer_windows import layer_window
 from slotserve.loader.gguf_blocks import GGUFBlockTensor
 from slotserve.model.families import Family, decode_stack_gaps, family_of, torch_ops
 from slotserve.model.kernels import REFERENCE, KernelSet
-from slotserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from slotserve.model.layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    WidenedEmbedding,
+    apply_rotary,
+)
 from slotserve.model.linear_kernels import (
     BlockEmbedding,
     GGUFBlockLinear,
@@ -242,6 +249,12 @@ class LlamaForCausalLM(nn.Module):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
                 continue
+            if name == "embed_tokens.weight" and self._looks_up_widened(tensor):
+                # NOTE: a copy: a loader's tensor may keep more than itself alive (a
+                # safetensors file's tensors are views of one mapping of the whole file)
+                self.embed_tokens = WidenedEmbedding(tensor.clone())
+                loaded.add(name)
+                continue
             module_name, kind = name.rsplit(".", 1)
             module = _submodule(self, module_name)
             target = getattr(module, kind, None)
@@ -277,6 +290,14 @@ class LlamaForCausalLM(nn.Module):
         where this model's kernels run GGUF blocks (else it is dequantized to fp32)."""
         return (isinstance(embedding, GGUFBlockTensor) and self.kernels.weights == "gguf"
                 and gguf_block_kernel_available(self.kernels.ops))
+
+    def _looks_up_widened(self, embedding: torch.Tensor) -> bool:
+        """Whether the embedding stays in the 16-bit dtype it is stored in (WidenedEmbedding:
+        exact, half the memory): a bf16 or fp16 table for an fp32 model on the CPU."""
+        table = self.embed_tokens.weight
+        return (type(embedding) is torch.Tensor and table.dtype == torch.float32
+                and table.device.type == "cpu" and embedding.device.type == "cpu"
+                and embedding.dtype in (torch.bfloat16, torch.float16))
 
     def _embedding_kernel(self, source) -> GGUFBlockLinear:
         """The tied LM head's block kernel (the same blocks: no second copy), else one of
