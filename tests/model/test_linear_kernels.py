@@ -92,21 +92,25 @@ def panels_by_torch_ops(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
 # out 1, 31, 33, 200: partial last panels; in 1, 3, 95: odd (a half-empty bf16 pair), 64,
 # 576: whole pairs; the weight given contiguous, as a transposed view (a Linear's (in, out)
 # parameter, .t()) and with a row stride past its width (a slice).
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
 @pytest.mark.parametrize("out_features,in_features",
-                         [(1, 1), (31, 3), (33, 95), (200, 64), (96, 576)])
-def test_packed_panels_are_the_layout_bit_for_bit(cpu_ops, bf16, layout, out_features,
+                         [(1, 1), (31, 3), (33, 95), (200, 64), (96, 576), (40, 301)])
+def test_packed_panels_are_the_layout_bit_for_bit(cpu_ops, source, bf16, layout, out_features,
                                                   in_features):
+    """A weight of any strides, stored fp32, bf16 or fp16 (widened as it is packed: the
+    panels of its fp32 widening), inputs past one packing block (PACK_INPUTS) too."""
     gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     weight[0, 0] = 1 + 2 ** -8  # a tie: to even (1.0) in bf16
     weight[-1, -1] = -(1 + 3 * 2 ** -8)  # a tie: to even (-(1 + 2^-6))
+    weight = weight.to(source)
     given = {"contiguous": weight, "transposed": weight.t().contiguous().t(),
              "sliced": torch.cat([weight, weight], dim=1)[:, :in_features]}[layout]
     assert given.is_contiguous() == (layout == "contiguous" or in_features == 1)
     packed = (cpu_ops.pack_panels_bf16 if bf16 else cpu_ops.pack_panels)(given)
-    want = panels_by_torch_ops(weight, bf16)
+    want = panels_by_torch_ops(weight.float(), bf16)
     assert packed.dtype == want.dtype and packed.shape == want.shape
     assert torch.equal(packed.view(torch.int16) if bf16 else packed,
                        want.view(torch.int16) if bf16 else want)

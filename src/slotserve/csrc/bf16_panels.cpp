@@ -29,26 +29,30 @@ namespace slotserve::kernels {
 // even as torch's .to(bfloat16) (c10::BFloat16's conversion); into `out` where given. One
 // pass, panels in parallel.
 torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor> out) {
-  check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH, pairs = padded_pairs(in);
   torch::Tensor packed =
       packed_destination(out, {panels, pairs, 2 * PANEL_WIDTH}, torch::kBFloat16);
-  const float* w = weight.data_ptr<float>();
   const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      uint16_t* panel = dst + p * pairs * 2 * PANEL_WIDTH;
-      for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
-        const int64_t o = p * PANEL_WIDTH + j, filled = o < outs ? in : 0;
-        const float* row = w + (o < outs ? o : 0) * out_stride;
-        for (int64_t k = 0; k < 2 * pairs; ++k)  // input k: pair k / 2, lane half k % 2
-          panel[(k / 2) * 2 * PANEL_WIDTH + 2 * j + k % 2] =
-              k < filled ? c10::BFloat16(row[k * in_stride]).x : uint16_t(0);
+  with_weight_values(weight, [&](const auto* w) {
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> block(PANEL_WIDTH * PACK_INPUTS);  // (outputs, inputs), widened
+      for (int64_t p = begin; p < end; ++p) {
+        uint16_t* panel = dst + p * pairs * 2 * PANEL_WIDTH;  // (pairs, PANEL_WIDTH, 2)
+        // NOTE: PACK_INPUTS is even: a block holds whole pairs (the padding's are zeros)
+        for (int64_t k0 = 0; k0 < 2 * pairs; k0 += PACK_INPUTS) {
+          const int64_t n = std::min(PACK_INPUTS, 2 * pairs - k0);
+          widen_block(w, out_stride, in_stride, p * PANEL_WIDTH, PANEL_WIDTH, outs, in, k0, n,
+                      block.data());
+          for (int64_t k = 0; k < n; ++k)  // input k0 + k: its pair, lane half k % 2
+            for (int64_t j = 0; j < PANEL_WIDTH; ++j)
+              panel[(k0 + k) / 2 * 2 * PANEL_WIDTH + 2 * j + k % 2] =
+                  c10::BFloat16(block[j * n + k]).x;
+        }
       }
-    }
+    });
   });
   return packed;
 }

@@ -107,13 +107,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether quant_block_linear runs vectorised (AVX512-VNNI or AVX2)");
   m.def("quant_blocks_isa", &quant_blocks_isa,
         "quant_block_linear's path in this build: avx512vnni, avx2 or plain");
-  m.def("pack_panels", &pack_panels, "fp32 weights (out, in) as panels for panel_linear",
+  m.def("pack_panels", &pack_panels,
+        "weights (out, in; fp32, or bf16 / fp16 widened) as fp32 panels for panel_linear",
         py::arg("weight"), py::arg("out") = py::none());
   m.def("panel_linear", &panel_linear, release_gil(), "x @ W^T, W as pack_panels(W) (fp32)");
   m.def("panel_linear_vectorised", &panel_linear_vectorised,
         "whether panel_linear runs vectorised (AVX-512)");
   m.def("pack_panels_bf16", &pack_panels_bf16,
-        "fp32 weights (out, in) rounded to bf16, as panels for panel_linear_bf16",
+        "weights (out, in; fp32, bf16 or fp16) rounded to bf16, as panels for "
+        "panel_linear_bf16",
         py::arg("weight"), py::arg("out") = py::none());
   m.def("panel_linear_bf16", &panel_linear_bf16, release_gil(),
         "x @ W^T, W as pack_panels_bf16(W), fp32 accumulation; activations fp32 or rounded "

@@ -47,6 +47,57 @@ inline void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
 }
 
+// fn(values) with `weight`'s data typed as it is stored: float, c10::BFloat16 or c10::Half
+// (a packer's source: each value read as float(values[i]), exact, so a 16-bit weight packs
+// as its fp32 widening does, without that widened copy).
+template <typename Fn>
+void with_weight_values(const torch::Tensor& weight, Fn&& fn) {
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be on the CPU");
+  switch (weight.scalar_type()) {
+    case torch::kFloat32: fn(weight.data_ptr<float>()); break;
+    case torch::kBFloat16: fn(weight.data_ptr<c10::BFloat16>()); break;
+    case torch::kHalf: fn(weight.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "weight must be float32, bfloat16 or float16, got ",
+                         weight.scalar_type());
+  }
+}
+
+// n values at v[0], v[stride], ... as fp32 in out[0 : n]: a packer's source row, widened
+// exactly (bf16: its bits shifted; fp16: F16C's vcvtph2ps where the row is contiguous).
+inline void widen_row(const float* v, int64_t n, int64_t stride, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = v[i * stride];
+}
+inline void widen_row(const c10::BFloat16* v, int64_t n, int64_t stride, float* out) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(uint32_t(bits[i * stride]) << 16);
+}
+inline void widen_row(const c10::Half* v, int64_t n, int64_t stride, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if (stride == 1)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(v[i * stride]);
+}
+
+// The packers' unit of work: `rows` outputs' weights for inputs [k0, k0 + n), widened into
+// block (rows, n) (an output past `outs` or an input past `in`: zeros). NOTE: the packers
+// widen a block this small (L1) and then write the panel's lines in order: writing each
+// output's inputs across a panel in turn touched every line of it (128 KB-1 MB) once per
+// output, from L2 or memory.
+template <typename T>
+void widen_block(const T* w, int64_t out_stride, int64_t in_stride, int64_t first_out,
+                 int64_t rows, int64_t outs, int64_t in, int64_t k0, int64_t n, float* block) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t o = first_out + j;
+    const int64_t filled = o < outs ? std::max<int64_t>(0, std::min(n, in - k0)) : 0;
+    if (filled) widen_row(w + o * out_stride + k0 * in_stride, filled, in_stride, block + j * n);
+    std::fill(block + j * n + filled, block + (j + 1) * n, 0.f);
+  }
+}
+
 // `out` where given (checked: on the CPU, contiguous, this shape and dtype), else a new
 // tensor of them: a packer's destination (a part of one arena, or its own).
 inline torch::Tensor packed_destination(const c10::optional<torch::Tensor>& out,

@@ -173,6 +173,7 @@ void release_unpack_memory();
 int64_t unpack_memory_spare_bytes();
 
 // panel_linear.cpp
+// weight (out, in), any strides: fp32, or bf16 / fp16 (widened as read, exactly).
 // out: where to write the panels (their shape and dtype, contiguous), else a new tensor
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 bool panel_linear_vectorised();

@@ -5,6 +5,7 @@
 #include "panels.h"
 
 #include <utility>
+#include <vector>
 
 namespace slotserve::kernels {
 
@@ -13,27 +14,27 @@ namespace slotserve::kernels {
 // model's arena). One pass, panels in parallel (a model's load packs every linear: the torch
 // ops this replaces made four copies of each weight).
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
-  check_cpu_float(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
   torch::Tensor packed = packed_destination(out, {panels, in, PANEL_WIDTH}, torch::kFloat32);
-  const float* w = weight.data_ptr<float>();
   const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
   float* dst = packed.data_ptr<float>();
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      float* panel = dst + p * in * PANEL_WIDTH;
-      for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
-        const int64_t o = p * PANEL_WIDTH + j;
-        if (o >= outs) {  // the last panel's padding
-          for (int64_t k = 0; k < in; ++k) panel[k * PANEL_WIDTH + j] = 0.f;
-          continue;
+  with_weight_values(weight, [&](const auto* w) {
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> block(PANEL_WIDTH * PACK_INPUTS);  // (outputs, inputs), widened
+      for (int64_t p = begin; p < end; ++p) {
+        float* panel = dst + p * in * PANEL_WIDTH;  // (in, PANEL_WIDTH)
+        for (int64_t k0 = 0; k0 < in; k0 += PACK_INPUTS) {
+          const int64_t n = std::min(PACK_INPUTS, in - k0);
+          widen_block(w, out_stride, in_stride, p * PANEL_WIDTH, PANEL_WIDTH, outs, in, k0, n,
+                      block.data());
+          for (int64_t k = 0; k < n; ++k)
+            for (int64_t j = 0; j < PANEL_WIDTH; ++j)
+              panel[(k0 + k) * PANEL_WIDTH + j] = block[j * n + k];
         }
-        const float* row = w + o * out_stride;
-        for (int64_t k = 0; k < in; ++k) panel[k * PANEL_WIDTH + j] = row[k * in_stride];
       }
-    }
+    });
   });
   return packed;
 }

@@ -19,6 +19,7 @@
 namespace slotserve::kernels {
 
 constexpr int64_t PANEL_WIDTH = 32;  // outputs per panel: two 16-float vectors
+constexpr int64_t PACK_INPUTS = 128;  // inputs a packer widens at a time (even: whole pairs)
 #if defined(__AVX512F__)
 constexpr int PANEL_TILE_ROWS = 12;  // 12 rows x 2 vectors = 24 accumulators (of 32 zmm)
 #else

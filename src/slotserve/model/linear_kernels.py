@@ -59,7 +59,10 @@ def panel_kernel_available(ops) -> bool:
 
 
 class PanelLinear:
-    """y = x @ W (+ b) through the fused kernel `panel_linear`; W given (in, out), fp32."""
+    """y = x @ W (+ b) through the fused kernel `panel_linear`; W given (in, out), fp32 or
+    bf16 / fp16 (widened exactly as it is packed)."""
+
+    TAKES_16_BIT = True  # NOTE: LinearKernelSwap hands it a 16-bit weight as stored
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
                  panels_out: torch.Tensor | None = None) -> None:
@@ -106,8 +109,9 @@ BF16_DOT_MIN_ROWS = 1
 class Bf16PanelLinear:
     """y = x @ bf16(W) (+ b) through the fused kernels over bf16 panels; W given (in, out).
 
-    The weights are stored in bfloat16 (half the bytes a decode step reads); y, the bias and
-    the sums stay fp32. Modes (by the number of rows of a call):
+    The weights are stored in bfloat16 (half the bytes a decode step reads; W may come fp32,
+    bf16 or fp16: rounded as its fp32 widening is); y, the bias and the sums stay fp32.
+    Modes (by the number of rows of a call):
     - default: x stays fp32, the weights are widened in registers (`panel_linear_bf16`):
       equal to the fp32 panels over bf16(W), batch invariant to the last bit;
     - amx_min_rows=N (> 0): calls of N rows or more (prefill chunks, large decode batches)
@@ -129,7 +133,7 @@ class Bf16PanelLinear:
             raise ValueError(f"amx_min_rows ({amx_min_rows}) and dot_min_rows "
                              f"({dot_min_rows}): at most one, and not negative")
         self.out_features = weight.shape[1]
-        self.panels = ops.pack_panels_bf16(weight.detach().float().t(), panels_out)
+        self.panels = ops.pack_panels_bf16(weight.detach().t(), panels_out)
         self.bias = None if bias is None else bias.detach()
         self.amx_min_rows = amx_min_rows
         self.dot_min_rows = dot_min_rows
@@ -141,6 +145,8 @@ class Bf16PanelLinear:
         `out`): input pairs padded to whole AMX tiles of 16 pairs (csrc/panels.h)."""
         pairs = (-(-in_features // 2) + 15) // 16 * 16
         return (-(-out_features // PANEL_WIDTH), pairs, 2 * PANEL_WIDTH), torch.bfloat16
+
+    TAKES_16_BIT = True  # NOTE: LinearKernelSwap hands it a 16-bit weight as stored
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         rows = x.shape[0]
@@ -449,7 +455,10 @@ class LinearKernelSwap:
         if self.factory is None:
             return
         make, part = self._factory_of(name), self.arena_parts.get(name)
-        weight = module.weight if weight is None else weight.float()
+        if weight is None:
+            weight = module.weight
+        elif not getattr(getattr(make, "func", make), "TAKES_16_BIT", False):
+            weight = weight.float()  # NOTE: a panel kernel widens a 16-bit weight as it packs
         module.use_kernel(make(weight, module.bias) if part is None
                           else make(weight, module.bias, panels_out=part))
 
