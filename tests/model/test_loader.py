@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from slotserve.loader import LoadedModel, ModelFileError, default_model_path, load_model
 from slotserve.loader import cache as cache_mod
 from slotserve.loader.gguf import dequantize, read_gguf
+from slotserve.loader.gguf import hf_name as gguf_to_hf_name
 
 Q = GGMLQuantizationType
 
@@ -175,6 +176,7 @@ def write_tiny_gguf(path, model, arch: str, types: list[Q]) -> dict[str, torch.T
 
 
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # Q5_*: fallback
+STORED_16_BIT = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # what the loader keeps them as
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +242,10 @@ def test_tiny_llama_gguf_weights_and_config(tiny_gguf, cache_dir):
     path, model, expected = tiny_gguf
     loaded = load_model(str(path), use_cache=False)
     assert set(loaded.weights) == set(expected) - {"lm_head.weight"}  # tied: absent
-    for name, w in loaded.weights.items():
-        assert w.dtype == torch.float32 and w.is_contiguous()
-        assert torch.equal(w, expected[name]), name
+    types = {gguf_to_hf_name(t.name): t.tensor_type for t in read_gguf(str(path))[1]}
+    for name, w in loaded.weights.items():  # F16 and BF16 as stored, every other type fp32
+        assert w.dtype == STORED_16_BIT.get(types[name], torch.float32) and w.is_contiguous()
+        assert torch.equal(w.float(), expected[name]), name
     cfg = loaded.config
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (260, 64, 128)
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 4, 2)
@@ -261,6 +264,41 @@ def test_tiny_gguf_unpermutes_q_and_k_exactly(tmp_path):
     for name, w in model.state_dict().items():
         assert torch.equal(loaded.weights[name], w), name
     assert not loaded.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_a_16_bit_gguf_is_read_as_stored_and_never_cached(tmp_path, cache_dir, qtype):
+    """A GGUF of F16 (or BF16) matrices and F32 norms: its matrices stay 16-bit (q and k
+    un-permuted), nothing is written to the cache, and the engine computes, to the last bit,
+    as with the same values widened to fp32: greedy tokens and logprobs (prefill and the
+    decode stack), its embedding table kept 16-bit (WidenedEmbedding)."""
+    from slotserve import SamplingParams
+    from slotserve.config import engine_config
+    from slotserve.engine.llm import LLM
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.model.layers import WidenedEmbedding
+
+    model = tiny_hf("llama", tied=True, seed=5)
+    path = tmp_path / "m.gguf"
+    expected = write_tiny_gguf(path, model, "llama", [qtype])
+    before = set(os.listdir(cache_dir))
+    load_model(str(path))
+    loaded = load_model(str(path), keep_quantized=True)
+    assert set(os.listdir(cache_dir)) == before  # no conversion cached, either way
+    for name, w in loaded.weights.items():
+        stored = STORED_16_BIT[qtype] if w.dim() == 2 else torch.float32
+        assert w.dtype == stored and torch.equal(w.float(), expected[name]), name
+    widened = {name: w.float() for name, w in loaded.weights.items()}
+    config = engine_config(max_num_seqs=4, num_blocks=32, max_model_len=128, quantization="bf16")
+    ours = LLMEngine(config, loaded.config, loaded.weights, None)
+    reference = LLMEngine(config, loaded.config, widened, None)
+    assert isinstance(ours.runner.model.embed_tokens, WidenedEmbedding)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [[258, 5, 17, 99], list(range(30, 70))]
+    runs = [LLM(engine=engine).generate(prompts, params) for engine in (ours, reference)]
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_tiny_qwen2_gguf_keeps_q_k_order_and_biases(tmp_path):

@@ -22,7 +22,7 @@ from slotserve.config import ModelConfig
 from slotserve.loader.cache import cached_convert
 from slotserve.loader.default_model import default_model_path
 from slotserve.loader.detokenize import IncrementalDetokenizer
-from slotserve.loader.gguf import blocks_kept, load_gguf
+from slotserve.loader.gguf import blocks_kept, load_gguf, quantized
 from slotserve.loader.gguf_blocks import GGUFBlockTensor
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.loader.safetensors import load_hf_dir
@@ -44,7 +44,7 @@ class LoadedModel:
     """A model ready to hand to `slotserve.model`: shape, weights, tokenizer, where it came from."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names, float32 (HF dir: as stored), CPU
+    weights: dict[str, torch.Tensor]  # HF Llama names, float32 or 16-bit as stored, CPU
     tokenizer: Tokenizer | None  # None when an HF directory has no tokenizer files
     source: str  # the path loaded
 
@@ -56,8 +56,9 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
     `use_cache=False` converts a GGUF afresh and leaves the on-disk cache untouched.
     `keep_quantized=True`: a GGUF's quantized linear weights stay in their blocks
     (`gguf_blocks.GGUFBlockTensor`, for quantization="auto"); such a GGUF is read straight
-    from the file, never through the fp32 cache (a file without quantized linears loads as
-    before; so does one with a quantized type that has no block form, with a warning).
+    from the file, never through the fp32 cache (a file with a quantized type that has no
+    block form is converted through the cache, with a warning). A GGUF of F32, F16 and BF16
+    tensors only is read straight from the file, its 16-bit tensors as stored: no cache.
     A malformed model file raises ModelFileError (a ValueError) naming the file and the problem.
     """
     path = default_model_path() if path is None else os.fspath(path)
@@ -65,9 +66,11 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
         config, weights, tokenizer = load_hf_dir(path)
     elif os.path.isfile(path):
         _check_gguf(path)
-        gguf = read_gguf(path) if keep_quantized else None  # NOTE: read once, used twice
-        if gguf is not None and blocks_kept(path, gguf):
+        gguf = read_gguf(path)  # NOTE: read once, used twice
+        if keep_quantized and blocks_kept(path, gguf):
             converted = load_gguf(path, keep_quantized=True, gguf=gguf)
+        elif not quantized(gguf):  # NOTE: F32/F16/BF16 only: read as stored, no cache
+            converted = load_gguf(path, gguf=gguf)
         else:
             del gguf
             converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)

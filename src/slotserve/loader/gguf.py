@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import os
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from slotserve.config import ModelConfig
 from slotserve.loader.gguf_blocks import (
@@ -94,7 +96,8 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def load_gguf(path: str, keep_quantized: bool = False, gguf: GGUFFile | None = None
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """Config, float32 weights (HF Llama names) and tokenizer of a GGUF file.
+    """Config, weights (HF Llama names; float32, F16 and BF16 tensors as stored but norms:
+    `_convert`) and tokenizer of a GGUF file.
 
     keep_quantized: the linear layers' weights and the embedding table in quantized types
     stay in their blocks, as `gguf_blocks.GGUFBlockTensor`s: no fp32 copy of them is made.
@@ -114,10 +117,20 @@ def load_gguf(path: str, keep_quantized: bool = False, gguf: GGUFFile | None = N
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
     _check_no_extra_tensors(path, config, gguf_names)
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
+    # NOTE: 16-bit tensors are views of the file, read as the model packs them (no copy)
+    private = (_private_mapping(path) if any(t.tensor_type in _KEPT_16_BIT
+                                              for t in names.values()) else None)
     weights = {hf: _block_tensor(t, config, path, arch)
-               if keep_quantized and _kept_in_blocks(hf, t, config) else _convert(t, config, arch)
+               if keep_quantized and _kept_in_blocks(hf, t, config)
+               else _convert(t, config, arch, private)
                for hf, t in names.items()}
     return config, weights, tokenizer
+
+
+def quantized(gguf: GGUFFile) -> bool:
+    """Whether a GGUF holds a tensor in a quantized type (one that is not F32, F16 or BF16):
+    without one, reading the file is its conversion (nothing to cache)."""
+    return any(t.tensor_type not in FLOAT_TYPES for t in gguf[1])
 
 
 def blocks_kept(path: str, gguf: GGUFFile | None = None) -> bool:
@@ -232,19 +245,44 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     )
 
 
-def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama") -> torch.Tensor:
-    """Dequantize one reader tensor to float32 in HF layout (Q/K rows un-permuted for llama,
-    Gemma's norms back to HF's w from llama.cpp's 1 + w)."""
+# The 16-bit float types a tensor stays in (but norms, shifted in fp32): the model widens each
+# as it loads it (exact), as an HF directory's bf16/fp16 tensors.
+_KEPT_16_BIT = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
+def _private_mapping(path: str) -> mmap.mmap:
+    """A private (copy-on-write) mapping of the file: arrays over it are writable, never
+    write the file, and cost no memory until read."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
+             private: mmap.mmap | None = None) -> torch.Tensor:
+    """One reader tensor in HF layout (Q/K rows un-permuted for llama, Gemma's norms back to
+    HF's w from llama.cpp's 1 + w): F16 and BF16 as stored, every other type dequantized to
+    float32. A 16-bit tensor in the file's order is a view of `private` (the file's
+    `_private_mapping`) where given, else a copy out of the file."""
     shape = tuple(reversed(tensor.shape))  # NOTE: GGUF lists ne0 (fastest) first
-    weight = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(shape)
-    if arch in _NORM_SHIFTED_ARCHS and tensor.name.endswith("norm.weight"):
+    norm = tensor.name.endswith("norm.weight")
+    kept = _KEPT_16_BIT.get(tensor.tensor_type) if not norm else None
+    if kept is not None and private is not None:
+        weight = np.frombuffer(private, dtype=np.uint16, count=tensor.data.nbytes // 2,
+                               offset=tensor.offset).reshape(shape)  # NOTE: the bits
+    elif kept is not None:
+        weight = np.array(tensor.data).view(np.uint16).reshape(shape)
+        tensor.release()  # NOTE: copied: the file's pages are not needed again
+    else:
+        weight = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(shape)
+    if arch in _NORM_SHIFTED_ARCHS and norm:
         weight = weight - np.float32(1.0)
     if config.architecture == "llama":
         if ".attn_q." in tensor.name:
             weight = unpermute_qk(weight, config.num_attention_heads)
         elif ".attn_k." in tensor.name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
-    return torch.from_numpy(np.ascontiguousarray(weight))
+    weight = torch.from_numpy(np.ascontiguousarray(weight))
+    return weight if kept is None else weight.view(kept)
 
 
 def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
