@@ -87,15 +87,17 @@ def test_auto_on_the_default_model_keeps_the_class_default(small, cpu_ops):
 def test_other_quantizations_read_the_blocks_one_weight_at_a_time(quantization, small,
                                                                   tmp_path, monkeypatch):
     """A quantized GGUF under none/bf16/int8: its blocks are read and each weight
-    dequantized as the model loads it (KernelSet.prepare_weights): no fp32 cache is written,
-    and the engine is the one built from the whole file converted to fp32 (the same values:
-    the same tokens)."""
+    dequantized as the model loads it (KernelSet.prepare_weight) but the embedding table,
+    looked up in its blocks: no fp32 cache is written, and the engine is the one built from
+    the whole file converted to fp32 (the same values: the same tokens)."""
     _, settings = small
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path))
     path = default_model_path()
     lazy = LLM(path, quantization=quantization, **settings)
     assert lazy.engine.runner.kernels.weights != "gguf"
     assert not any(os.scandir(tmp_path)), f"{quantization} wrote an fp32 cache"
+    # the table's tokens looked up in its blocks: the fp32 table's rows, at the blocks' size
+    assert isinstance(lazy.engine.runner.model.embed_tokens, linear_kernels.BlockEmbedding)
     whole = load_model(path, use_cache=False)
     assert not any(isinstance(w, GGUFBlockTensor) for w in whole.weights.values())
     config = engine_config(path, quantization=quantization, **settings)

@@ -249,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
                 continue
+            if name == "embed_tokens.weight":
+                tensor = self.kernels.prepare_weight(tensor)
             if name == "embed_tokens.weight" and self._looks_up_widened(tensor):
                 # NOTE: a copy: a loader's tensor may keep more than itself alive (a
                 # safetensors file's tensors are views of one mapping of the whole file)
@@ -286,9 +288,11 @@ class LlamaForCausalLM(nn.Module):
             self.decode_stack = self.build_decode_stack(self.kernels.ops)
 
     def _looks_up_in_blocks(self, embedding: torch.Tensor) -> bool:
-        """Whether the embedding (GGUF blocks under quantization=gguf) stays in its blocks:
-        where this model's kernels run GGUF blocks (else it is dequantized to fp32)."""
-        return (isinstance(embedding, GGUFBlockTensor) and self.kernels.weights == "gguf"
+        """Whether the embedding (GGUF blocks) stays in its blocks, whatever the linears'
+        kernels (BlockEmbedding: a row is the fp32 table's, so the model computes as with
+        it, at the blocks' size): where the fused kernels run GGUF blocks (else it is
+        dequantized to fp32)."""
+        return (isinstance(embedding, GGUFBlockTensor)
                 and gguf_block_kernel_available(self.kernels.ops))
 
     def _looks_up_widened(self, embedding: torch.Tensor) -> bool:
@@ -333,7 +337,8 @@ def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig,
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF names -> this module's names (qkv_proj, gate_up_proj fused), HF layouts and dtypes,
     each tensor yielded as `prepare` makes it (fused ones once fused: GGUF blocks' parts
-    dequantized in one pass).
+    dequantized in one pass) but the embedding table, yielded as it is (the model may look
+    its tokens up in its GGUF blocks; a tied head is prepared).
 
     Tensors HF already stores fused (Phi-3's qkv_proj, gate_up_proj: q, k, v and gate, up
     in this order too) are taken as they are; a tensor the model has no place for is left
@@ -341,11 +346,10 @@ def fuse_hf_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig,
     NOTE: yielded one at a time, a layer's weights before its biases: a fused tensor exists
     while it is being loaded, not all of them at once.
     """
-    embed = prepare(weights["model.embed_tokens.weight"])  # NOTE: once, though tied
-    yield "embed_tokens.weight", embed
+    embed = weights["model.embed_tokens.weight"]
+    yield "embed_tokens.weight", embed  # NOTE: unprepared: it may be looked up in its blocks
     yield "norm.weight", prepare(weights["model.norm.weight"])
-    head = embed if cfg.tie_word_embeddings else prepare(weights["lm_head.weight"])
-    yield "lm_head.weight", head
+    yield "lm_head.weight", prepare(embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for kind in ("weight", "bias"):
