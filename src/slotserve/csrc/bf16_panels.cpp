@@ -18,6 +18,7 @@
 #include "ops.h"
 #include "panels.h"
 
+#include <cstring>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -28,6 +29,15 @@ namespace slotserve::kernels {
 // zero padded: panels[p, kp, 2 j + e] = bf16(weight[32 p + j, 2 kp + e]), rounded to nearest
 // even as torch's .to(bfloat16) (c10::BFloat16's conversion); into `out` where given. One
 // pass, panels in parallel.
+// c10::BFloat16(f).x (round to nearest even; a NaN: 0x7FC0), written without a branch so
+// that a loop of them vectorises.
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + ((u >> 16) & 1) + UINT32_C(0x7FFF)) >> 16;
+  return (u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000) ? uint16_t(0x7FC0)
+                                                            : uint16_t(rounded);
+}
+
 torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
@@ -39,17 +49,22 @@ torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor
   with_weight_values(weight, [&](const auto* w) {
     parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> block(PANEL_WIDTH * PACK_INPUTS);  // (outputs, inputs), widened
+      std::vector<uint16_t> rounded(PANEL_WIDTH * PACK_INPUTS);  // the same, in bf16
       for (int64_t p = begin; p < end; ++p) {
-        uint16_t* panel = dst + p * pairs * 2 * PANEL_WIDTH;  // (pairs, PANEL_WIDTH, 2)
+        // (pairs, PANEL_WIDTH) of two bf16s: a pair of inputs of one output, 32 bits
+        uint32_t* panel = reinterpret_cast<uint32_t*>(dst + p * pairs * 2 * PANEL_WIDTH);
         // NOTE: PACK_INPUTS is even: a block holds whole pairs (the padding's are zeros)
         for (int64_t k0 = 0; k0 < 2 * pairs; k0 += PACK_INPUTS) {
           const int64_t n = std::min(PACK_INPUTS, 2 * pairs - k0);
           widen_block(w, out_stride, in_stride, p * PANEL_WIDTH, PANEL_WIDTH, outs, in, k0, n,
                       block.data());
-          for (int64_t k = 0; k < n; ++k)  // input k0 + k: its pair, lane half k % 2
-            for (int64_t j = 0; j < PANEL_WIDTH; ++j)
-              panel[(k0 + k) / 2 * 2 * PANEL_WIDTH + 2 * j + k % 2] =
-                  c10::BFloat16(block[j * n + k]).x;
+          for (int64_t i = 0; i < PANEL_WIDTH * n; ++i) rounded[i] = bf16_bits(block[i]);
+          for (int64_t q = 0; q < n / 2; ++q)  // pair (k0 / 2 + q): inputs k0 + 2q, + 1
+            for (int64_t j = 0; j < PANEL_WIDTH; ++j) {
+              uint32_t both;
+              std::memcpy(&both, &rounded[j * n + 2 * q], sizeof both);
+              panel[(k0 / 2 + q) * PANEL_WIDTH + j] = both;
+            }
         }
       }
     });
