@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import struct
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -299,6 +300,29 @@ def test_a_16_bit_gguf_is_read_as_stored_and_never_cached(tmp_path, cache_dir, q
     for a, b in zip(*runs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_16_bit_gguf_loads_without_a_private_mapping(tmp_path, monkeypatch):
+    """Where the system refuses the file's private mapping (a strict overcommit policy), its
+    16-bit tensors are copied out of the file instead: the same tensors."""
+    from slotserve.loader import gguf as gguf_loader
+
+    path = tmp_path / "m.gguf"
+    expected = write_tiny_gguf(path, tiny_hf("llama", tied=True, seed=6), "llama", [Q.F16])
+
+    refusals = []
+
+    def refused(*args, **kwargs):
+        refusals.append(args)
+        raise OSError(12, "Cannot allocate memory")
+
+    # NOTE: the loader's own mmap module only (the reader maps the file as before)
+    monkeypatch.setattr(gguf_loader, "mmap", SimpleNamespace(mmap=refused, ACCESS_COPY=0))
+    loaded = load_model(str(path), use_cache=False)
+    assert len(refusals) == 1  # asked once, refused: the copies below
+    for name, w in loaded.weights.items():
+        stored = torch.float16 if w.dim() == 2 else torch.float32
+        assert w.dtype == stored and torch.equal(w.float(), expected[name]), name
 
 
 def test_tiny_qwen2_gguf_keeps_q_k_order_and_biases(tmp_path):

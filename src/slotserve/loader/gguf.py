@@ -250,11 +250,16 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 _KEPT_16_BIT = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
-def _private_mapping(path: str) -> mmap.mmap:
+def _private_mapping(path: str) -> mmap.mmap | None:
     """A private (copy-on-write) mapping of the file: arrays over it are writable, never
-    write the file, and cost no memory until read."""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    write the file, and cost no memory until read. None where the system refuses one (a
+    strict overcommit policy counts it whole): the tensors are then copied out."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        log.info("%s: no private mapping (%s); its 16-bit tensors are copied", path, exc)
+        return None
 
 
 def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
