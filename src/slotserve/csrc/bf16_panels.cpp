@@ -25,10 +25,6 @@
 
 namespace slotserve::kernels {
 
-// weight (out, in) fp32, any strides -> panels (ceil(out / 32), padded_pairs(in), 64) bf16,
-// zero padded: panels[p, kp, 2 j + e] = bf16(weight[32 p + j, 2 kp + e]), rounded to nearest
-// even as torch's .to(bfloat16) (c10::BFloat16's conversion); into `out` where given. One
-// pass, panels in parallel.
 // c10::BFloat16(f).x (round to nearest even; a NaN: 0x7FC0), written without a branch so
 // that a loop of them vectorises.
 inline uint16_t bf16_bits(float f) {
@@ -38,6 +34,10 @@ inline uint16_t bf16_bits(float f) {
                                                             : uint16_t(rounded);
 }
 
+// weight (out, in) fp32, bf16 or fp16, any strides -> panels (ceil(out / 32),
+// padded_pairs(in), 64) bf16, zero padded: panels[p, kp, 2 j + e] = bf16(weight[32 p + j,
+// 2 kp + e]), rounded to nearest even as torch's .to(bfloat16) (c10::BFloat16's conversion);
+// into `out` where given. One pass, panels in parallel.
 torch::Tensor pack_panels_bf16(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);

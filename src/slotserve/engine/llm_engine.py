@@ -142,7 +142,7 @@ class LLMEngine:
         # NOTE: a GGUF's quantized linears are read in their own blocks, never through an
         # fp32 copy: quantization="gguf" (and "auto" for a named GGUF file:
         # keeps_gguf_blocks) serves them so; the others dequantize one weight at a time as
-        # the model loads it (KernelSet.prepare_weight).
+        # the model loads it (KernelSet.prepare_weight), the embedding looked up in blocks.
         loaded = load_model(config.model, keep_quantized=True)
         engine = cls(config, loaded.config, loaded.weights, loaded.tokenizer)
         del loaded  # NOTE: the loading's copies (a GGUF's converted blocks): freed, and

@@ -5,9 +5,10 @@
     model = load_model("path/to/hf_dir_or_file.gguf")
 
 Weights use Hugging Face Llama names (`model.layers.0.self_attn.q_proj.weight`, ...), float32
-(an HF directory's bf16/fp16 tensors as stored: the model widens them as it loads them), on
-CPU; `lm_head.weight` is absent when the embeddings are tied. GGUF conversions are cached
-on disk (see `slotserve.loader.cache`).
+(bf16/fp16 tensors of an HF directory or a GGUF as stored: the model widens them as it loads
+them; a GGUF's quantized linears in their blocks with keep_quantized), on CPU; `lm_head.weight`
+is absent when the embeddings are tied. Only a GGUF with a quantized type that has no block
+form is converted through an on-disk cache (see `slotserve.loader.cache`).
 """
 
 from __future__ import annotations

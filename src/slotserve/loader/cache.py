@@ -1,6 +1,7 @@
 """On-disk cache of converted models, so a GGUF is dequantized once, not on every start.
 
-Layout: `<cache root>/<key>/` holds `weights.safetensors` (float32, HF names), `config.json`
+Layout: `<cache root>/<key>/` holds `weights.safetensors` (float32, 16-bit as the file stores
+them; HF names), `config.json`
 (the ModelConfig), `tokenizer.json` + `tokenizer_meta.json` (when the model has a tokenizer)
 and `manifest.json` (format version and every file's size), written last.
 

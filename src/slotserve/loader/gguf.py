@@ -1,4 +1,4 @@
-"""Read a GGUF file: metadata -> ModelConfig, tensors -> float32 HF-named weights, tokenizer.
+"""Read a GGUF file: metadata -> ModelConfig, tensors -> HF-named weights, tokenizer.
 
 The parts: `gguf_reader` (the bounds-checked file reader), `gguf_config` (ModelConfig from the
 metadata), `gguf_dequant` (numpy dequantizers); this module maps tensor names, checks the
@@ -117,8 +117,9 @@ def load_gguf(path: str, keep_quantized: bool = False, gguf: GGUFFile | None = N
                         describe=lambda hf: gguf_names.get(hf, _gguf_name(hf, arch)))
     _check_no_extra_tensors(path, config, gguf_names)
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
-    # NOTE: 16-bit tensors are views of the file, read as the model packs them (no copy)
-    private = (_private_mapping(path) if any(t.tensor_type in _KEPT_16_BIT
+    # NOTE: float tensors are views of the file, read as the model packs them (no copy)
+    private = (_private_mapping(path) if any(t.tensor_type in _AS_STORED
+                                              and not t.name.endswith("norm.weight")
                                               for t in names.values()) else None)
     weights = {hf: _block_tensor(t, config, path, arch)
                if keep_quantized and _kept_in_blocks(hf, t, config)
@@ -245,9 +246,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     )
 
 
-# The 16-bit float types a tensor stays in (but norms, shifted in fp32): the model widens each
-# as it loads it (exact), as an HF directory's bf16/fp16 tensors.
-_KEPT_16_BIT = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+# The float types a tensor is read in as stored (but norms, shifted in fp32): its bits' numpy
+# type and its torch dtype. The model widens a 16-bit one as it loads it (exact), as an HF
+# directory's bf16/fp16 tensors.
+_AS_STORED = {Q.F16: (np.uint16, torch.float16), Q.BF16: (np.uint16, torch.bfloat16),
+              Q.F32: (np.float32, torch.float32)}
 
 
 def _private_mapping(path: str) -> mmap.mmap | None:
@@ -265,17 +268,18 @@ def _private_mapping(path: str) -> mmap.mmap | None:
 def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
              private: mmap.mmap | None = None) -> torch.Tensor:
     """One reader tensor in HF layout (Q/K rows un-permuted for llama, Gemma's norms back to
-    HF's w from llama.cpp's 1 + w): F16 and BF16 as stored, every other type dequantized to
-    float32. A 16-bit tensor in the file's order is a view of `private` (the file's
-    `_private_mapping`) where given, else a copy out of the file."""
+    HF's w from llama.cpp's 1 + w): F32, F16 and BF16 as stored, every other type
+    dequantized to float32. Such a tensor in the file's order is a view of `private` (the
+    file's `_private_mapping`) where given, else a copy out of the file."""
     shape = tuple(reversed(tensor.shape))  # NOTE: GGUF lists ne0 (fastest) first
     norm = tensor.name.endswith("norm.weight")
-    kept = _KEPT_16_BIT.get(tensor.tensor_type) if not norm else None
+    kept = _AS_STORED.get(tensor.tensor_type) if not norm else None
     if kept is not None and private is not None:
-        weight = np.frombuffer(private, dtype=np.uint16, count=tensor.data.nbytes // 2,
+        bits = np.dtype(kept[0])
+        weight = np.frombuffer(private, dtype=bits, count=tensor.data.nbytes // bits.itemsize,
                                offset=tensor.offset).reshape(shape)  # NOTE: the bits
     elif kept is not None:
-        weight = np.array(tensor.data).view(np.uint16).reshape(shape)
+        weight = np.array(tensor.data).view(kept[0]).reshape(shape)
         tensor.release()  # NOTE: copied: the file's pages are not needed again
     else:
         weight = dequantize(tensor.data, tensor.tensor_type).numpy().reshape(shape)
@@ -287,7 +291,7 @@ def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
         elif ".attn_k." in tensor.name:
             weight = unpermute_qk(weight, config.num_key_value_heads)
     weight = torch.from_numpy(np.ascontiguousarray(weight))
-    return weight if kept is None else weight.view(kept)
+    return weight if kept is None else weight.view(kept[1])
 
 
 def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:

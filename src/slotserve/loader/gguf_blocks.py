@@ -352,12 +352,13 @@ def dequantize_files(files: list[FileBlocks]) -> torch.Tensor | None:
     the other (what concat_rows' dequantize makes of their to_blocks, made at once: neither
     their blocks nor a concatenation), dequantized by the fused CPU kernels (rows in
     parallel, in the unpacking's reused memory); each file's `release` called after. None
-    where the kernels are not available (the caller dequantizes another way).
+    where no build of the kernels is loaded (the caller dequantizes another way: a GPU or
+    reference engine never builds them for this).
     NOTE: the same values as gguf-py's dequantize (csrc/gguf_unpack.cpp, dequantize_row)."""
-    from slotserve.model.cpu_ops import loaded_cpu_ops
+    from slotserve.model.cpu_ops import already_loaded_cpu_ops
 
-    ops = loaded_cpu_ops()
-    if ops is None:
+    ops = already_loaded_cpu_ops()
+    if ops is None or not hasattr(ops, "dequantize_gguf_blocks"):
         return None
     for f in files:
         if not f.checked:

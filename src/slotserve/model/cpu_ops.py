@@ -6,7 +6,7 @@ by a hash of the sources and flags: every checkout with the same kernel shares o
 returns its module, or None when it cannot be built: the engine then runs the plain torch ops,
 which stay the reference that the tests compare these kernels against.
 
-The module's functions, all fp32 on the CPU:
+The module's functions, on the CPU, fp32 but where said:
 - rms_norm(x (T, H), weight (H,), eps) -> (T, H); add_rms_norm_(x, delta, weight, eps):
   x += delta in place, then rms_norm(x) (the decode stack's residual add and next norm)
 - silu_mul(gate_up (T, 2I)) -> (T, I)
@@ -203,6 +203,12 @@ def load_cpu_ops(march: str = NATIVE):
 _LOADED: list = []
 
 
+def already_loaded_cpu_ops():
+    """The build of the kernels loaded last, or None where none is loaded (never builds
+    one: for work that has another way, e.g. dequantizing a GGUF on a GPU engine's host)."""
+    return _LOADED[-1] if _LOADED else None
+
+
 def loaded_cpu_ops():
     """A build of the kernels for work that every build does alike (a GGUF's blocks
     unpacked at load: loader/gguf_blocks.py's to_blocks): the last one loaded, else this
@@ -220,8 +226,9 @@ def release_unpack_memory() -> None:
 
 
 def on_cpu_fp32(model) -> bool:
-    """Whether the model's parameters are float32 on the CPU (where these kernels apply)."""
+    """Whether the model's parameters are float32 on the CPU (where these kernels apply).
+    NOTE: its layers' (a 16-bit embedding table stays as stored: WidenedEmbedding)."""
     import torch
 
-    param = next(model.parameters())
+    param = next(p for name, p in model.named_parameters() if not name.startswith("embed"))
     return param.device.type == "cpu" and param.dtype == torch.float32

@@ -457,7 +457,8 @@ class LinearKernelSwap:
         make, part = self._factory_of(name), self.arena_parts.get(name)
         if weight is None:
             weight = module.weight
-        elif not getattr(getattr(make, "func", make), "TAKES_16_BIT", False):
+        elif not (weight.dtype in (torch.bfloat16, torch.float16)
+                  and getattr(getattr(make, "func", make), "TAKES_16_BIT", False)):
             weight = weight.float()  # NOTE: a panel kernel widens a 16-bit weight as it packs
         module.use_kernel(make(weight, module.bias) if part is None
                           else make(weight, module.bias, panels_out=part))
