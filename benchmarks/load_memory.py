@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.startup import parse_trees, warm_page_cache
+
 # One load, in the child: its figures as one JSON line.
 _LOAD = """
 import json, sys, time
@@ -41,16 +43,6 @@ print(json.dumps({"seconds": seconds, "rss_mib": kib("/proc/self/status", "VmRSS
 """
 
 
-def warm_page_cache(model: str) -> None:
-    """Read a model's file (or every file of its directory) once."""
-    paths = [Path(model)] if Path(model).is_file() else sorted(Path(model).iterdir())
-    for path in paths:
-        if path.is_file():
-            with open(path, "rb") as f:
-                while f.read(1 << 24):
-                    pass
-
-
 def load_once(tree: str, model: str, quantization: str) -> dict:
     """The figures of one load of `model` by `tree`'s slotserve, in a fresh process."""
     env = {**os.environ, "PYTHONPATH": f"{tree}/src"}
@@ -68,8 +60,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantization", default="bf16", help="slotserve's --quantization")
     args = p.parse_args()
-    trees = {name: str(Path(tree).resolve())
-             for name, _, tree in (item.partition("=") for item in args.trees)}
+    trees = parse_trees(args.trees)
     names, runs = list(trees), {}
     for r in range(args.rounds):
         for model in args.models.split(","):

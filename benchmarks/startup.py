@@ -36,10 +36,20 @@ def peak_rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
-def warm_page_cache(path: str) -> None:
-    with open(path, "rb") as f:
-        while f.read(1 << 24):
-            pass
+def warm_page_cache(model: str) -> None:
+    """Read a model's file (or every file of its directory) once."""
+    paths = [Path(model)] if Path(model).is_file() else sorted(Path(model).iterdir())
+    for path in paths:
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def parse_trees(items: list[str]) -> dict[str, str]:
+    """`--trees NAME=DIR ...` -> name: the checkout's resolved directory."""
+    return {name: str(Path(tree).resolve())
+            for name, _, tree in (item.partition("=") for item in items)}
 
 
 def start_slotserve(tree: str, path: str, quantization: str) -> tuple[float, float]:
@@ -78,10 +88,7 @@ def main() -> None:
                    help="slotserve's --quantization (gguf: the file's own blocks; auto: the "
                         "CPU class's default, bf16 panels on x86; none: fp32 panels)")
     args = p.parse_args()
-    servers: dict[str, str | None] = {}
-    for item in args.trees:
-        name, _, tree = item.partition("=")
-        servers[name] = str(Path(tree).resolve())
+    servers: dict[str, str | None] = dict(parse_trees(args.trees))
     if args.llama_server:
         servers["llama.cpp"] = None
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}

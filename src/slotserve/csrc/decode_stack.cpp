@@ -339,26 +339,13 @@ void gather_rows(const float* table, int64_t width, const int64_t* indices, int6
   for (int64_t i = 0; i < n; ++i) std::copy_n(table + indices[i] * width, width, out + i * width);
 }
 
-// Rows of a bf16 or fp16 table widened to fp32 (exact: WidenedEmbedding's lookup).
-template <typename Half>
-void gather_widened_rows(const Half* table, int64_t width, const int64_t* indices, int64_t n,
-                         float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    const Half* row = table + indices[i] * width;
-    float* widened = out + i * width;
-    for (int64_t j = 0; j < width; ++j) widened[j] = static_cast<float>(row[j]);
-  }
-}
-
-// The embedding's rows of `ids` as fp32, whatever the table's dtype (set_lookup_tables').
+// The embedding's rows of `ids` as fp32, whatever the table's dtype (set_lookup_tables'):
+// a bf16 or fp16 row widened exactly (WidenedEmbedding's lookup).
 void gather_embedding(const torch::Tensor& table, const int64_t* ids, int64_t n, float* out) {
   const int64_t width = table.size(1);
-  if (table.scalar_type() == torch::kBFloat16)
-    gather_widened_rows(table.data_ptr<c10::BFloat16>(), width, ids, n, out);
-  else if (table.scalar_type() == torch::kHalf)
-    gather_widened_rows(table.data_ptr<c10::Half>(), width, ids, n, out);
-  else
-    gather_rows(table.data_ptr<float>(), width, ids, n, out);
+  with_weight_values(table, [&](const auto* values) {
+    for (int64_t i = 0; i < n; ++i) widen_row(values + ids[i] * width, width, 1, out + i * width);
+  });
 }
 
 }  // namespace

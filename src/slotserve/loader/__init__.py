@@ -13,6 +13,7 @@ form is converted through an on-disk cache (see `slotserve.loader.cache`).
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -73,8 +74,8 @@ def load_model(path: str | None = None, *, use_cache: bool = True,
         elif not quantized(gguf):  # NOTE: F32/F16/BF16 only: read as stored, no cache
             converted = load_gguf(path, gguf=gguf)
         else:
-            del gguf
-            converted = cached_convert(path, load_gguf) if use_cache else load_gguf(path)
+            convert = functools.partial(load_gguf, gguf=gguf)  # NOTE: the header read once
+            converted = cached_convert(path, convert) if use_cache else convert(path)
         config, weights, tokenizer = converted
     else:
         raise FileNotFoundError(f"no model at {path!r} (expected a .gguf file or an HF directory)")

@@ -124,6 +124,8 @@ class Bf16PanelLinear:
     bf16_activations=True is dot_min_rows=1 (the older spelling).
     """
 
+    TAKES_16_BIT = True  # NOTE: LinearKernelSwap hands it a 16-bit weight as stored
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops,
                  bf16_activations: bool = False, amx_min_rows: int = 0,
                  dot_min_rows: int = 0, panels_out: torch.Tensor | None = None) -> None:
@@ -145,8 +147,6 @@ class Bf16PanelLinear:
         `out`): input pairs padded to whole AMX tiles of 16 pairs (csrc/panels.h)."""
         pairs = (-(-in_features // 2) + 15) // 16 * 16
         return (-(-out_features // PANEL_WIDTH), pairs, 2 * PANEL_WIDTH), torch.bfloat16
-
-    TAKES_16_BIT = True  # NOTE: LinearKernelSwap hands it a 16-bit weight as stored
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         rows = x.shape[0]
