@@ -155,7 +155,7 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(cpu_ops, he
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=["fp32-cache", "bf16-cache"])
 def test_decode_attention_of_long_contexts_equals_torch_alone_or_batched(cpu_ops, head_dim,
                                                                          kv_dtype, window):
-    """Contexts past 512 read positions (which the AVX2 kernel cuts into runs of 512 and
+    """Contexts past 512 read positions (which the register kernels cut into runs of 512 and
     merges): against the torch reference, and each sequence alone the same bits as in its
     batch. Lengths around the cuts: 512 (one run), 513, 1024, 1025, 1300; a window of 700
     cuts 700 positions into 512 + 188 wherever the context is longer."""

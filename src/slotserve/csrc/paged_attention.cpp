@@ -368,11 +368,14 @@ inline void load_head(const T* head, __m512* out) {
 // loads and G * NV multiply-adds, where the generic attend's short runtime-length loops
 // cost several times that in loop overhead (measured: compute, not memory, set its pace).
 // scores: scratch (G, len). kv_offset: the KV head's offset (elements) in a cached row.
+// tops, totals: where given (a run of a cut context), each query head's largest score and its
+// sum of exp(score - top), for merge_runs.
 template <int NV, int G, typename T>
 void attend_kv_head_avx512(const float* const* queries, float* const* out,
                            const T* k_cache, const T* v_cache, const int64_t* table,
                            int64_t start, int64_t end, int64_t block_size, int64_t row,
-                           int64_t kv_offset, float scale, float* scores) {
+                           int64_t kv_offset, float scale, float* scores, float* tops,
+                           float* totals) {
   const int64_t len = end - start;  // scores' columns: positions start..end-1
   __m512 q[G][NV];
   for (int j = 0; j < G; ++j)
@@ -387,7 +390,7 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
       scores[j * len + pos] = _mm512_reduce_add_ps(acc) * scale;
     }
   });
-  softmax_rows(scores, G, len);
+  softmax_rows(scores, G, len, tops, totals);
   __m512 o[G][NV];
   for (int j = 0; j < G; ++j)
     for (int v = 0; v < NV; ++v) o[j][v] = _mm512_setzero_ps();
@@ -405,17 +408,19 @@ void attend_kv_head_avx512(const float* const* queries, float* const* out,
 }
 
 // The `group` query heads of one KV head, in register-sized chunks (at most 16 registers of
-// outputs: 4 heads of 64, 2 of 128).
+// outputs: 4 heads of 64, 2 of 128); tops, totals: the group's (G,) each, or null.
 template <int NV, typename T>
 void attend_kv_head_chunks(const float* const* queries, float* const* out, int64_t group,
                            const T* k_cache, const T* v_cache, const int64_t* table,
                            int64_t start, int64_t end, int64_t block_size, int64_t row,
-                           int64_t kv_offset, float scale, std::vector<float>& scores) {
+                           int64_t kv_offset, float scale, std::vector<float>& scores,
+                           float* tops, float* totals) {
   constexpr int MAX_G = 16 / NV;
   scores.resize(MAX_G * (end - start));
   for (int64_t j = 0; j < group; j += MAX_G) {
     const auto args = std::make_tuple(queries + j, out + j, k_cache, v_cache, table, start,
-                                      end, block_size, row, kv_offset, scale, scores.data());
+                                      end, block_size, row, kv_offset, scale, scores.data(),
+                                      tops ? tops + j : nullptr, tops ? totals + j : nullptr);
     switch (std::min<int64_t>(MAX_G, group - j)) {
       case 1: std::apply(attend_kv_head_avx512<NV, 1, T>, args); break;
       case 2: std::apply(attend_kv_head_avx512<NV, 2, T>, args); break;
@@ -566,8 +571,8 @@ void attend_heads_avx2_of(const float* const* queries, float* const* out, int64_
 }
 #endif
 
-// Whether this build's decode attention cuts long contexts into runs (the AVX2 kernel).
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Whether this build's decode attention cuts long contexts into runs (the register kernels).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 constexpr bool SPLITS_LONG_CONTEXTS = true;
 #else
 constexpr bool SPLITS_LONG_CONTEXTS = false;
@@ -695,9 +700,11 @@ void decode_attention_into(const float* q, int64_t seqs, int64_t num_heads,
           for (int64_t h = 0; h < kv_per_task; ++h) {
             const auto chunks =
                 head_dim == 64 ? attend_kv_head_chunks<4, T> : attend_kv_head_chunks<8, T>;
+            const int64_t at = task.run * num_heads + (kv_first + h) * group;
             chunks(queries + h * group, outs + h * group, group, kc, vc, table, task.start,
                    task.end, block_size, row, (kv_first + h) * head_stride, float(scale),
-                   scores);
+                   scores, task.run < 0 ? nullptr : run_tops.data() + at,
+                   task.run < 0 ? nullptr : run_totals.data() + at);
           }
           continue;
         }
