@@ -507,8 +507,10 @@ class EngineConfig:
         layers on the CPU; gguf: a GGUF's quantized linear weights in the file's own blocks
         (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL, int8 activations,
         AVX512-VNNI or AVX2; no fp32 copy of the model; a file with another quantized type
-        is dequantized, with a warning). Greedy agreement
-        with fp32 in benchmarks/PERF.md.
+        is dequantized, with a warning); q8_0: every linear weight (an HF directory's, or
+        a GGUF's dequantized) quantized to Q8_0 as it loads, as llama.cpp's llama-quantize
+        does, and run as gguf's blocks (1.06 bytes/weight). Greedy agreement with fp32 in
+        benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.
     speculative_config: speculative decoding, as vLLM's JSON: {"method": "ngram",
@@ -527,7 +529,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     kernels: Literal["auto", "mkl", "reference"] = "auto"
-    quantization: Literal["auto", "none", "bf16", "int8", "gguf"] = DEFAULT_QUANTIZATION
+    quantization: Literal["auto", "none", "bf16", "int8", "gguf", "q8_0"] = DEFAULT_QUANTIZATION
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -548,7 +550,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
-        if self.quantization in ("bf16", "int8", "gguf") and not self.device.startswith("cpu"):
+        if (self.quantization in ("bf16", "int8", "gguf", "q8_0")
+                and not self.device.startswith("cpu")):
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only; "
                              f"got device {self.device!r}")
         if self.cache.kv_cache_dtype == "int8" and not self.device.startswith("cpu"):

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from slotserve.loader.validation import ModelFileError
 
@@ -556,6 +557,31 @@ def _copy_into(target: torch.Tensor, source, non_blocking: bool = False) -> torc
         return target
     with torch._C.DisableTorchFunctionSubclass():
         return target.copy_(source.source.dequantized())
+
+
+Q8_0_BLOCK = 32  # weights per Q8_0 block
+
+
+def q8_0_blocks(weight: torch.Tensor) -> BlockWeights:
+    """A float (rows, cols) weight quantized to Q8_0 by gguf-py (`quants.quantize`, as
+    llama.cpp's quantize_row_q8_0_ref: d = amax / 127 per block of 32, kept as fp16; codes
+    x / d rounded half away from zero): the blocks of a Q8_0 GGUF written from the same
+    weights. cols: a multiple of 32."""
+    values = np.ascontiguousarray(weight.detach().float().numpy())
+    raw = gguf_quants.quantize(values, Q.Q8_0)
+    return to_blocks(raw, Q.Q8_0, "a weight quantized to Q8_0", "quantization=q8_0")
+
+
+def as_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as quantization="q8_0" loads it (KernelSet.prepare_weight): a 2-D weight of
+    whole blocks (a linear's, (out, in)) as Q8_0 blocks, made when its kernel is (LazyBlocks:
+    one weight's fp32 values and blocks at a time); anything else (norms, biases, a width
+    that is no multiple of 32) as the set's float kernels take it (GGUF blocks dequantized)."""
+    values = dequantized(weight)
+    if values.dim() != 2 or values.shape[1] % Q8_0_BLOCK:
+        return values
+    return GGUFBlockTensor(LazyBlocks((Q.Q8_0.name,), tuple(values.shape),
+                                      functools.partial(q8_0_blocks, values)))
 
 
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,8 @@ class KernelSet:
     amx_min_rows: bf16 panels: calls of this many rows or more run on AMX; 0: never.
     dot_min_rows: bf16 panels: calls of this many rows or more round x to bf16 and run
       vdpbf16ps; 0: never (at most one of amx_min_rows and dot_min_rows).
-    weights: the linear layers' weights: "fp32", "bf16", "int8", "gguf" or the model's dtype.
+    weights: the linear layers' weights: "fp32", "bf16", "int8", "gguf", "q8_0" (float
+        weights quantized to GGUF Q8_0 blocks as they load) or the model's dtype.
     reason: how the weights were chosen ("auto: amx class", "quantization=int8").
     gguf_types: the GGUF types of the linears kept in their file's blocks (weights="gguf"):
         those run linear_kernels.GGUFBlockLinear, any float linear the `linear` kernel.
@@ -296,7 +297,10 @@ class KernelSet:
         """A weight as this KernelSet's linears take it: a GGUF block weight as it is when it
         runs them, else its fp32 values (what quantization none/bf16/int8 do), made now: a
         model loading its weights one at a time holds one fp32 weight of a GGUF at a time,
-        never the whole model in fp32 (nor an fp32 copy of it on disk)."""
+        never the whole model in fp32 (nor an fp32 copy of it on disk). Under q8_0 a linear's
+        weight is quantized to Q8_0 blocks (gguf_blocks.as_q8_0)."""
+        if self.weights == "q8_0":
+            return gguf_blocks.as_q8_0(weight)
         return weight if self.gguf_types else gguf_blocks.dequantized(weight)
 
     def _kernel_text(self, kind: str) -> str:
@@ -337,8 +341,10 @@ class KernelSet:
         if self.gguf_types:
             step = (f", {size_text(self.step_weight_bytes)} read per decode step"
                     if self.step_weight_bytes else "")
-            return (f"GGUF {'/'.join(self.gguf_types)} weights as 4/6/8-bit code blocks "
-                    f"({gguf_bytes_text(self.gguf_types)}){step}{why}; "
+            weights = (f"GGUF {'/'.join(self.gguf_types)} weights as 4/6/8-bit code blocks"
+                       if self.weights != "q8_0" else
+                       "float weights quantized to GGUF Q8_0 blocks as they load")
+            return (f"{weights} ({gguf_bytes_text(self.gguf_types)}){step}{why}; "
                     f"linears: {self.describe_linears()}{cpu}")
         return f"{self.weights} weights{why}; linears: {self.describe_linears()}{cpu}"
 
@@ -394,6 +400,23 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...],
     return dataclasses.replace(kernels, weights="gguf", gguf_types=types, reason=why)
 
 
+def q8_0_kernels(kernels: KernelSet) -> KernelSet:
+    """quantization="q8_0": `kernels` (auto's) with the linear weights quantized to GGUF
+    Q8_0 blocks as they load (KernelSet.prepare_weight) and run by the block kernel with
+    int8 activations (VNNI where the CPU has it: llama.cpp's Q8_0 arithmetic), any linear
+    whose width is no multiple of 32 by `kernels`' float kernel.
+
+    Raises ValueError where the fused kernels do not run the blocks vectorised (no compiler,
+    `--kernels reference`, a CPU below the avx2 class).
+    """
+    if not linear_kernels.gguf_block_kernel_available(kernels.ops):
+        raise ValueError("quantization='q8_0' needs the fused CPU kernels' block kernel "
+                         "(AVX2 or AVX512-VNNI), unavailable here; use bf16, int8 or none")
+    return dataclasses.replace(kernels, weights="q8_0", gguf_types=(gguf_blocks.Q.Q8_0.name,),
+                               reason="quantization=q8_0: linear weights quantized to Q8_0 "
+                                      "as they load")
+
+
 def gguf_bytes_text(types: tuple[str, ...]) -> str:
     """Memory per weight of GGUF types `types` as packed blocks, e.g. "0.75-1.25 bytes/weight".
 
@@ -441,7 +464,8 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     kernels: "reference" plain torch; "mkl" MKL's packed GEMM for fp32 linears; "auto" the
     fp32 weight panels where the fused kernels run vectorised (AVX-512, or AVX2 + FMA: the
     avx2 class and above), else MKL's packed GEMM. quantization (wins over
-    kernels): "none"/None fp32, "bf16", "int8", or "auto": the CPU class's AUTO_WEIGHTS
+    kernels): "none"/None fp32, "bf16", "int8", "q8_0" (auto's set with the linear weights
+    quantized to Q8_0 blocks: q8_0_kernels), or "auto": the CPU class's AUTO_WEIGHTS
     where its kernels are built and no dtype is named (None or "auto"), else fp32. The fused
     kernels apply (kernels != "reference") to a float32 model on the CPU only. The CPU
     class: cpu_class() (the CPU's flags, or SLOTSERVE_CPU_ISA, or cpu_isa; a ValueError for
@@ -453,9 +477,11 @@ def resolve_kernels(kernels: str = "auto", quantization: str | None = "none",
     cpu_fp32 = torch.device(device).type == "cpu" and model_dtype == torch.float32
     cpu = cpu_class(cpu_isa)
     ops = cpu_ops.load_cpu_ops(cpu.march) if kernels != "reference" and cpu_fp32 else None
-    if quantization in ("bf16", "int8") and not cpu_fp32:
+    if quantization in ("bf16", "int8", "q8_0") and not cpu_fp32:
         raise ValueError(f"quantization={quantization!r} needs the model on the CPU in "
                          "float32 (the weights are quantized, activations stay float32)")
+    if quantization == "q8_0":
+        return q8_0_kernels(resolve_kernels(kernels, "auto", device, dtype, cpu_isa))
     if quantization == "auto":
         weights, reason = _auto_weights(kernels, cpu_fp32, ops, cpu, dtype)
     else:
@@ -539,7 +565,8 @@ def resolve_kv_cache_dtype(setting: str, kernels: KernelSet, model_dtype: torch.
     torch.int8, attention/kv_int8.py's rows of codes and scales (opt-in, never auto).
     """
     if setting == "auto":
-        quantized = kernels.weights in ("bf16", "int8", "gguf") and model_dtype == torch.float32
+        quantized = (kernels.weights in ("bf16", "int8", "gguf", "q8_0")
+                     and model_dtype == torch.float32)
         return torch.bfloat16 if quantized else model_dtype
     if setting == "int8":
         return torch.int8

@@ -18,7 +18,7 @@ from slotserve.attention.metadata import AttentionMetadata
 from slotserve.attention.torch_paged import paged_attention, write_kv
 from slotserve.config import ModelConfig
 from slotserve.layer_windows import layer_window
-from slotserve.loader.gguf_blocks import GGUFBlockTensor
+from slotserve.loader.gguf_blocks import GGUFBlockTensor, dequantized
 from slotserve.model.families import Family, decode_stack_gaps, family_of, torch_ops
 from slotserve.model.kernels import REFERENCE, KernelSet
 from slotserve.model.layers import (
@@ -245,12 +245,14 @@ class LlamaForCausalLM(nn.Module):
         swap = LinearKernelSwap(self, self.kernels)
         given = {}  # Linear name -> its weight, handed to its kernel as it is (swap.takes)
         for name, tensor in fuse_hf_weights(weights, self.config, self.kernels.prepare_weight):
+            if name == "embed_tokens.weight" and self.kernels.weights == "q8_0":
+                tensor = self.kernels.prepare_weight(tensor)  # NOTE: as a Q8_0 file's table
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
                 continue
             if name == "embed_tokens.weight":
-                tensor = self.kernels.prepare_weight(tensor)
+                tensor = dequantized(tensor)
             if name == "embed_tokens.weight" and self._looks_up_widened(tensor):
                 # NOTE: a copy: a loader's tensor may keep more than itself alive (a
                 # safetensors file's tensors are views of one mapping of the whole file)
