@@ -97,6 +97,7 @@ SYSTEMS = {
     "slotserve fp32": ("slotserve", {"quantization": "none"}),
     "slotserve bf16": ("slotserve", {"quantization": "bf16"}),
     "slotserve int8": ("slotserve", {"quantization": "int8"}),
+    "slotserve q8_0": ("slotserve", {"quantization": "q8_0"}),
     "vLLM fp32": ("vllm", "float32"),
     "vLLM bf16": ("vllm", "bfloat16"),
 }
@@ -119,7 +120,7 @@ LIBRARY_ISA_ENV = {
     "avx512bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
 }
 # slotserve systems' weight bytes per parameter (their batch-1 floor: each read once a token)
-WEIGHT_BYTES = {"slotserve fp32": 4, "slotserve bf16": 2}
+WEIGHT_BYTES = {"slotserve fp32": 4, "slotserve bf16": 2, "slotserve q8_0": 34 / 32}
 
 
 # --------------------------------------------------------------------------- systems

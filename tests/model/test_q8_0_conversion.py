@@ -38,23 +38,40 @@ def ops(cpu_ops):
     return cpu_ops
 
 
-def test_q8_0_blocks_are_gguf_py_quantization(ops):
-    """Zero blocks, ties at half a step, a huge outlier, bf16 input: the blocks' values are
-    gguf-py's Q8_0 round trip, and a 1-D or ragged weight is left as it is."""
+def awkward_weight(rows: int = 300, cols: int = 96) -> torch.Tensor:
+    """Random values with a zero block, codes exactly half a step from two integers (both
+    signs), an outlier (fp16's largest range), subnormals and tiny blocks."""
     gen = torch.Generator().manual_seed(5)
-    weight = torch.randn(40, 96, generator=gen) * 3
+    weight = torch.randn(rows, cols, generator=gen) * 3
     weight[0, :32] = 0
     weight[1, 32:64] = torch.tensor([0.5, -0.5, 1.5, -2.5] * 8) * (127 / 2.5)
-    weight[2, 7] = 1e5
-    expected = gguf_quants.dequantize(gguf_quants.quantize(weight.numpy(), Q.Q8_0), Q.Q8_0)
-    assert torch.equal(q8_0_blocks(weight).dequantize(), torch.from_numpy(expected))
-    half = weight.bfloat16()
-    expected = gguf_quants.dequantize(gguf_quants.quantize(half.float().numpy(), Q.Q8_0),
-                                      Q.Q8_0)
-    assert torch.equal(q8_0_blocks(half).dequantize(), torch.from_numpy(expected))
+    weight[2, 7] = 6e4
+    weight[3, :32] = torch.randn(32, generator=gen) * 1e-40
+    weight[4, 32:] = torch.randn(cols - 32, generator=gen) * 1e-30
+    return weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernel_writes_gguf_py_q8_0_blocks_bit_for_bit(ops, dtype):
+    """The raw blocks (fp16 d, 32 int8 codes) equal gguf-py's quantize of the fp32 values, for
+    every dtype a weight is stored in; unpacked, the values are gguf-py's dequantize."""
+    weight = awkward_weight().to(dtype)
+    expected = gguf_quants.quantize(weight.float().numpy(), Q.Q8_0)
+    assert np.array_equal(ops.quantize_q8_0(weight).numpy(), expected)
+    assert torch.equal(q8_0_blocks(weight).dequantize(),
+                       torch.from_numpy(gguf_quants.dequantize(expected, Q.Q8_0)))
+
+
+def test_only_whole_blocks_of_finite_values_are_quantized(ops):
+    weight = awkward_weight(8, 64)
     assert isinstance(as_q8_0(weight), GGUFBlockTensor)
     norm, ragged = torch.randn(96), torch.randn(8, 40)
     assert as_q8_0(norm) is norm and as_q8_0(ragged) is ragged
+    weight[5, 9] = float("nan")
+    with pytest.raises(ValueError, match="q8_0.*NaN or infinite"):
+        q8_0_blocks(weight)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.quantize_q8_0(torch.randn(4, 40))
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "turn -> their fp32 values (rows, weights a row), as gguf-py's dequantize; a part's "
       "row r is its raw row order[r] where its order is given",
       py::arg("raws"), py::arg("types"), py::arg("orders"));
+  m.def("quantize_q8_0", &quantize_q8_0, release_gil(),
+        "a float (rows, cols) weight as GGUF Q8_0's raw blocks (rows, cols / 32 * 34) uint8, "
+        "as gguf-py's quants.quantize writes them",
+        py::arg("weight"));
   m.def("release_unpack_memory", &release_unpack_memory,
         "unmap the memory unpack_gguf_blocks keeps for the next call's arrays (a loading done)");
   m.def("unpack_memory_spare_bytes", &unpack_memory_spare_bytes,

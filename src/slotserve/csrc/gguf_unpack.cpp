@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -524,6 +526,46 @@ std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts
   for (const GgufRows& part : parts) append_rows(part, row_bytes, sources);
   return unpack_type<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL>(
       type, sources, row_bytes);
+}
+
+torch::Tensor quantize_q8_0(const torch::Tensor& weight) {
+  constexpr int64_t kWeights = Q8_0::kWeights, kBytes = Q8_0::kBytes;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kWeights == 0,
+              "weight must be (rows, cols), cols a multiple of 32");
+  const torch::Tensor values = weight.contiguous();
+  const int64_t rows = values.size(0), blocks = values.size(1) / kWeights;
+  torch::Tensor out = torch::empty({rows, blocks * kBytes}, torch::kUInt8);
+  uint8_t* const raw = out.data_ptr<uint8_t>();
+  std::atomic<bool> finite{true};
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (blocks * kWeights + 1));
+  with_weight_values(values, [&](const auto* v) {
+    parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+      float x[kWeights];
+      bool all_finite = true;
+      for (int64_t b = first * blocks; b < last * blocks; ++b) {
+        widen_row(v + b * kWeights, kWeights, 1, x);
+        float amax = 0.f;
+        for (float e : x) {
+          all_finite &= std::isfinite(e);
+          amax = std::max(amax, std::fabs(e));
+        }
+        const float d = amax / 127.f;
+        const float inverse = d == 0.f ? 0.f : 1.f / d;
+        uint8_t* block = raw + b * kBytes;
+        const uint16_t bits = c10::Half(d).x;
+        std::memcpy(block, &bits, sizeof bits);
+        // NOTE: std::round rounds half away from zero; a block whose d is below fp32's
+        // normals (1 / d infinite: its fp16 d is 0) gets codes 0, as numpy's cast gives
+        for (int64_t i = 0; i < kWeights; ++i) {
+          const float q = std::round(x[i] * inverse);
+          block[2 + i] = std::isfinite(q) ? uint8_t(int8_t(q)) : 0;
+        }
+      }
+      if (!all_finite) finite = false;
+    });
+  });
+  TORCH_CHECK(finite.load(), "weight has a NaN or infinite value: no Q8_0 block holds it");
+  return out;
 }
 
 void release_unpack_memory() { unpack_memory().release(); }

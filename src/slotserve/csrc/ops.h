@@ -167,6 +167,12 @@ struct GgufTypedRows {
 // fp32 values (rows, cols): gguf-py's dequantize of each, rows in the order asked, in the
 // memory of unpack_gguf_blocks' arrays.
 torch::Tensor dequantize_gguf_blocks(const std::vector<GgufTypedRows>& parts);
+// A float (rows, cols) weight (fp32, bf16 or fp16; cols a multiple of 32) as GGUF Q8_0's raw
+// blocks (rows, cols / 32 * 34 bytes), as gguf-py's quants.quantize (and ggml's
+// quantize_row_q8_0_ref) writes them: per block of 32, d = amax / 127 stored as fp16, codes
+// x * (1 / d) (the fp32 d) rounded half away from zero, 0 where d is 0; rows in parallel.
+// A NaN or infinity is an error.
+torch::Tensor quantize_q8_0(const torch::Tensor& weight);
 // The memory the arrays of unpack_gguf_blocks are kept in for the next call's, unmapped
 // (gguf_unpack.cpp's NOTE (reused memory)); the bytes kept now.
 void release_unpack_memory();

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
 
 from slotserve.loader.validation import ModelFileError
 
@@ -563,13 +562,24 @@ Q8_0_BLOCK = 32  # weights per Q8_0 block
 
 
 def q8_0_blocks(weight: torch.Tensor) -> BlockWeights:
-    """A float (rows, cols) weight quantized to Q8_0 by gguf-py (`quants.quantize`, as
+    """A float (rows, cols) weight quantized to Q8_0 (csrc/gguf_unpack.cpp's quantize_q8_0,
+    rows in parallel: the raw blocks gguf-py's `quants.quantize` writes, bit for bit, as
     llama.cpp's quantize_row_q8_0_ref: d = amax / 127 per block of 32, kept as fp16; codes
-    x / d rounded half away from zero): the blocks of a Q8_0 GGUF written from the same
-    weights. cols: a multiple of 32."""
-    values = np.ascontiguousarray(weight.detach().float().numpy())
-    raw = gguf_quants.quantize(values, Q.Q8_0)
-    return to_blocks(raw, Q.Q8_0, "a weight quantized to Q8_0", "quantization=q8_0")
+    x / d rounded half away from zero), then unpacked as a Q8_0 file's are: the blocks of a
+    Q8_0 GGUF written from the same weights. cols: a multiple of 32; a NaN or infinity is a
+    ValueError."""
+    from slotserve.model.cpu_ops import loaded_cpu_ops
+
+    ops = loaded_cpu_ops()
+    if ops is None:
+        raise RuntimeError("Q8_0 blocks are made by the fused CPU kernels, not available here")
+    try:
+        raw = ops.quantize_q8_0(weight.detach())
+    except RuntimeError as error:  # NOTE: the kernel's TORCH_CHECK, a c10::Error
+        raise ValueError(f"quantization=q8_0: {str(error).splitlines()[0]}") from None
+    name = "a weight quantized to Q8_0"
+    return unpack_files([FileBlocks(raw.numpy(), Q.Q8_0, name, "quantization=q8_0",
+                                    checked=True)])  # NOTE: its scales are finite fp16
 
 
 def as_q8_0(weight: torch.Tensor) -> torch.Tensor:
