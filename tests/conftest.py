@@ -126,3 +126,13 @@ def cpu_ops():
             pytest.skip("no C++ compiler here: the fused CPU kernels cannot be built")
         pytest.fail("the fused CPU kernels did not build (see the logged warning)")
     return ops
+
+
+@pytest.fixture(scope="session")
+def block_ops(cpu_ops):
+    """The fused CPU kernels where they run GGUF blocks vectorised (AVX512-VNNI or AVX2)."""
+    from slotserve.model.linear_kernels import gguf_block_kernel_available
+
+    if not gguf_block_kernel_available(cpu_ops):
+        pytest.skip("the GGUF block kernel is not vectorised here (no AVX512-VNNI or AVX2)")
+    return cpu_ops

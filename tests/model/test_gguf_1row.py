@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slotserve.loader.gguf_blocks import concat_rows, to_blocks
-from slotserve.model.linear_kernels import GGUFBlockLinear, gguf_block_kernel_available
+from slotserve.model.linear_kernels import GGUFBlockLinear
 from tests.model.test_gguf_quant import Q, error_bound, raw_tensor
 
 # name -> the GGUF types fused into one weight (one type: that type's own blocks)
@@ -32,13 +32,6 @@ LAYOUTS = {
 IN = 512  # two 256-weight super-blocks
 
 
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("the GGUF block kernel is not vectorised here")
-    return cpu_ops
-
-
 def fused_blocks(types):
     parts = [to_blocks(raw_tensor(t, 48 if len(types) == 1 else 16, IN, seed=i), t, "w",
                        "test.gguf") for i, t in enumerate(types)]
@@ -46,15 +39,15 @@ def fused_blocks(types):
 
 
 @pytest.mark.parametrize("types", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_one_row_equals_every_tile_and_the_plain_loops(types, ops):
+def test_one_row_equals_every_tile_and_the_plain_loops(types, block_ops):
     blocks = fused_blocks(types)
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     x = torch.randn(9, IN, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])  # the 1-row path
     for tile in range(2, 10):  # tiles of 2..8 rows, and 9 = 8 + 1
         assert torch.equal(kernel(x[:tile]), alone[:tile]), tile
-    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, kernel.out_features,
-                                   kernel.block_len, kernel.bits, force_plain=True)
+    plain = block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, kernel.out_features,
+                                         kernel.block_len, kernel.bits, force_plain=True)
     assert torch.equal(plain, alone)
     error = (alone - x @ blocks.dequantize().T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()

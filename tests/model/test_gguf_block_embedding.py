@@ -21,7 +21,6 @@ from slotserve.model.linear_kernels import (
     BlockEmbedding,
     GGUFBlockLinear,
     SegmentedLinear,
-    gguf_block_kernel_available,
 )
 from slotserve.model.llama import LlamaForCausalLM
 from slotserve.sampling import SamplingParams
@@ -30,26 +29,19 @@ from tests.model.test_gguf_quant import raw_tensor
 Q = GGMLQuantizationType
 
 
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("no vectorised GGUF block kernel on this CPU")
-    return cpu_ops
-
-
 @pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda q: q.name)
-def test_rows_are_the_dequantized_table_to_the_bit(ops, qtype):
+def test_rows_are_the_dequantized_table_to_the_bit(block_ops, qtype):
     rows, cols = 40, 512  # 40: the last panel of 16 rows is partly filled
     blocks = to_blocks(raw_tensor(qtype, rows, cols, seed=3), qtype, "token_embd.weight", "t")
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     ids = torch.tensor([0, 39, 15, 16, 17, 31, 32, 5, 5])
     assert torch.equal(kernel.rows(ids), blocks.dequantize()[ids])
     assert kernel.rows(torch.tensor([], dtype=torch.int64)).shape == (0, cols)
 
 
-def test_a_row_outside_the_table_is_refused(ops):
+def test_a_row_outside_the_table_is_refused(block_ops):
     blocks = to_blocks(raw_tensor(Q.Q8_0, 16, 64), Q.Q8_0, "token_embd.weight", "t")
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     for bad in (16, -1):
         with pytest.raises(RuntimeError, match="outside"):
             kernel.rows(torch.tensor([bad]))
@@ -68,7 +60,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_the_default_model_looks_up_in_the_tied_heads_blocks(ops, monkeypatch):
+def test_the_default_model_looks_up_in_the_tied_heads_blocks(block_ops, monkeypatch):
     """SmolLM2 (tied, Q8_0 table): the embedding shares the LM head's kernel, and greedy
     tokens (prefill in Python, decodes on the stack) equal those of the fp32 table."""
     loaded = load_model(default_model_path(), keep_quantized=True)
@@ -88,7 +80,7 @@ def test_the_default_model_looks_up_in_the_tied_heads_blocks(ops, monkeypatch):
     assert _greedy(table, prompts) == ours
 
 
-def test_an_untied_table_gets_a_kernel_of_its_own(ops, tmp_path):
+def test_an_untied_table_gets_a_kernel_of_its_own(block_ops, tmp_path):
     """A tiny untied llama GGUF with a Q8_0 table and Q4_0 linears: the table stays in its
     blocks (its own kernel, not the head's) and the model's greedy tokens equal HF's-path
     reference with the fp32 table."""

@@ -21,20 +21,12 @@ from gguf import GGMLQuantizationType
 from slotserve.loader.gguf_blocks import K_QUANTS, SHARED_FACTOR_QUANTS, concat_rows, to_blocks
 from slotserve.model.linear_kernels import (
     GGUFBlockLinear,
-    gguf_block_kernel_available,
     held_bytes,
 )
 from tests.model.test_gguf_quant import raw_tensor
 
 Q = GGMLQuantizationType
 ROWS, COLS = 40, 512  # 40 rows: the last of 3 panels partly filled; 2 super-blocks a row
-
-
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("no vectorised GGUF block kernel on this CPU")
-    return cpu_ops
 
 
 def _blocks(qtype, seed=1, rows=ROWS):
@@ -54,20 +46,20 @@ def test_the_factors_are_the_fp32_scales_and_mins_to_the_bit(qtype):
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("force_plain", [False, True])
-def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
+def test_factored_panels_compute_as_the_fp32_ones(block_ops, qtype, force_plain):
     blocks = _blocks(qtype)
-    factored = GGUFBlockLinear(blocks, None, ops)
-    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops)
+    factored = GGUFBlockLinear(blocks, None, block_ops)
+    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, block_ops)
     shared = qtype in SHARED_FACTOR_QUANTS  # one int8 factor for the scale and the min
     assert factored.scales_mins.dtype == (torch.int8 if shared else torch.uint8)
     assert full.scales_mins.dtype == torch.float32
     torch.manual_seed(0)
     for tokens in (1, 3, 8, 9, 17):
         x = torch.randn(tokens, COLS)
-        ours = ops.quant_block_linear(x, factored.codes, factored.scales_mins, ROWS,
-                                      factored.block_len, factored.bits, force_plain)
-        theirs = ops.quant_block_linear(x, full.codes, full.scales_mins, ROWS, full.block_len,
-                                        full.bits, force_plain)
+        ours = block_ops.quant_block_linear(x, factored.codes, factored.scales_mins, ROWS,
+                                            factored.block_len, factored.bits, force_plain)
+        theirs = block_ops.quant_block_linear(x, full.codes, full.scales_mins, ROWS, full.block_len,
+                                              full.bits, force_plain)
         assert torch.equal(ours, theirs), tokens
     ids = torch.tensor([0, 39, 16, 7])
     assert torch.equal(factored.rows(ids), blocks.dequantize()[ids])
@@ -76,12 +68,12 @@ def test_factored_panels_compute_as_the_fp32_ones(ops, qtype, force_plain):
 @pytest.mark.parametrize(("qtype", "expected"), [(Q.Q4_K, 0.578125), (Q.Q6_K, 0.828125),
                                                  (Q.Q5_K, 0.828125), (Q.Q2_K, 0.640625),
                                                  (Q.Q3_K, 0.578125)])
-def test_factored_scales_take_the_bytes_stated(ops, qtype, expected):
+def test_factored_scales_take_the_bytes_stated(block_ops, qtype, expected):
     blocks = _blocks(qtype, rows=48)  # 3 whole panels
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     assert blocks.bytes_per_weight == expected
     assert held_bytes(kernel) / (48 * COLS) == expected
-    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops)
+    full = GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, block_ops)
     assert held_bytes(full) > held_bytes(kernel)
 
 
@@ -102,7 +94,7 @@ def test_shared_factors_only_where_the_mins_follow_the_scales():
         assert _blocks(qtype).factors.shared == (qtype in SHARED_FACTOR_QUANTS), qtype.name
 
 
-def test_supers_outside_fp16_fall_back_to_fp32_scales(ops):
+def test_supers_outside_fp16_fall_back_to_fp32_scales(block_ops):
     """A super-block scale that is not an fp16 value (a -32 d past fp16's range) cannot be
     kept in the factored panels' fp16: the kernel keeps fp32 scales and mins instead, the
     same outputs."""
@@ -112,20 +104,20 @@ def test_supers_outside_fp16_fall_back_to_fp32_scales(ops):
     wide = dataclasses.replace(blocks, factors=dataclasses.replace(blocks.factors,
                                                                    supers=supers))
     assert not wide.factors.packable
-    kernel = GGUFBlockLinear(wide, None, ops)
+    kernel = GGUFBlockLinear(wide, None, block_ops)
     assert kernel.scales_mins.dtype == torch.float32
     with pytest.raises(RuntimeError, match="fp16 values"):
-        ops.pack_factored_scales(wide.factors.scale_factors, None, supers)
+        block_ops.pack_factored_scales(wide.factors.scale_factors, None, supers)
 
 
-def test_bad_factors_are_refused(ops):
+def test_bad_factors_are_refused(block_ops):
     factors = _blocks(Q.Q4_K).factors
     with pytest.raises(RuntimeError, match="int8"):
-        ops.pack_factored_scales(factors.scale_factors.float(), factors.min_factors,
-                                 factors.supers)
+        block_ops.pack_factored_scales(factors.scale_factors.float(), factors.min_factors,
+                                       factors.supers)
     with pytest.raises(RuntimeError, match="super-block"):
-        ops.pack_factored_scales(factors.scale_factors[:, :3], factors.min_factors[:, :3],
-                                 factors.supers)
+        block_ops.pack_factored_scales(factors.scale_factors[:, :3], factors.min_factors[:, :3],
+                                       factors.supers)
 
 
 # -- 5- and 6-bit codes kept in 6 bits -----------------------------------------------------
@@ -133,30 +125,30 @@ def test_bad_factors_are_refused(ops):
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("force_plain", [False, True])
-def test_six_bit_codes_compute_as_bytes(ops, qtype, force_plain):
+def test_six_bit_codes_compute_as_bytes(block_ops, qtype, force_plain):
     """Q5_*/Q6_K codes packed in 6 bits (their top 2 bits apart) give the same bits as the
     same codes a byte each, at 0.75 bytes of codes per weight instead of 1."""
     blocks = _blocks(qtype, rows=48)
     assert blocks.bits == 6
-    six = GGUFBlockLinear(blocks, None, ops)
-    eight = GGUFBlockLinear(blocks.with_code_bits(8), None, ops)
+    six = GGUFBlockLinear(blocks, None, block_ops)
+    eight = GGUFBlockLinear(blocks.with_code_bits(8), None, block_ops)
     assert six.codes.numel() * 4 == eight.codes.numel() * 3
     torch.manual_seed(1)
     for tokens in (1, 5, 8, 11):
         x = torch.randn(tokens, COLS)
-        ours = ops.quant_block_linear(x, six.codes, six.scales_mins, 48, six.block_len, 6,
-                                      force_plain)
-        theirs = ops.quant_block_linear(x, eight.codes, eight.scales_mins, 48,
-                                        eight.block_len, 8, force_plain)
+        ours = block_ops.quant_block_linear(x, six.codes, six.scales_mins, 48, six.block_len, 6,
+                                            force_plain)
+        theirs = block_ops.quant_block_linear(x, eight.codes, eight.scales_mins, 48,
+                                              eight.block_len, 8, force_plain)
         assert torch.equal(ours, theirs), tokens
     ids = torch.tensor([47, 0, 21])
     assert torch.equal(six.rows(ids), blocks.dequantize()[ids])
 
 
-def test_q4_k_fused_with_q6_k_takes_six_bits_and_a_code_of_64_is_refused(ops):
+def test_q4_k_fused_with_q6_k_takes_six_bits_and_a_code_of_64_is_refused(block_ops):
     fused = concat_rows([_blocks(Q.Q4_K), _blocks(Q.Q6_K, seed=2)])
     assert fused.bits == 6 and fused.block_len == 16
     bad = fused.stored_codes().clone()
     bad[0, 0, 0] = 64
     with pytest.raises(RuntimeError, match="6-bit code above 63"):
-        ops.pack_quant_blocks(bad, fused.scales, fused.mins, 6)
+        block_ops.pack_quant_blocks(bad, fused.scales, fused.mins, 6)

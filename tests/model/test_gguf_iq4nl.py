@@ -33,7 +33,7 @@ from slotserve.loader.gguf_blocks import (
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.model.kernels import size_text
 from slotserve.model.layers import Linear
-from slotserve.model.linear_kernels import GGUFBlockLinear, gguf_block_kernel_available
+from slotserve.model.linear_kernels import GGUFBlockLinear
 from tests.conftest import random_prompts
 from tests.model.test_gguf_quant import error_bound, raw_tensor, reference_weights
 
@@ -63,14 +63,7 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), packed], axis=1).reshape(rows, -1)
 
 
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("the GGUF block kernel is not vectorised here (no AVX512-VNNI or AVX2)")
-    return cpu_ops
-
-
-def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(ops):
+def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(block_ops):
     rows, cols = 40, 512  # 40: the last panel of 16 rows is partly padding
     raw = random_iq4_nl(rows, cols)
     blocks = to_blocks(raw, Q.IQ4_NL, "blk.0.ffn_up.weight", "test.gguf")
@@ -80,8 +73,8 @@ def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(ops):
     codes = blocks.unpacked_codes()
     assert int(codes.min()) >= 1 and int(codes.max()) <= 241
     assert set(blocks.stored_codes().unique().tolist()) == set(range(16))
-    kernel = GGUFBlockLinear(blocks, None, ops)
-    assert kernel.bits == int(Q.IQ4_NL) == 20  # csrc/ops.h's QUANT_CODES_IQ4_NL
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
+    assert kernel.bits == int(Q.IQ4_NL) == 20  # csrc/block_ops.h's QUANT_CODES_IQ4_NL
     assert kernel.scales_mins.dtype == torch.float16  # d and -128 d: fp16 values
     packed = kernel.codes.numel() + kernel.scales_mins.numel() * 2
     assert packed / (48 * cols) == blocks.bytes_per_weight == 0.625  # 3 panels of 16 rows
@@ -90,16 +83,16 @@ def test_iq4_nl_blocks_match_gguf_dequantize_and_an_fp32_matmul(ops):
     error = (y - x @ weights.T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
-    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, 32, 20,
-                                   force_plain=True)
+    plain = block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, 32, 20,
+                                         force_plain=True)
     assert torch.equal(plain, y)
-    as_bytes = GGUFBlockLinear(blocks.with_code_bits(8), None, ops)  # looked up at load
+    as_bytes = GGUFBlockLinear(blocks.with_code_bits(8), None, block_ops)  # looked up at load
     assert as_bytes.bits == 8 and torch.equal(as_bytes(x), y)  # the same integer sums
 
 
-def test_iq4_nl_rows_do_not_depend_on_their_batch(ops):
+def test_iq4_nl_rows_do_not_depend_on_their_batch(block_ops):
     kernel = GGUFBlockLinear(to_blocks(random_iq4_nl(48, 256, seed=2), Q.IQ4_NL, "w", "t.gguf"),
-                             None, ops)
+                             None, block_ops)
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])
     for batch in (2, 3, 8, 9, 17):
@@ -107,7 +100,7 @@ def test_iq4_nl_rows_do_not_depend_on_their_batch(ops):
         assert torch.equal(together, alone), batch
 
 
-def test_iq4_nl_fused_with_other_types_keeps_its_values(ops):
+def test_iq4_nl_fused_with_other_types_keeps_its_values(block_ops):
     parts = [to_blocks(random_iq4_nl(32, 256, seed=4), Q.IQ4_NL, "w", "t.gguf"),
              to_blocks(raw_tensor(Q.Q4_K, 32, 256, seed=5), Q.Q4_K, "w", "t.gguf")]
     fused = concat_rows(parts)
@@ -115,38 +108,38 @@ def test_iq4_nl_fused_with_other_types_keeps_its_values(ops):
     assert not fused.indexed  # the indices looked up: one format for the fused rows
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
-    error = (GGUFBlockLinear(fused, None, ops)(x) - x @ fused.dequantize().T).abs()
+    error = (GGUFBlockLinear(fused, None, block_ops)(x) - x @ fused.dequantize().T).abs()
     assert (error <= error_bound(x, fused)).all()
 
 
-def test_iq4_nl_fused_with_iq4_nl_keeps_its_indices(ops):
+def test_iq4_nl_fused_with_iq4_nl_keeps_its_indices(block_ops):
     parts = [to_blocks(random_iq4_nl(rows, 256, seed=rows), Q.IQ4_NL, "w", "t.gguf")
              for rows in (32, 16, 16)]  # q, k, v
     fused = concat_rows(parts)
     assert (fused.block_len, fused.bits, fused.indexed) == (32, 4, True)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    kernel = GGUFBlockLinear(fused, None, ops)
+    kernel = GGUFBlockLinear(fused, None, block_ops)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
-    expected = torch.cat([GGUFBlockLinear(p, None, ops)(x) for p in parts], dim=1)
+    expected = torch.cat([GGUFBlockLinear(p, None, block_ops)(x) for p in parts], dim=1)
     assert torch.equal(kernel(x), expected)  # each row's sums as in its own tensor
 
 
-def test_the_kernel_refuses_an_unknown_codes_format(ops):
+def test_the_kernel_refuses_an_unknown_codes_format(block_ops):
     blocks = to_blocks(random_iq4_nl(16, 64), Q.IQ4_NL, "w", "t.gguf")
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match=r"bits must be 4, 6 or 8 \(or 20: IQ4_NL's indices\)"):
-        ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 16, 32, 5)
+        block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 16, 32, 5)
     with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
-        ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales, blocks.mins, 21)
+        block_ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales, blocks.mins, 21)
     with pytest.raises(RuntimeError, match="a 4-bit code above 15"):  # indices are 4-bit
-        ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales, blocks.mins, 20)
+        block_ops.pack_quant_blocks(blocks.unpacked_codes(), blocks.scales, blocks.mins, 20)
     with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4, 6 or 8 \\(or 20"):
-        ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 16,
-                           block_len=32, bits=5)
+        block_ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 16,
+                                 block_len=32, bits=5)
 
 
-def test_stack_equals_python_layers_on_iq4_nl(ops, monkeypatch):
+def test_stack_equals_python_layers_on_iq4_nl(block_ops, monkeypatch):
     """A random Llama in IQ4_NL blocks (q/k/v and gate/up fused as indices; the LM head in
     Q8_0) decodes through the C++ DecodeStack exactly as through the Python layers."""
     from tests.model import test_gguf_stack
@@ -201,7 +194,7 @@ def iq4_nl_file(tmp_path_factory):
     return path
 
 
-def test_an_iq4_nl_file_loads_in_blocks_and_decodes(ops, iq4_nl_file):
+def test_an_iq4_nl_file_loads_in_blocks_and_decodes(block_ops, iq4_nl_file):
     kept = load_model(str(iq4_nl_file), keep_quantized=True, use_cache=False)
     fp32 = load_model(str(iq4_nl_file), use_cache=False)
     blocks = {n: w for n, w in kept.weights.items() if isinstance(w, GGUFBlockTensor)}
@@ -226,7 +219,7 @@ def test_an_iq4_nl_file_loads_in_blocks_and_decodes(ops, iq4_nl_file):
     assert teacher_forced_agreement(engine, prompts, continuations) >= 0.9
 
 
-def test_the_start_up_line_names_types_kernels_and_bytes_per_decode_step(ops, iq4_nl_file):
+def test_the_start_up_line_names_types_kernels_and_bytes_per_decode_step(block_ops, iq4_nl_file):
     """For a GGUF served in blocks: its types, the block kernel, and the bytes of linear
     weights a decode step reads (each linear's packed codes and scales, or panels, once)."""
     loaded = load_model(str(iq4_nl_file), keep_quantized=True, use_cache=False)

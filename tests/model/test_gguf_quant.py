@@ -36,7 +36,7 @@ from slotserve.loader.gguf_blocks import (
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.model.kernels import gguf_bytes_text
 from slotserve.model.layers import Linear
-from slotserve.model.linear_kernels import GGUFBlockLinear, gguf_block_kernel_available
+from slotserve.model.linear_kernels import GGUFBlockLinear
 
 Q = GGMLQuantizationType
 # gguf-py quantizes these; the K-quants are built from random valid blocks.
@@ -76,35 +76,29 @@ def error_bound(x: torch.Tensor, blocks) -> torch.Tensor:
     return half_step @ weights.abs().T + 1e-5 * (x.abs() @ magnitude.T)
 
 
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("the GGUF block kernel is not vectorised here (no AVX512-VNNI)")
-    return cpu_ops
-
-
 @pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
-def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, ops):
+def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, block_ops):
     rows, cols = 40, 512  # 40: the last panel of 16 rows is partly padding
     raw = raw_tensor(qtype, rows, cols)
     blocks = to_blocks(raw, qtype, "blk.0.ffn_up.weight", "test.gguf")
     weights = reference_weights(raw, qtype)
     assert torch.equal(blocks.dequantize(), weights)  # the conversion is exact
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
     y = kernel(x)
     error = (y - x @ weights.T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
-    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows, blocks.block_len,
-                                   kernel.bits, force_plain=True)  # bits: the codes' format
+    plain = block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows,
+                                         blocks.block_len, kernel.bits,
+                                         force_plain=True)  # bits: the codes' format
     assert torch.equal(plain, y)  # the fallback does the same float operations in order
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_its_batch(qtype, ops):
+def test_a_rows_result_does_not_depend_on_its_batch(qtype, block_ops):
     raw = raw_tensor(qtype, 48, 256, seed=2)
-    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, ops)
+    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, block_ops)
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])
     for batch in (2, 3, 8, 9, 17):
@@ -112,14 +106,14 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype, ops):
         assert torch.equal(together, alone), batch
 
 
-def test_fused_rows_of_mixed_types_keep_their_values(ops):
+def test_fused_rows_of_mixed_types_keep_their_values(block_ops):
     parts = [to_blocks(raw_tensor(t, 32, 256, seed=i), t, "w", "test.gguf")
              for i, t in enumerate((Q.Q4_K, Q.Q6_K, Q.Q8_0))]
     fused = concat_rows(parts)
     assert (fused.block_len, fused.bits, fused.types) == (16, 8, ("Q4_K", "Q6_K", "Q8_0"))
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     x = torch.randn(5, 256)
-    error = (GGUFBlockLinear(fused, None, ops)(x) - x @ fused.dequantize().T).abs()
+    error = (GGUFBlockLinear(fused, None, block_ops)(x) - x @ fused.dequantize().T).abs()
     assert (error <= error_bound(x, fused)).all()
 
 
@@ -201,7 +195,7 @@ print(engine.runner.kernels.weights,
 """
 
 
-def test_serving_a_gguf_in_blocks_never_holds_an_fp32_model(ops, tmp_path):
+def test_serving_a_gguf_in_blocks_never_holds_an_fp32_model(block_ops, tmp_path):
     """A subprocess's peak RSS while it loads the default model under quantization=gguf
     grows by less than the fp32 bytes of its layers alone: neither an fp32 copy of the model
     nor an fp32 embedding table is made (the tokens are looked up in the tied head's blocks,
@@ -220,7 +214,7 @@ def test_serving_a_gguf_in_blocks_never_holds_an_fp32_model(ops, tmp_path):
     assert int(grew) < fp32_layers, (int(grew) >> 20, fp32_layers >> 20)
 
 
-def test_the_default_model_in_its_own_types_agrees_with_fp32(ops):
+def test_the_default_model_in_its_own_types_agrees_with_fp32(block_ops):
     """End to end: SmolLM2 (Q4_1 layers, Q8_0 embedding) served in its blocks, teacher-forced
     greedy agreement with the fp32-dequantized reference on 8 chat prompts x 24 tokens."""
     from slotserve.lab.workload import generate_workload

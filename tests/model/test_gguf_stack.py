@@ -25,7 +25,6 @@ from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     GGUFBlockLinear,
     SegmentedLinear,
-    gguf_block_kernel_available,
 )
 from tests.conftest import random_prompts
 from tests.model.test_decode_stack import run_comparing_stack_and_python
@@ -130,16 +129,9 @@ def gguf_engine(layout: str, kind: str = "llama", **kwargs) -> LLMEngine:
     return LLMEngine(engine_config(**{**settings, **kwargs}), config, weights, tokenizer=None)
 
 
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("the GGUF block kernel is not vectorised here (no AVX512-VNNI)")
-    return cpu_ops
-
-
 @pytest.mark.parametrize("layout,kind", [("k_quants", "llama"), ("legacy_4bit", "qwen2"),
                                          ("mixed_float", "qwen2")])
-def test_stack_equals_python_layers_on_gguf_blocks(ops, layout, kind):
+def test_stack_equals_python_layers_on_gguf_blocks(block_ops, layout, kind):
     engine = gguf_engine(layout, kind)
     model, kernels = engine.runner.model, engine.runner.kernels
     assert model.decode_stack is not None and kernels.decode_stack
@@ -179,7 +171,7 @@ def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 
 
 @pytest.mark.parametrize("layout", ["k_quants", "mixed_float"])
-def test_engine_greedy_tokens_equal_with_and_without_the_stack(ops, layout):
+def test_engine_greedy_tokens_equal_with_and_without_the_stack(block_ops, layout):
     """Batches of 1 to 8 sequences (prompts arriving over the run), greedy: the same tokens."""
     config, weights = gguf_block_model(layout)
     settings = engine_config(quantization="gguf", max_model_len=512, block_size=16,
@@ -198,53 +190,54 @@ def test_engine_greedy_tokens_equal_with_and_without_the_stack(ops, layout):
     assert len({tuple(t) for t in got.values()}) > 1  # not one degenerate answer
 
 
-def test_stack_rejects_bad_gguf_block_weights(ops):
+def test_stack_rejects_bad_gguf_block_weights(block_ops):
     blocks = to_blocks(raw_blocks(Q.Q8_0, torch.randn(24, 64), 0), Q.Q8_0, "w", "t.gguf")
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     with pytest.raises(RuntimeError, match="block_len 16 or 32 and bits 4, 6 or 8"):
-        ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 24)
+        block_ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 24)
     with pytest.raises(RuntimeError, match="gguf_blocks linear needs out_features"):
-        ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None,
-                           block_len=32, bits=8)
+        block_ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None,
+                                 block_len=32, bits=8)
     with pytest.raises(RuntimeError, match="needs its second tensor"):
-        ops.linear_weights("gguf_blocks", kernel.codes, None, None, 24, block_len=32, bits=8)
+        block_ops.linear_weights("gguf_blocks", kernel.codes, None, None, 24, block_len=32, bits=8)
     hidden, heads, kv_heads, head_dim = 64, 2, 1, 16  # qkv: 64 outputs, o: 32 inputs
-    stack = ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.25, torch.ones(hidden))
+    stack = block_ops.DecodeStack(heads, kv_heads, head_dim, 1e-6, 0.25, torch.ones(hidden))
 
     def linear(qtype, out, inputs, seed):
         raw = raw_blocks(qtype, torch.randn(out, inputs), seed)
-        return GGUFBlockLinear(to_blocks(raw, qtype, "w", "t.gguf"), None, ops)
+        return GGUFBlockLinear(to_blocks(raw, qtype, "w", "t.gguf"), None, block_ops)
 
     qkv, gate_up = linear(Q.Q8_0, 64, 64, 1), linear(Q.Q8_0, 64, 64, 3)  # gate_up: I = 32
-    o_or_down = linear(Q.Q4_0, 64, 32, 2).cpp_weights(ops)  # 32 inputs, 64 outputs
+    o_or_down = linear(Q.Q4_0, 64, 32, 2).cpp_weights(block_ops)  # 32 inputs, 64 outputs
     norms = (torch.ones(hidden), torch.ones(hidden))
     with pytest.raises(RuntimeError, match="the blocks cover 64 inputs, not 32"):
-        stack.add_layer(*norms, qkv.cpp_weights(ops), qkv.cpp_weights(ops),
-                        gate_up.cpp_weights(ops), o_or_down)
+        stack.add_layer(*norms, qkv.cpp_weights(block_ops), qkv.cpp_weights(block_ops),
+                        gate_up.cpp_weights(block_ops), o_or_down)
     with pytest.raises(RuntimeError, match="gives 24 outputs where 64 are needed"):
-        stack.add_layer(*norms, qkv.cpp_weights(ops), o_or_down, gate_up.cpp_weights(ops),
-                        kernel.cpp_weights(ops))
+        stack.add_layer(*norms, qkv.cpp_weights(block_ops), o_or_down,
+                        gate_up.cpp_weights(block_ops), kernel.cpp_weights(block_ops))
     # bits that do not match the codes (8-bit codes said to be 4-bit)
-    bad_bits = ops.linear_weights("gguf_blocks", qkv.codes, qkv.scales_mins, None, 64,
-                                  block_len=32, bits=4)
+    bad_bits = block_ops.linear_weights("gguf_blocks", qkv.codes, qkv.scales_mins, None, 64,
+                                        block_len=32, bits=4)
     with pytest.raises(RuntimeError, match="codes do not match block_len and bits"):
-        stack.add_layer(*norms, bad_bits, o_or_down, gate_up.cpp_weights(ops), o_or_down)
-    stack.add_layer(*norms, qkv.cpp_weights(ops), o_or_down, gate_up.cpp_weights(ops),
+        stack.add_layer(*norms, bad_bits, o_or_down, gate_up.cpp_weights(block_ops), o_or_down)
+    stack.add_layer(*norms, qkv.cpp_weights(block_ops), o_or_down, gate_up.cpp_weights(block_ops),
                     o_or_down)  # the same layer, right: accepted
     # segments: every one takes the layer's inputs, together the outputs it needs
     q, kv = linear(Q.Q4_0, 32, 64, 4), linear(Q.Q8_0, 32, 64, 5)
-    segmented = ops.segmented_linear_weights([q.cpp_weights(ops), kv.cpp_weights(ops)])
-    stack.add_layer(*norms, segmented, o_or_down, gate_up.cpp_weights(ops), o_or_down)
-    short = ops.segmented_linear_weights([q.cpp_weights(ops)])
+    segmented = block_ops.segmented_linear_weights([q.cpp_weights(block_ops),
+                                                    kv.cpp_weights(block_ops)])
+    stack.add_layer(*norms, segmented, o_or_down, gate_up.cpp_weights(block_ops), o_or_down)
+    short = block_ops.segmented_linear_weights([q.cpp_weights(block_ops)])
     with pytest.raises(RuntimeError, match="gives 32 outputs where 64 are needed"):
-        stack.add_layer(*norms, short, o_or_down, gate_up.cpp_weights(ops), o_or_down)
-    wrong_inputs = ops.segmented_linear_weights([q.cpp_weights(ops), o_or_down])
+        stack.add_layer(*norms, short, o_or_down, gate_up.cpp_weights(block_ops), o_or_down)
+    wrong_inputs = block_ops.segmented_linear_weights([q.cpp_weights(block_ops), o_or_down])
     with pytest.raises(RuntimeError, match="the blocks cover 32 inputs, not 64"):
-        stack.add_layer(*norms, wrong_inputs, o_or_down, gate_up.cpp_weights(ops), o_or_down)
+        stack.add_layer(*norms, wrong_inputs, o_or_down, gate_up.cpp_weights(block_ops), o_or_down)
     with pytest.raises(RuntimeError, match="at least one segment"):
-        ops.segmented_linear_weights([])
+        block_ops.segmented_linear_weights([])
     with pytest.raises(RuntimeError, match="do not nest"):
-        ops.segmented_linear_weights([segmented])
+        block_ops.segmented_linear_weights([segmented])
 
 
 @pytest.mark.parametrize("qtype,dtype", [
@@ -252,7 +245,7 @@ def test_stack_rejects_bad_gguf_block_weights(ops):
     (Q.Q5_1, torch.float16), (Q.Q8_0, torch.float16), (Q.Q4_K, torch.uint8),
     (Q.Q5_K, torch.uint8), (Q.Q6_K, torch.int8), (Q.Q2_K, torch.uint8),
     (Q.Q3_K, torch.int8)], ids=lambda v: getattr(v, "name", str(v)))
-def test_compact_scales_compute_as_fp32_ones(ops, qtype, dtype):
+def test_compact_scales_compute_as_fp32_ones(block_ops, qtype, dtype):
     """The legacy types' scales and mins (GGUF's fp16 d, m, -8d, -16d, -128d) are packed
     in fp16, the K-quants' (d * sc) factored (int8 factors, fp16 per super-block: a uint8
     tensor, int8 where one factor serves the scale and the min); both give the same bits
@@ -260,7 +253,7 @@ def test_compact_scales_compute_as_fp32_ones(ops, qtype, dtype):
     (tests/model/test_gguf_factored_scales.py has the factors' own tests)."""
     values = 0.05 * torch.randn(40, 512, generator=torch.Generator().manual_seed(8))
     blocks = to_blocks(raw_blocks(qtype, values, 9), qtype, "w", "t.gguf")
-    kernel = GGUFBlockLinear(blocks, None, ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops)
     assert kernel.scales_mins.dtype == dtype
     scale_bytes = kernel.scales_mins.element_size()
     packed_bytes = kernel.codes.numel() + kernel.scales_mins.numel() * scale_bytes
@@ -268,19 +261,19 @@ def test_compact_scales_compute_as_fp32_ones(ops, qtype, dtype):
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(10))
     y = kernel(x)
     fp32 = (kernel.scales_mins.float() if dtype == torch.float16 else
-            GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, ops).scales_mins)
+            GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, block_ops).scales_mins)
     assert fp32.dtype == torch.float32
-    as_fp32 = ops.quant_block_linear(x, kernel.codes, fp32, 40, blocks.block_len, blocks.bits)
+    as_fp32 = block_ops.quant_block_linear(x, kernel.codes, fp32, 40, blocks.block_len, blocks.bits)
     assert torch.equal(y, as_fp32)
-    assert torch.equal(y, ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 40,
-                                                 blocks.block_len, blocks.bits,
-                                                 force_plain=True))
+    assert torch.equal(y, block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 40,
+                                                       blocks.block_len, blocks.bits,
+                                                       force_plain=True))
     with pytest.raises(RuntimeError, match="scales_mins must be float32, float16 or"):
-        ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
-                               blocks.block_len, blocks.bits)
+        block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
+                                     blocks.block_len, blocks.bits)
 
 
-def test_the_embedded_model_in_blocks_decodes_the_same_through_the_stack(ops):
+def test_the_embedded_model_in_blocks_decodes_the_same_through_the_stack(block_ops):
     """The real SmolLM2 GGUF (Q4_1 layers, Q8_0 embedding and tied LM head; 9 query heads of
     64, 3 KV heads, hidden 576) under quantization=gguf: greedy chat answers with the stack
     equal those of the Python layers, batched."""

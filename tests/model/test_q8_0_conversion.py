@@ -24,18 +24,10 @@ from slotserve.model.layers import Linear
 from slotserve.model.linear_kernels import (
     BlockEmbedding,
     GGUFBlockLinear,
-    gguf_block_kernel_available,
 )
 from tests.conftest import random_prompts
 
 Q = GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def ops(cpu_ops):
-    if not gguf_block_kernel_available(cpu_ops):
-        pytest.skip("the GGUF block kernel is not vectorised here (no AVX512-VNNI or AVX2)")
-    return cpu_ops
 
 
 def awkward_weight(rows: int = 300, cols: int = 96) -> torch.Tensor:
@@ -52,17 +44,17 @@ def awkward_weight(rows: int = 300, cols: int = 96) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_kernel_writes_gguf_py_q8_0_blocks_bit_for_bit(ops, dtype):
+def test_the_kernel_writes_gguf_py_q8_0_blocks_bit_for_bit(block_ops, dtype):
     """The raw blocks (fp16 d, 32 int8 codes) equal gguf-py's quantize of the fp32 values, for
     every dtype a weight is stored in; unpacked, the values are gguf-py's dequantize."""
     weight = awkward_weight().to(dtype)
     expected = gguf_quants.quantize(weight.float().numpy(), Q.Q8_0)
-    assert np.array_equal(ops.quantize_q8_0(weight).numpy(), expected)
+    assert np.array_equal(block_ops.quantize_q8_0(weight).numpy(), expected)
     assert torch.equal(q8_0_blocks(weight).dequantize(),
                        torch.from_numpy(gguf_quants.dequantize(expected, Q.Q8_0)))
 
 
-def test_only_whole_blocks_of_finite_values_are_quantized(ops):
+def test_only_whole_blocks_of_finite_values_are_quantized(block_ops):
     weight = awkward_weight(8, 64)
     assert isinstance(as_q8_0(weight), GGUFBlockTensor)
     norm, ragged = torch.randn(96), torch.randn(8, 40)
@@ -71,7 +63,7 @@ def test_only_whole_blocks_of_finite_values_are_quantized(ops):
     with pytest.raises(ValueError, match="q8_0.*NaN or infinite"):
         q8_0_blocks(weight)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.quantize_q8_0(torch.randn(4, 40))
+        block_ops.quantize_q8_0(torch.randn(4, 40))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +98,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]]) -> list:
     return LLM(engine=engine).generate(prompts, params, use_tqdm=False)
 
 
-def test_an_hf_directory_as_q8_0_computes_as_its_q8_0_gguf(ops, hf_and_q8_0_gguf):
+def test_an_hf_directory_as_q8_0_computes_as_its_q8_0_gguf(block_ops, hf_and_q8_0_gguf):
     hf_dir, gguf_file = hf_and_q8_0_gguf
     settings = dict(max_model_len=256, block_size=16, max_num_seqs=4)
     hf = load_model(hf_dir)
