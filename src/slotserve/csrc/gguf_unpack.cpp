@@ -528,6 +528,62 @@ std::vector<torch::Tensor> unpack_gguf_blocks(const std::vector<GgufRows>& parts
       type, sources, row_bytes);
 }
 
+namespace {
+
+// Q8_0's 34 bytes of the 32 fp32 values x (quantize_q8_0); false where one is a NaN or an
+// infinity. NOTE: std::round rounds half away from zero; a block whose d is below fp32's
+// normals (1 / d infinite: its fp16 d is 0) gets codes 0, as numpy's cast gives them.
+inline bool quantize_q8_0_block(const float* x, uint8_t* block) {
+  constexpr int64_t n = Q8_0::kWeights;
+#if defined(__AVX512F__)
+  // The same operations on 16 lanes: |x|'s maximum (exact, any order), x * (1 / d), and
+  // round half away from zero as trunc plus the sign where the dropped part is >= 0.5.
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const __m512 zero = _mm512_setzero_ps();
+  const bool finite = _mm512_cmp_ps_mask(_mm512_sub_ps(lo, lo), zero, _CMP_EQ_OQ) == 0xFFFF &&
+                      _mm512_cmp_ps_mask(_mm512_sub_ps(hi, hi), zero, _CMP_EQ_OQ) == 0xFFFF;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#else
+  bool finite = true;
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    finite &= std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+#endif
+  const float d = amax / 127.f;
+  const float inverse = d == 0.f ? 0.f : 1.f / d;
+  const uint16_t bits = c10::Half(d).x;
+  std::memcpy(block, &bits, sizeof bits);
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(inverse), half = _mm512_set1_ps(0.5f);
+  const __m512i sign_bit = _mm512_set1_epi32(int32_t(0x80000000u));
+  const __m512i one = _mm512_castps_si512(_mm512_set1_ps(1.f));
+  for (int v = 0; v < 2; ++v) {
+    const __m512 p = _mm512_mul_ps(v ? hi : lo, scale);
+    const __m512 whole = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up =
+        _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(p, whole)), half, _CMP_GE_OQ);
+    const __m512 step = _mm512_castsi512_ps(
+        _mm512_or_si512(one, _mm512_and_si512(_mm512_castps_si512(p), sign_bit)));
+    const __m512 q = _mm512_mask_add_ps(whole, up, whole, step);
+    const __mmask16 held = _mm512_cmp_ps_mask(_mm512_abs_ps(q), _mm512_set1_ps(127.f),
+                                              _CMP_LE_OQ);  // false for NaN, infinity
+    const __m512i codes = _mm512_maskz_cvttps_epi32(held, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 2 + 16 * v),
+                     _mm512_cvtepi32_epi8(codes));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::round(x[i] * inverse);
+    block[2 + i] = std::isfinite(q) ? uint8_t(int8_t(q)) : 0;
+  }
+#endif
+  return finite;
+}
+
+}  // namespace
+
 torch::Tensor quantize_q8_0(const torch::Tensor& weight) {
   constexpr int64_t kWeights = Q8_0::kWeights, kBytes = Q8_0::kBytes;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % kWeights == 0,
@@ -544,22 +600,7 @@ torch::Tensor quantize_q8_0(const torch::Tensor& weight) {
       bool all_finite = true;
       for (int64_t b = first * blocks; b < last * blocks; ++b) {
         widen_row(v + b * kWeights, kWeights, 1, x);
-        float amax = 0.f;
-        for (float e : x) {
-          all_finite &= std::isfinite(e);
-          amax = std::max(amax, std::fabs(e));
-        }
-        const float d = amax / 127.f;
-        const float inverse = d == 0.f ? 0.f : 1.f / d;
-        uint8_t* block = raw + b * kBytes;
-        const uint16_t bits = c10::Half(d).x;
-        std::memcpy(block, &bits, sizeof bits);
-        // NOTE: std::round rounds half away from zero; a block whose d is below fp32's
-        // normals (1 / d infinite: its fp16 d is 0) gets codes 0, as numpy's cast gives
-        for (int64_t i = 0; i < kWeights; ++i) {
-          const float q = std::round(x[i] * inverse);
-          block[2 + i] = std::isfinite(q) ? uint8_t(int8_t(q)) : 0;
-        }
+        all_finite &= quantize_q8_0_block(x, raw + b * kBytes);
       }
       if (!all_finite) finite = false;
     });
