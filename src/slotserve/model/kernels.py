@@ -413,8 +413,7 @@ def q8_0_kernels(kernels: KernelSet) -> KernelSet:
         raise ValueError("quantization='q8_0' needs the fused CPU kernels' block kernel "
                          "(AVX2 or AVX512-VNNI), unavailable here; use bf16, int8 or none")
     return dataclasses.replace(kernels, weights="q8_0", gguf_types=(gguf_blocks.Q.Q8_0.name,),
-                               reason="quantization=q8_0: linear weights quantized to Q8_0 "
-                                      "as they load")
+                               reason="quantization=q8_0")
 
 
 def gguf_bytes_text(types: tuple[str, ...]) -> str:
