@@ -585,13 +585,18 @@ def q8_0_blocks(weight: torch.Tensor) -> BlockWeights:
 def as_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """A weight as quantization="q8_0" loads it (KernelSet.prepare_weight): a 2-D weight of
     whole blocks (a linear's, (out, in)) as Q8_0 blocks, made when its kernel is (LazyBlocks:
-    one weight's fp32 values and blocks at a time); anything else (norms, biases, a width
-    that is no multiple of 32) as the set's float kernels take it (GGUF blocks dequantized)."""
-    values = dequantized(weight)
-    if values.dim() != 2 or values.shape[1] % Q8_0_BLOCK:
-        return values
-    return GGUFBlockTensor(LazyBlocks((Q.Q8_0.name,), tuple(values.shape),
-                                      functools.partial(q8_0_blocks, values)))
+    one weight's fp32 values and blocks at a time: a GGUF weight is dequantized then too, so
+    a tied table whose lookups use the head's blocks is never); anything else (norms, biases,
+    a width that is no multiple of 32) as the set's float kernels take it (GGUF blocks
+    dequantized)."""
+    if weight.dim() != 2 or weight.shape[1] % Q8_0_BLOCK:
+        return dequantized(weight)
+    return GGUFBlockTensor(LazyBlocks((Q.Q8_0.name,), tuple(weight.shape),
+                                      functools.partial(_q8_0_blocks_of, weight)))
+
+
+def _q8_0_blocks_of(weight: torch.Tensor) -> BlockWeights:
+    return q8_0_blocks(dequantized(weight))
 
 
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:

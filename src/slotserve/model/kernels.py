@@ -303,6 +303,12 @@ class KernelSet:
             return gguf_blocks.as_q8_0(weight)
         return weight if self.gguf_types else gguf_blocks.dequantized(weight)
 
+    def prepare_embedding(self, table: torch.Tensor) -> torch.Tensor:
+        """The embedding table as this set looks its rows up: as loaded (a GGUF's blocks stay
+        blocks, a float table as stored), but quantized to Q8_0 blocks under q8_0 (as a Q8_0
+        file's table)."""
+        return gguf_blocks.as_q8_0(table) if self.weights == "q8_0" else table
+
     def _kernel_text(self, kind: str) -> str:
         """Linear kernel `kind` (a key of LINEAR_KERNELS) in words, with its bf16 mode."""
         text = LINEAR_KERNELS[kind]

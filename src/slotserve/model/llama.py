@@ -245,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
         swap = LinearKernelSwap(self, self.kernels)
         given = {}  # Linear name -> its weight, handed to its kernel as it is (swap.takes)
         for name, tensor in fuse_hf_weights(weights, self.config, self.kernels.prepare_weight):
-            if name == "embed_tokens.weight" and self.kernels.weights == "q8_0":
-                tensor = self.kernels.prepare_weight(tensor)  # NOTE: as a Q8_0 file's table
+            if name == "embed_tokens.weight":
+                tensor = self.kernels.prepare_embedding(tensor)
             if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
                 embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
                 loaded.add(name)
