@@ -118,9 +118,8 @@ def load_gguf(path: str, keep_quantized: bool = False, gguf: GGUFFile | None = N
     _check_no_extra_tensors(path, config, gguf_names)
     tokenizer = _tokenizer(path, meta, config)  # NOTE: checked before the slow conversion
     # NOTE: float tensors are views of the file, read as the model packs them (no copy)
-    private = (_private_mapping(path) if any(t.tensor_type in _AS_STORED
-                                              and not t.name.endswith("norm.weight")
-                                              for t in names.values()) else None)
+    private = (_private_mapping(path) if any(_stored_as(t) for t in names.values())
+               else None)
     weights = {hf: _block_tensor(t, config, path, arch)
                if keep_quantized and _kept_in_blocks(hf, t, config)
                else _convert(t, config, arch, private)
@@ -253,6 +252,12 @@ _AS_STORED = {Q.F16: (np.uint16, torch.float16), Q.BF16: (np.uint16, torch.bfloa
               Q.F32: (np.float32, torch.float32)}
 
 
+def _stored_as(tensor: GGUFTensor) -> tuple | None:
+    """(its bits' numpy type, its torch dtype) where a tensor is read as stored (_AS_STORED's
+    types but norms, which are shifted in fp32), else None (dequantized to float32)."""
+    return None if tensor.name.endswith("norm.weight") else _AS_STORED.get(tensor.tensor_type)
+
+
 def _private_mapping(path: str) -> mmap.mmap | None:
     """A private (copy-on-write) mapping of the file: arrays over it are writable, never
     write the file, and cost no memory until read. None where the system refuses one (a
@@ -273,7 +278,7 @@ def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
     file's `_private_mapping`) where given, else a copy out of the file."""
     shape = tuple(reversed(tensor.shape))  # NOTE: GGUF lists ne0 (fastest) first
     norm = tensor.name.endswith("norm.weight")
-    kept = _AS_STORED.get(tensor.tensor_type) if not norm else None
+    kept = _stored_as(tensor)
     if kept is not None and private is not None:
         bits = np.dtype(kept[0])
         weight = np.frombuffer(private, dtype=bits, count=tensor.data.nbytes // bits.itemsize,
