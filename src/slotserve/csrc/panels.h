@@ -37,13 +37,25 @@ constexpr int PANEL_TILE_ROWS = 6;
 constexpr int PANEL_FULL_WIDTH_ROWS = 3;
 constexpr int64_t PANEL_PREFETCH_BYTES = 8192;  // 8 KB ahead: 4 KB was slower at 4-16 rows
 
-// NOTE: the prefetch hint of a tile of ROWS rows. A tile of few rows has little arithmetic
-// per weight byte and waits for the stream: asking into L2 only (T1) rather than into L1
-// (T0) leaves the L1's few fill buffers to the loads and keeps more lines in flight. At
-// batch 1 the layer linears of SmolLM2 took 8.1-9.3 ms per step with T1 against 9.7-10.1
-// with T0 (interleaved, same host); 4 and 8 rows also gained, 12 did not (T0 kept there).
+// NOTE: the prefetch hint of a tile of ROWS rows depends on the CPU, not on the kernel (each
+// measured with engines interleaved on one host):
+// - Sapphire Rapids and later (the amx class's CPUs; gcc's -march=native defines
+//   __AMX_TILE__ there): up to 8 rows into L2 only (T1), leaving the L1's few fill buffers
+//   to the loads: batch-1 layer linears 9.7-10.1 -> 8.1-9.3 ms per step with T1, 4 and 8
+//   rows faster too, 12 not (T0 from 9 rows).
+// - Ice Lake (the avx512 class): into L1 (T0) at every row count: SmolLM2 bf16 through the
+//   engine (`benchmarks.engine_ab`, 7 rounds) batch 1 x1.04-1.06, 4 rows x1.04, 8 rows x1.03,
+//   fp32 batch 1 x1.06 against T1 up to 8 rows.
+// - Zen 3 (the avx2 class): level either way (1 row x1.00). Zen 4/5: not measured; T0.
+#if defined(__AMX_TILE__)
+constexpr int PANEL_L2_PREFETCH_MAX_ROWS = 8;
+#else
+constexpr int PANEL_L2_PREFETCH_MAX_ROWS = 0;
+#endif
 template <int ROWS>
-constexpr _mm_hint panel_prefetch_hint() { return ROWS <= 8 ? _MM_HINT_T1 : _MM_HINT_T0; }
+constexpr _mm_hint panel_prefetch_hint() {
+  return ROWS <= PANEL_L2_PREFETCH_MAX_ROWS ? _MM_HINT_T1 : _MM_HINT_T0;
+}
 
 // tile(panel, first row, rows, cols) for every panel (in parallel) and every tile of rows.
 // NOTE: the rows go in tiles as even as possible (64 rows: 11 11 11 11 10 10, not
