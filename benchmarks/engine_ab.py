@@ -4,7 +4,8 @@
 
 A.so, B.so: two builds of the kernels (`load_cpu_ops().__file__` of each checkout, e.g. the
 one before a kernel change and the one after; their Python side must agree, as it does
-for a change inside csrc/). Each engine (the embedded SmolLM2, `--quantization`, 64 slots)
+for a change inside csrc/). Each engine (the embedded SmolLM2 or `--model`, `--quantization`,
+64 slots)
 is built with its build's kernels; then every round runs each batch size on A and on B in
 turn, the order swapped every round, so a shared machine's slow minutes hit both alike.
 Reported per batch: the median output tok/s of each, the median of the per-round ratios
@@ -25,13 +26,15 @@ PROMPTS = [f"Tell me fact number {i} about the roads of the Roman empire." for i
 PASSAGE = "The Roman roads ran straight from town to town across hills, rivers and marshes. "
 
 
-def engine_on(build, quantization: str):
-    """An LLM whose kernels are `build` (resolve_kernels' load_cpu_ops returns it)."""
+def engine_on(build, quantization: str, model: str | None = None):
+    """An LLM on `model` (default: the embedded one) whose kernels are `build`
+    (resolve_kernels' load_cpu_ops returns it)."""
     from slotserve import LLM
     from slotserve.model import cpu_ops
 
+    kwargs = {"model": model} if model else {}
     with mock.patch.object(cpu_ops, "load_cpu_ops", lambda *_args, **_kw: build):
-        return LLM(quantization=quantization, max_num_seqs=64)
+        return LLM(**kwargs, quantization=quantization, max_num_seqs=64)
 
 
 def timed(llm, batch: int, max_tokens: int,
@@ -57,13 +60,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--quantization", default="bf16")
+    p.add_argument("--model", default=None, help="a model path (default: the embedded one)")
     p.add_argument("--prefix-sentences", type=int, default=0,
                    help="a passage of this many sentences (16 tokens each) before every "
                         "prompt: decode over a long context (default: none)")
     args = p.parse_args()
     prefix = PASSAGE * args.prefix_sentences
 
-    engines = {name: engine_on(load_build(path), args.quantization)
+    engines = {name: engine_on(load_build(path), args.quantization, args.model)
                for name, path in (("A", args.a), ("B", args.b))}
     for llm in engines.values():  # warm-up: every batch size once
         for batch in args.batch:

@@ -220,6 +220,22 @@ struct FactoredScales {
 #endif
 };
 
+// NOTE: both AVX2 kernels prefetch every 64-byte line of a block 8 KB ahead (as the bf16
+// panels): one line of each block 4 blocks ahead (1 KB) held the Zen 3's 1-row Q4_K kernel to
+// ~16-23 GB/s of its ~30; this ~21-34 (benchmarks.gguf_kernel_ab, 8 and 16 KB alike).
+// The VNNI kernel prefetches codes of 8 and 6 bits the same way. On the Ice Lake Xeon
+// (builds alternating, `benchmarks.engine_ab`): SmolLM2 as q8_0 batch 1 x1.07, 8 rows x1.13,
+// 64 level; Gemma 3 270M's Q4_K_M file (`--model`) batch 1 x1.12, 8 x1.18, 64 x1.05. Codes
+// of 4 bits are left to the hardware's prefetcher: no measurement here separates them (the
+// Gemma file's Q4_K linears in `benchmarks.gguf_kernel_ab` ran 0.87-0.99x in builds that
+// did and did not prefetch them, its Q5_0, Q6_K and Q8_0 ones 1.0-1.4x).
+constexpr int64_t QB_PREFETCH_BYTES = 8192;
+
+inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
+  for (int64_t line = 0; line < block_bytes; line += 64)
+    __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
+}
+
 // A block's codes, all of its L / 4 steps of 64 bytes (step k: rows' codes 4k..4k+3), as
 // the VNNI kernel multiplies them: 4-bit codes unpacked from the 64 bytes steps 2k and 2k+1
 // share (IQ4_NL: those indices looked up, the table in each 128-bit lane); 6-bit: those
@@ -278,6 +294,7 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
   for (int t = 0; t < N; ++t) rows_a[t] = q.a.data() + (t0 + t) * s.in;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * block_bytes;
+    if constexpr (BITS != 4 && BITS != QUANT_CODES_IQ4_NL) prefetch_block(block, block_bytes);
     __m512i w[steps];
     block_codes<L, BITS>(block, w);
     __m512i dots[N];
@@ -310,16 +327,6 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 // (vphaddd, then lanes put back in row order). NOTE: the integer sums are exact, so they
 // equal VNNI's; the block's float operations are the same as panel_rows_vnni's, per lane,
 // in the same order: the same bits.
-// NOTE: both AVX2 kernels prefetch every 64-byte line of a block 8 KB ahead (as the bf16
-// panels): one line of each block 4 blocks ahead (1 KB) held the Zen 3's 1-row Q4_K kernel to
-// ~16-23 GB/s of its ~30; this ~21-34 (benchmarks.gguf_kernel_ab, 8 and 16 KB alike).
-constexpr int64_t QB_PREFETCH_BYTES = 8192;
-
-inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
-  for (int64_t line = 0; line < block_bytes; line += 64)
-    __builtin_prefetch(block + QB_PREFETCH_BYTES + line);
-}
-
 constexpr int QB_TILE_AVX2 = 4;  // activation rows per pass (the 4 int32 sums each in registers)
 
 template <int BITS>  // 8 or QUANT_CODES_IQ4_NL
