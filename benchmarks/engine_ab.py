@@ -5,9 +5,8 @@
 A.so, B.so: two builds of the kernels (`load_cpu_ops().__file__` of each checkout, e.g. the
 one before a kernel change and the one after; their Python side must agree, as it does
 for a change inside csrc/). Each engine (the embedded SmolLM2 or `--model`, `--quantization`,
-64 slots)
-is built with its build's kernels; then every round runs each batch size on A and on B in
-turn, the order swapped every round, so a shared machine's slow minutes hit both alike.
+64 slots) is built with its build's kernels; then every round runs each batch size on A and
+on B in turn, the order swapped every round, so a shared machine's slow minutes hit both alike.
 Reported per batch: the median output tok/s of each, the median of the per-round ratios
 B / A, and whether both gave the same tokens (greedy).
 """
