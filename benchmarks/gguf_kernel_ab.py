@@ -8,6 +8,11 @@ the packed layout must be the same). The file's linears (benchmarks/gguf_1row.py
 through A and B in turn, `--passes` times each, the order swapped every pass, so a shared
 machine's stalls hit both alike: median ms and GB/s of each, their ratio, and whether the two
 builds give the same bits.
+
+NOTE: a role whose weights fit the last-level cache (a small model's o_proj: a few MB) is read
+from it after the first pass, not from memory as in a decode step (44 GB/s seen on a 48 MB
+L3 where memory gives ~25): `--flush-mb 128` reads that many MB of a buffer of its own before
+every timed pass, so each pass starts with the role's weights out of the caches.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ def load_build(path: str):
     return module
 
 
-def one_pass(ops, pairs) -> tuple[float, list[torch.Tensor]]:
+def one_pass(ops, pairs, flush: torch.Tensor | None = None
+             ) -> tuple[float, list[torch.Tensor]]:
+    """Seconds of one pass over `pairs` (each kernel on its x) and the outputs; `flush`, if
+    given, is summed first (untimed) to push the weights out of the caches."""
+    if flush is not None:
+        flush.sum()
     start = time.perf_counter()
     ys = [ops.quant_block_linear(x, k.codes, k.scales_mins, k.out_features, k.block_len,
                                  k.bits, False) for k, x in pairs]
@@ -43,7 +53,10 @@ def main() -> None:
     p.add_argument("b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     p.add_argument("--passes", type=int, default=15)
+    p.add_argument("--flush-mb", type=int, default=0,
+                   help="read this many MB before every timed pass (the NOTE above; 0: none)")
     args = p.parse_args()
+    flush = torch.ones(args.flush_mb << 18) if args.flush_mb else None  # fp32: 2^18 a MB
 
     from benchmarks.gguf_1row import kernels_by_role
     from slotserve.engine.llm import LLM
@@ -62,7 +75,7 @@ def main() -> None:
             times: dict[str, list[float]] = {"A": [], "B": []}
             for i in range(args.passes):
                 for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                    times[name].append(one_pass(builds[name], pairs)[0])
+                    times[name].append(one_pass(builds[name], pairs, flush)[0])
             med = {name: statistics.median(t) for name, t in times.items()}
             print(f"{rows:3d} rows {key:46s} A {med['A'] * 1e3:7.2f} ms "
                   f"{held / med['A'] / 1e9:5.1f} GB/s | B {med['B'] * 1e3:7.2f} ms "
