@@ -223,14 +223,12 @@ struct FactoredScales {
 // NOTE: both AVX2 kernels prefetch every 64-byte line of a block 8 KB ahead (as the bf16
 // panels): one line of each block 4 blocks ahead (1 KB) held the Zen 3's 1-row Q4_K kernel to
 // ~16-23 GB/s of its ~30; this ~21-34 (benchmarks.gguf_kernel_ab, 8 and 16 KB alike).
-// The VNNI kernel prefetches codes of 8 and 6 bits the same way. On the Ice Lake Xeon
-// (builds alternating, `benchmarks.engine_ab`): SmolLM2 as q8_0 batch 1 x1.07, 8 rows x1.13,
-// 64 level; Gemma 3 270M's Q4_K_M file (`--model`) batch 1 x1.12, 8 x1.18, 64 x1.05. Codes
-// of 4 bits are left to the hardware's prefetcher: no measurement here separates them (the
-// Gemma file's Q4_K linears in `benchmarks.gguf_kernel_ab` ran 0.87-0.99x in builds that
-// did and did not prefetch them, its Q5_0, Q6_K and Q8_0 ones 1.0-1.4x; SmolLM2's Q4_K_M
-// file through the engine, 4-bit codes prefetched too: x1.02-1.05 at 1, 8 and 64 rows as
-// medians of rounds that each spread +-20%).
+// The VNNI kernel prefetches the same way. On the Ice Lake Xeon, builds alternating: through
+// the engine (`benchmarks.engine_ab`) SmolLM2 as q8_0 batch 1 x1.07, 8 rows x1.13, 64 level,
+// Gemma 3 270M's Q4_K_M file (`--model`) batch 1 x1.12, 8 x1.18, 64 x1.05; the linears alone
+// with their weights out of the caches (`benchmarks.gguf_kernel_ab --flush-mb 128`) Q4_K
+// x1.07-1.14 at 1 and 8 rows, Q5_0, Q6_K and Q8_0 x1.05-1.31, 64 rows level. 16 KB ahead:
+// level with 8 (q8_0 through the engine).
 constexpr int64_t QB_PREFETCH_BYTES = 8192;
 
 inline void prefetch_block(const uint8_t* block, int64_t block_bytes) {
@@ -296,7 +294,7 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
   for (int t = 0; t < N; ++t) rows_a[t] = q.a.data() + (t0 + t) * s.in;
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * block_bytes;
-    if constexpr (BITS != 4 && BITS != QUANT_CODES_IQ4_NL) prefetch_block(block, block_bytes);
+    prefetch_block(block, block_bytes);
     __m512i w[steps];
     block_codes<L, BITS>(block, w);
     __m512i dots[N];
