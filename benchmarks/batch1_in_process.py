@@ -54,8 +54,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128, help="decode steps timed a round")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    kwargs = {"model": args.model} if args.model else {}
-    llm = LLM(**kwargs, quantization=args.quantization, max_num_seqs=1)
+    llm = LLM(args.model, quantization=args.quantization, max_num_seqs=1)
     params = llm.engine.model_config.num_parameters
     request_seconds(llm, 1 + args.tokens)  # warm-up
     rounds = []

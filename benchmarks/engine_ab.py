@@ -31,9 +31,8 @@ def engine_on(build, quantization: str, model: str | None = None):
     from slotserve import LLM
     from slotserve.model import cpu_ops
 
-    kwargs = {"model": model} if model else {}
     with mock.patch.object(cpu_ops, "load_cpu_ops", lambda *_args, **_kw: build):
-        return LLM(**kwargs, quantization=quantization, max_num_seqs=64)
+        return LLM(model, quantization=quantization, max_num_seqs=64)
 
 
 def timed(llm, batch: int, max_tokens: int,

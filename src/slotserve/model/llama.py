@@ -247,18 +247,17 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in fuse_hf_weights(weights, self.config, self.kernels.prepare_weight):
             if name == "embed_tokens.weight":
                 tensor = self.kernels.prepare_embedding(tensor)
-            if name == "embed_tokens.weight" and self._looks_up_in_blocks(tensor):
-                embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
-                loaded.add(name)
-                continue
-            if name == "embed_tokens.weight":
+                if self._looks_up_in_blocks(tensor):
+                    embedding_blocks = tensor.source  # NOTE: never made fp32 (BlockEmbedding)
+                    loaded.add(name)
+                    continue
                 tensor = dequantized(tensor)
-            if name == "embed_tokens.weight" and self._looks_up_widened(tensor):
-                # NOTE: a copy: a loader's tensor may keep more than itself alive (a
-                # safetensors file's tensors are views of one mapping of the whole file)
-                self.embed_tokens = WidenedEmbedding(tensor.clone())
-                loaded.add(name)
-                continue
+                if self._looks_up_widened(tensor):
+                    # NOTE: a copy: a loader's tensor may keep more than itself alive (a
+                    # safetensors file's tensors are views of one mapping of the whole file)
+                    self.embed_tokens = WidenedEmbedding(tensor.clone())
+                    loaded.add(name)
+                    continue
             module_name, kind = name.rsplit(".", 1)
             module = _submodule(self, module_name)
             target = getattr(module, kind, None)
