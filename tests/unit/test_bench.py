@@ -26,6 +26,7 @@ from slotserve.lab.bench import (
     OpenAITarget,
     run_bench,
 )
+from slotserve.lab.bench.report import command_line
 from slotserve.lab.workload import (
     BenchRequest,
     Workload,
@@ -108,6 +109,14 @@ def test_jsonl_errors_name_the_line(tmp_path):
     path.write_text('{"prompt": "hi", "messages": [], "max_tokens": 4}\n')
     with pytest.raises(ValueError, match="exactly one"):
         load_workload(path)
+
+
+def test_a_report_names_its_script_relative_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "benchmarks" / "perf.py"
+    assert command_line([str(script), "--rounds", "3"]) == "benchmarks/perf.py --rounds 3"
+    elsewhere = str(tmp_path.parent / "other.py")
+    assert command_line([elsewhere, "-x"]) == f"{elsewhere} -x"
 
 
 def test_latency_stats_are_ordered_and_in_ms():

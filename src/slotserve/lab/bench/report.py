@@ -13,9 +13,21 @@ from slotserve.lab.bench.stats import BenchResult, LatencyStats, machine_info
 def write_report(path: str | Path, **fields) -> None:
     """A benchmark script's JSON report: when, where and by which command, then `fields`."""
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-              "command": " ".join(sys.argv), **fields}
+              "command": command_line(), **fields}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=1))
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as run (sys.argv), its script named relative to the working directory
+    where it lies under it (`benchmarks/perf.py`, as `python -m benchmarks.perf` makes
+    argv[0] an absolute path): a report does not name the checkout's place on the machine."""
+    script, *args = argv or sys.argv
+    try:
+        script = str(Path(script).resolve().relative_to(Path.cwd())) if script else script
+    except ValueError:  # outside the working directory: as given
+        pass
+    return " ".join([script, *args])
 
 
 _COLUMNS = (  # header, width, value of a BenchResult
