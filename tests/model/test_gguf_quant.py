@@ -245,3 +245,32 @@ def test_kernels_that_do_not_run_blocks_get_them_dequantized():
     prepared = REFERENCE.prepare_weight(GGUFBlockTensor(blocks).t())
     assert type(prepared) is torch.Tensor
     assert torch.equal(prepared, blocks.dequantize().t())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_activation_quantization_edges_match_the_plain_loops(qtype, block_ops):
+    assert_quantization_edges_match_the_plain_loops(block_ops, qtype)
+
+
+def assert_quantization_edges_match_the_plain_loops(ops, qtype: GGMLQuantizationType) -> None:
+    """The vectorised activation quantizer gives the plain loops' bits on the blocks where
+    they could part: ties (x / s exactly k + 0.5: to even), zeros, denormals, a huge value,
+    -0.0, and blocks holding inf or NaN (their row's outputs NaN)."""
+    raw = raw_tensor(qtype, 32, 256, seed=4)
+    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, ops)
+    length = kernel.block_len
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
+    ties = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 126.5, -126.5])
+    x[0, :8] = ties  # block 0 of row 0: its scale 1, every tie exact
+    x[1, :length] = 0.0
+    x[1, length:2 * length] = -0.0
+    x[2, :length] = 1e-40  # denormals only: below FLT_MIN, codes of zero
+    x[2, length] = 1e30
+    x[3, 5] = float("inf")
+    x[4, 7] = float("nan")
+    x[5, :length] = torch.linspace(-1.0, 1.0, length) * 127.00001  # x / s just past 127
+    y = kernel(x)
+    plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 32, length,
+                                   kernel.bits, force_plain=True)
+    torch.testing.assert_close(y, plain, rtol=0, atol=0, equal_nan=True)
+    assert y[3].isnan().all() and y[4].isnan().all() and not y[[0, 1, 2, 5, 6, 7]].isnan().any()

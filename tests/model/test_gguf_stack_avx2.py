@@ -18,7 +18,12 @@ from slotserve.model.cpu_ops import load_cpu_ops
 from slotserve.model.linear_kernels import GGUFBlockLinear
 from tests.conftest import random_prompts
 from tests.model.test_decode_stack import run_comparing_stack_and_python
-from tests.model.test_gguf_quant import error_bound, raw_tensor, reference_weights
+from tests.model.test_gguf_quant import (
+    assert_quantization_edges_match_the_plain_loops,
+    error_bound,
+    raw_tensor,
+    reference_weights,
+)
 from tests.model.test_gguf_stack import gguf_engine
 
 Q = GGMLQuantizationType
@@ -50,6 +55,11 @@ def test_avx2_path_equals_the_plain_loops_and_vnni(qtype, avx2_ops, cpu_ops):
     assert (error <= error_bound(x, blocks)).all(), error.max()
     if cpu_ops.quant_blocks_isa() == "avx512vnni":
         assert torch.equal(GGUFBlockLinear(blocks, None, cpu_ops)(x), y)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_avx2_activation_quantization_edges_match_the_plain_loops(qtype, avx2_ops):
+    assert_quantization_edges_match_the_plain_loops(avx2_ops, qtype)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
