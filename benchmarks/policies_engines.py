@@ -12,6 +12,7 @@ from benchmarks.policies_workloads import BATCH, Settings
 from slotserve.config import EngineConfig, engine_config
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.outputs import RequestMetrics
+from slotserve.lab.bench.report import model_name
 from slotserve.lab.replay import VirtualEngineCore
 from slotserve.request import Request
 from slotserve.sampling import SamplingParams
@@ -114,7 +115,7 @@ def engine_factory(tiny: bool, s: Settings) -> tuple[EngineFactory, int, str]:
 
         loaded = load_model()
         model_config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
-        source = f"{model_config.name} ({loaded.source})"
+        source = f"{model_config.name} ({model_name(loaded.source)})"
 
     def make(policy: str) -> LLMEngine:
         return LLMEngine(config_for(policy, s), model_config, weights, tokenizer)

