@@ -148,13 +148,13 @@ constexpr bool QUANTIZES_IN_VECTORS = true;
 bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, float* sum) {
   const __m512 lo = _mm512_loadu_ps(x);
   const __m512 hi = n == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
-  const __m512 top16 = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+  const __m512 magnitude_lo = _mm512_abs_ps(lo), magnitude_hi = _mm512_abs_ps(hi);
   // NaN and inf (exponent all ones) both fail "<= FLT_MAX" (an unordered compare is false)
   const __m512 finite_max = _mm512_set1_ps(FLT_MAX);
-  if (_mm512_cmp_ps_mask(_mm512_abs_ps(lo), finite_max, _CMP_LE_OQ) != 0xFFFF ||
-      _mm512_cmp_ps_mask(_mm512_abs_ps(hi), finite_max, _CMP_LE_OQ) != 0xFFFF)
+  if (_mm512_cmp_ps_mask(magnitude_lo, finite_max, _CMP_LE_OQ) != 0xFFFF ||
+      _mm512_cmp_ps_mask(magnitude_hi, finite_max, _CMP_LE_OQ) != 0xFFFF)
     return false;
-  const float top = _mm512_reduce_max_ps(top16);
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(magnitude_lo, magnitude_hi));
   const bool usable = top >= FLT_MIN;
   const __m512 inv = _mm512_set1_ps(usable ? 127.f / top : 0.f);
   const __m512 limit = _mm512_set1_ps(127.f), floor = _mm512_set1_ps(-127.f);
@@ -175,7 +175,7 @@ bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, f
   *sum = float(_mm512_reduce_add_epi32(total));
   return true;
 }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 constexpr bool QUANTIZES_IN_VECTORS = true;
 bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, float* sum) {
   const int parts = int(n / 8);  // 2 or 4 vectors of 8
@@ -189,9 +189,7 @@ bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, f
       return false;
     top8 = _mm256_max_ps(top8, magnitude);
   }
-  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
-  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-  const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  const float top = max8(top8);
   const bool usable = top >= FLT_MIN;
   const __m256 inv = _mm256_set1_ps(usable ? 127.f / top : 0.f);
   const __m256 limit = _mm256_set1_ps(127.f), floor = _mm256_set1_ps(-127.f);

