@@ -1,7 +1,9 @@
 // The Python module: every kernel entry point (ops.h) and the decode stack's classes
-// (decode_stack.h). The only file that includes <torch/extension.h> (pybind11 and Python).
+// (decode_stack.h). The only file that includes torch's Python binding headers (pybind11
+// and Python): <torch/python.h>, not <torch/extension.h>, which adds all of libtorch's C++ API
+// (~8 s of this file's compile).
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include "decode_stack.h"
 #include "ops.h"

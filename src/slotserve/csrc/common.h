@@ -7,6 +7,7 @@
 //
 // One file per kernel family, compiled together into one extension by model/cpu_ops.py:
 //   common.h            this file: the checks and small math every family uses
+//   tensors.h           the slice of ATen the kernel files use
 //   parallel.h/.cpp     parallel_for: the kernels' thread pool while the CPUs are busy, else
 //                       OpenMP (see its NOTEs)
 //   ops.h               the kernel entry points (tensors, and the raw forms the stack calls)
@@ -24,11 +25,11 @@
 //
 // Plain loops, fp32 accumulation; `#pragma omp simd` lets the compiler vectorise the
 // reductions (no -ffast-math: it would flush denormals for the whole process).
-// NOTE: the kernel files include <torch/types.h>, not <torch/extension.h> (which only
-// bindings.cpp needs): parsing the full header took most of each file's compile time.
+// NOTE: the kernel files include tensors.h (the slice of ATen they use), not
+// <torch/extension.h> or <torch/types.h>: parsing those took most of each file's compile.
 #pragma once
 
-#include <torch/types.h>
+#include "tensors.h"
 
 #include "parallel.h"
 #if defined(__x86_64__)
@@ -44,7 +45,7 @@ namespace slotserve::kernels {
 
 inline void check_cpu_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32");
+  TORCH_CHECK(t.scalar_type() == kFloat32, name, " must be float32");
 }
 
 // fn(values) with `weight`'s data typed as it is stored: float, c10::BFloat16 or c10::Half
@@ -54,7 +55,7 @@ template <typename Fn>
 void with_weight_values(const torch::Tensor& weight, Fn&& fn) {
   TORCH_CHECK(weight.device().is_cpu(), "weight must be on the CPU");
   switch (weight.scalar_type()) {
-    case torch::kFloat32: fn(weight.data_ptr<float>()); break;
+    case kFloat32: fn(weight.data_ptr<float>()); break;
     case torch::kBFloat16: fn(weight.data_ptr<c10::BFloat16>()); break;
     case torch::kHalf: fn(weight.data_ptr<c10::Half>()); break;
     default: TORCH_CHECK(false, "weight must be float32, bfloat16 or float16, got ",

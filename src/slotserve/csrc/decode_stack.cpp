@@ -241,7 +241,7 @@ void DecodeStack::set_lookup_tables(torch::Tensor embedding, torch::Tensor cos,
   for (const torch::Tensor* table : {&cos, &sin, &local_cos, &local_sin})
     check_cpu_float(*table, "a RoPE table");
   const auto kind = embedding.scalar_type();  // NOTE: a 16-bit table is widened exactly
-  TORCH_CHECK(kind == torch::kFloat32 || kind == torch::kBFloat16 || kind == torch::kHalf,
+  TORCH_CHECK(kind == kFloat32 || kind == torch::kBFloat16 || kind == torch::kHalf,
               "the embedding must be float32, bfloat16 or float16");
   TORCH_CHECK(embedding.size(1) == final_norm_.numel(), "the embedding must be (V, H)");
   TORCH_CHECK(cos.size(1) == head_dim_ / 2 && sin.sizes() == cos.sizes(),
@@ -282,11 +282,11 @@ StepInputs check_step(torch::Tensor input_ids, torch::Tensor positions,
                       int64_t read_window) {
   TORCH_CHECK(embedding.defined(), "set_lookup_tables first");
   TORCH_CHECK(caches.size() == 2 * layers, "one k and one v cache per layer");
-  StepInputs in{input_ids.to(torch::kInt64).contiguous(),
-                positions.to(torch::kInt64).contiguous(),
-                slot_mapping.to(torch::kInt64).contiguous(),
-                block_tables.to(torch::kInt64).contiguous(),
-                context_lens.to(torch::kInt64).contiguous(), {}};
+  StepInputs in{input_ids.to(kInt64).contiguous(),
+                positions.to(kInt64).contiguous(),
+                slot_mapping.to(kInt64).contiguous(),
+                block_tables.to(kInt64).contiguous(),
+                context_lens.to(kInt64).contiguous(), {}};
   const int64_t D = in.ids.numel();
   TORCH_CHECK(in.ids.dim() == 1 && in.positions.dim() == 1 && in.positions.numel() == D,
               "input_ids and positions must be (D,)");
@@ -328,7 +328,8 @@ void norm_heads_rows(float* qkv, int64_t tokens, int64_t token_stride, int64_t n
 void gelu_mul_rows(const float* gate_up, float* act, int64_t rows, int64_t inter, bool tanh) {
   const torch::Tensor both = torch::from_blob(const_cast<float*>(gate_up), {rows, 2 * inter});
   const torch::Tensor out =
-      (at::gelu(both.narrow(1, 0, inter), tanh ? "tanh" : "none") * both.narrow(1, inter, inter))
+      at::gelu(both.narrow(1, 0, inter), tanh ? "tanh" : "none")
+          .mul(both.narrow(1, inter, inter))
           .contiguous();
   std::copy_n(out.data_ptr<float>(), rows * inter, act);
 }

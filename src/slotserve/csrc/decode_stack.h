@@ -7,7 +7,7 @@
 // The classes here (bindings.cpp exposes them), their code in decode_stack.cpp.
 #pragma once
 
-#include <torch/types.h>
+#include "tensors.h"
 
 #include <cstdint>
 #include <string>

@@ -74,7 +74,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), "at most 2^31 - 1 logits a row");
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  auto out = torch::empty({rows}, logits.options().dtype(kInt64));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

@@ -370,10 +370,10 @@ std::vector<torch::Tensor> unpack_rows(const std::vector<const uint8_t*>& source
   constexpr int64_t subs = T::kWeights / T::kLen;  // blocks of L per GGUF block
   const int64_t rows = int64_t(sources.size()), blocks = row_blocks * subs;  // blocks of L a row
   std::vector<std::vector<int64_t>> sizes{{rows, blocks, T::kLen}, {rows, blocks}, {rows, blocks}};
-  std::vector<torch::ScalarType> dtypes{torch::kUInt8, torch::kFloat32, torch::kFloat32};
+  std::vector<torch::ScalarType> dtypes{kUInt8, kFloat32, kFloat32};
   if constexpr (T::kFactored) {  // the factors, and one super-block a GGUF block
     sizes.insert(sizes.end(), {{rows, blocks}, {rows, blocks}, {rows, row_blocks, 2}});
-    dtypes.insert(dtypes.end(), {torch::kInt8, torch::kInt8, torch::kFloat32});
+    dtypes.insert(dtypes.end(), {kInt8, kInt8, kFloat32});
   }
   std::vector<torch::Tensor> out = unpack_arrays(sizes, dtypes);
   uint8_t* codes = out[0].data_ptr<uint8_t>();
@@ -478,7 +478,7 @@ void append_rows(const GgufRows& part, int64_t row_bytes, std::vector<const uint
     for (int64_t r = 0; r < part.rows; ++r) sources.push_back(part.data + r * row_bytes);
     return;
   }
-  const torch::Tensor index = part.order->to(torch::kInt64).contiguous();
+  const torch::Tensor index = part.order->to(kInt64).contiguous();
   TORCH_CHECK(index.dim() == 1 && index.numel() == part.rows, "order must be (", part.rows,
               ",)");
   check_indices(index, part.rows, "order");
@@ -507,7 +507,7 @@ torch::Tensor dequantize_gguf_blocks(const std::vector<GgufTypedRows>& parts) {
     kinds.resize(sources.size(), kind);
   }
   const int64_t rows = int64_t(sources.size());
-  torch::Tensor out = unpack_arrays({{rows, cols}}, {torch::kFloat32})[0];
+  torch::Tensor out = unpack_arrays({{rows, cols}}, {kFloat32})[0];
   float* values = out.data_ptr<float>();
   // NOTE: chunks of at least ~256 KB of output: a claim per row of a small tensor would cost
   // more than its values
@@ -590,7 +590,7 @@ torch::Tensor quantize_q8_0(const torch::Tensor& weight) {
               "weight must be (rows, cols), cols a multiple of 32");
   const torch::Tensor values = weight.contiguous();
   const int64_t rows = values.size(0), blocks = values.size(1) / kWeights;
-  torch::Tensor out = torch::empty({rows, blocks * kBytes}, torch::kUInt8);
+  torch::Tensor out = torch::empty({rows, blocks * kBytes}, kUInt8);
   uint8_t* const raw = out.data_ptr<uint8_t>();
   std::atomic<bool> finite{true};
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (blocks * kWeights + 1));

@@ -31,7 +31,7 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 // x (T, in) fp32 -> int16 (T, in) and each row's scale, x ~= q * scale.
 std::pair<torch::Tensor, torch::Tensor> quantize_rows_int16(const torch::Tensor& x) {
   const int64_t rows = x.size(0), in = x.size(1);
-  auto q = torch::empty({rows, in}, x.options().dtype(torch::kInt16));
+  auto q = torch::empty({rows, in}, x.options().dtype(kInt16));
   auto scales = torch::empty({rows}, x.options());
   const float* xp = x.data_ptr<float>();
   int16_t* qp = q.data_ptr<int16_t>();
@@ -126,7 +126,7 @@ void dot_int8_int16(const int8_t* w, const int16_t* x, int64_t in, float* out) {
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
   check_cpu_float(x, "x");
   check_cpu_float(scales, "scales");
-  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && qweight.is_contiguous(),
+  TORCH_CHECK(qweight.scalar_type() == kInt8 && qweight.is_contiguous(),
               "qweight must be contiguous int8 (out, in)");
   x = x.contiguous();
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2, "x must be (T, in), qweight (out, in)");

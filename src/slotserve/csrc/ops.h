@@ -9,7 +9,7 @@
 // after another, its raw loop 2.6 us (benchmarks/PERF.md).
 #pragma once
 
-#include <torch/types.h>
+#include "tensors.h"
 
 #include <cstdint>
 #include <string>
@@ -106,12 +106,12 @@ constexpr int64_t QUANT_SCALES_F32 = 0, QUANT_SCALES_F16 = 1, QUANT_SCALES_FACTO
 constexpr int64_t QK_K_WEIGHTS = 256;
 inline int64_t quant_scale_format(const torch::Tensor& scales_mins) {
   const auto dtype = scales_mins.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat16 || dtype == torch::kUInt8 ||
-                  dtype == torch::kInt8,
+  TORCH_CHECK(dtype == kFloat32 || dtype == kFloat16 || dtype == kUInt8 ||
+                  dtype == kInt8,
               "scales_mins must be float32, float16 or (factored) uint8 or int8");
-  return dtype == torch::kFloat32   ? QUANT_SCALES_F32
-         : dtype == torch::kFloat16 ? QUANT_SCALES_F16
-         : dtype == torch::kUInt8   ? QUANT_SCALES_FACTORED
+  return dtype == kFloat32   ? QUANT_SCALES_F32
+         : dtype == kFloat16 ? QUANT_SCALES_F16
+         : dtype == kUInt8   ? QUANT_SCALES_FACTORED
                                     : QUANT_SCALES_FACTORED_SHARED;
 }
 bool quant_blocks_vectorised();

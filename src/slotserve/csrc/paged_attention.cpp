@@ -92,8 +92,8 @@ int64_t kv_int8_head_dim(int64_t width) {
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 ||
-                   dtype == torch::kInt8) &&
+                  (dtype == kFloat32 || dtype == torch::kBFloat16 ||
+                   dtype == kInt8) &&
                   v_cache.scalar_type() == dtype,
               "k_cache and v_cache must be float32 or bfloat16 (or int8 rows), the same, on "
               "the CPU");
@@ -102,7 +102,7 @@ KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_c
               "the caches must be (num_blocks, bs, nkv, hd), both the same");
   const int64_t width = k_cache.size(3);
   const KvElements elements = dtype == torch::kBFloat16 ? KvElements::kBf16
-                              : dtype == torch::kInt8   ? KvElements::kInt8
+                              : dtype == kInt8   ? KvElements::kInt8
                                                         : KvElements::kFloat;
   const int64_t head_dim = elements == KvElements::kInt8 ? kv_int8_head_dim(width) : width;
   TORCH_CHECK(head_dim > 0, "an int8 cache's rows must be hd codes and 4 bytes per ",
@@ -141,7 +141,7 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
               "k, v must be (T, nkv, hd) and the caches (num_blocks, bs, nkv, hd)");
   if (k.stride(1) != cache.head_dim) k = k.contiguous();  // heads side by side, as stored
   if (v.stride(1) != cache.head_dim) v = v.contiguous();
-  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
+  slot_mapping = slot_mapping.to(kInt64).contiguous();
   TORCH_CHECK(slot_mapping.numel() == k.size(0), "one slot per new token");
   check_indices(slot_mapping, cache.num_blocks * cache.block_size, "slot");  // before any write
   write_kv_rows(cache, k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
@@ -154,8 +154,8 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, to
 // again, which a cache manager may have given back).
 void check_block_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                         int64_t num_blocks, int64_t block_size, int64_t window) {
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 &&
-                  context_lens.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
+  TORCH_CHECK(block_tables.scalar_type() == kInt64 &&
+                  context_lens.scalar_type() == kInt64 && block_tables.dim() == 2 &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "block_tables (D, maxb) and context_lens (D,) must be contiguous int64");
   const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
@@ -740,8 +740,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   check_cpu_float(q, "q");
   const KvCacheView cache = kv_cache_view(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (D, nh, hd), unit stride in hd");
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  context_lens = context_lens.to(torch::kInt64).contiguous();
+  block_tables = block_tables.to(kInt64).contiguous();
+  context_lens = context_lens.to(kInt64).contiguous();
   const int64_t seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(cache.head_dim == head_dim && cache.num_kv_heads > 0 &&
                   block_tables.dim() == 2 && block_tables.size(0) == seqs,

@@ -17,7 +17,7 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
   TORCH_CHECK(weight.dim() == 2, "weight must be (out, in)");
   const int64_t outs = weight.size(0), in = weight.size(1);
   const int64_t panels = (outs + PANEL_WIDTH - 1) / PANEL_WIDTH;
-  torch::Tensor packed = packed_destination(out, {panels, in, PANEL_WIDTH}, torch::kFloat32);
+  torch::Tensor packed = packed_destination(out, {panels, in, PANEL_WIDTH}, kFloat32);
   const int64_t out_stride = weight.stride(0), in_stride = weight.stride(1);
   float* dst = packed.data_ptr<float>();
   with_weight_values(weight, [&](const auto* w) {

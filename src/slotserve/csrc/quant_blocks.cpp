@@ -85,7 +85,7 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
   TORCH_CHECK(block_len == 16 || block_len == 32, "block_len must be 16 or 32");
   TORCH_CHECK(quant_codes_format_known(bits), "bits must be 4, 6 or 8 (or ", QUANT_CODES_IQ4_NL,
               ": IQ4_NL's indices)");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3,
+  TORCH_CHECK(codes.scalar_type() == kUInt8 && codes.is_contiguous() && codes.dim() == 3,
               "codes must come from pack_quant_blocks");
   TORCH_CHECK(sm.device().is_cpu() && sm.is_contiguous(), "scales_mins must be on the CPU");
   const int64_t format = quant_scale_format(sm);  // throws for another dtype
@@ -771,7 +771,7 @@ uint8_t pack_rows(const uint8_t* codes, const float* scales, const float* mins, 
 std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
                                                            torch::Tensor scales,
                                                            torch::Tensor mins, int64_t bits) {
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3,
+  TORCH_CHECK(codes.scalar_type() == kUInt8 && codes.dim() == 3,
               "codes must be uint8 (out, blocks, block_len)");
   check_cpu_float(scales, "scales");
   check_cpu_float(mins, "mins");
@@ -796,7 +796,7 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
   const int64_t block_bytes = block_len * QB_ROWS * bits / 8;
   auto packed = torch::empty({panels, blocks, block_bytes}, codes.options());
   auto sm = torch::empty({panels, blocks, 2, QB_ROWS},
-                         scales.options().dtype(half ? torch::kFloat16 : torch::kFloat32));
+                         scales.options().dtype(half ? kFloat16 : kFloat32));
   if (panels > 0 && out % QB_ROWS != 0) {  // the last panel's padding rows
     packed[panels - 1].zero_();
     sm[panels - 1].zero_();
@@ -838,8 +838,8 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
                                    c10::optional<torch::Tensor> min_factors,
                                    torch::Tensor supers) {
   const bool shared = !min_factors.has_value();
-  TORCH_CHECK(scale_factors.scalar_type() == torch::kInt8 && scale_factors.dim() == 2 &&
-                  (shared || (min_factors->scalar_type() == torch::kInt8 &&
+  TORCH_CHECK(scale_factors.scalar_type() == kInt8 && scale_factors.dim() == 2 &&
+                  (shared || (min_factors->scalar_type() == kInt8 &&
                               min_factors->sizes() == scale_factors.sizes())),
               "scale_factors and min_factors must be int8 (out, blocks)");
   check_cpu_float(supers, "supers");
@@ -851,8 +851,8 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
   TORCH_CHECK(QK_K_WEIGHTS % per_super == 0 && (QK_K_WEIGHTS / per_super == 16 ||
                                                 QK_K_WEIGHTS / per_super == 32),
               "a super-block is ", QK_K_WEIGHTS, " weights in blocks of 16 or 32");
-  const torch::Tensor halves = supers.to(torch::kFloat16).contiguous();
-  TORCH_CHECK(halves.to(torch::kFloat32).equal(supers),
+  const torch::Tensor halves = supers.to(kFloat16).contiguous();
+  TORCH_CHECK(halves.to(kFloat32).equal(supers),
               "supers must be fp16 values (the K-quants' d and dmin, -4 d, -32 d)");
   const int64_t block_len = QK_K_WEIGHTS / per_super;
   scale_factors = scale_factors.contiguous();
@@ -861,7 +861,7 @@ torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
   const int64_t panel_bytes = factored_panel_bytes(blocks, block_len, shared);
   const int64_t stride = shared ? QB_ROWS : 2 * QB_ROWS;
   auto packed = torch::zeros({panels, panel_bytes},
-                             torch::dtype(shared ? torch::kInt8 : torch::kUInt8));
+                             torch::dtype(shared ? kInt8 : kUInt8));
   auto* pp = static_cast<uint8_t*>(packed.data_ptr());
   const int8_t* sf = scale_factors.data_ptr<int8_t>();
   const int8_t* mf = mins.data_ptr<int8_t>();
@@ -1000,9 +1000,9 @@ torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t ou
   TORCH_CHECK(codes.dim() == 3, "codes must come from pack_quant_blocks");
   const int64_t in = codes.size(1) * block_len;
   check_quant_blocks(codes, sm, in, out_features, block_len, bits);
-  ids = ids.to(torch::kInt64).contiguous();
+  ids = ids.to(kInt64).contiguous();
   TORCH_CHECK(ids.dim() == 1, "ids must be (n,)");
-  auto out = torch::empty({ids.numel(), in}, torch::dtype(torch::kFloat32));
+  auto out = torch::empty({ids.numel(), in}, torch::dtype(kFloat32));
   quant_block_rows_into(codes.data_ptr<uint8_t>(), sm.data_ptr(), quant_scale_format(sm),
                         out_features, in, block_len, bits, ids.data_ptr<int64_t>(),
                         ids.numel(), out.data_ptr<float>());
