@@ -181,6 +181,7 @@ def _timed_steps(engine, plans: list, running, fresh: bool = False
 def calibrate(target, grid: CalibrationGrid, *, seed: int = 0, log=None
               ) -> tuple[LinearCost, list[Sample]]:
     """Measure the grid and fit; the model's `meta` records what, where and how well."""
+    from slotserve.lab.bench.report import model_name
     from slotserve.lab.bench.stats import machine_info
 
     started = time.perf_counter()
@@ -189,7 +190,7 @@ def calibrate(target, grid: CalibrationGrid, *, seed: int = 0, log=None
     model = fit_grid(pairs)
     kwargs = target.engine_kwargs
     model.meta = {
-        "model": target.source, "device": kwargs.get("device", "cpu"),
+        "model": model_name(target.source), "device": kwargs.get("device", "cpu"),
         "dtype": kwargs.get("dtype"), "kernels": kwargs.get("kernels", "auto"),
         "quantization": kwargs.get("quantization"), "grid": asdict(grid),
         "seconds": round(time.perf_counter() - started, 1), "fit": model.residuals(pairs),
