@@ -605,6 +605,7 @@ def measure(args, settings: dict[str, str | None], log) -> tuple[dict, dict]:
     results: dict[str, dict] = {}
     traces: dict[str, dict] = {}
     engines = {name: LLM(engine=target.build()) for name, target in targets.items()}
+    kernels = engines["off"].engine.runner.kernels.describe()  # its CPU class: forced or found
     # NOTE: every workload's prompts, so the first cell's first round is not the one that
     # meets their lengths first (2 free prompts only: grounded batch 1's first round ran at
     # 57 tok/s off and 2/3 of auto's later rounds on the Zen 3, its later rounds at 78-88 off)
@@ -639,7 +640,8 @@ def measure(args, settings: dict[str, str | None], log) -> tuple[dict, dict]:
                                        args.max_tokens)
             online[workload][f"{rate:g}"] = run_bench_cell(targets, requests, sampling,
                                                            args.rounds, log)
-    report = {"settings": settings, "engine": engine, "max_tokens": args.max_tokens,
+    report = {"settings": settings, "engine": engine, "kernels": kernels,
+              "max_tokens": args.max_tokens,
               "rounds": args.rounds, "results": results}
     if online:
         report["online"] = online
