@@ -24,7 +24,7 @@ using namespace at;  // NOLINT: torch::Tensor, torch::empty, torch::kFloat... as
 
 namespace slotserve::kernels {
 // <torch/types.h>'s names of the dtypes ATen calls kFloat, kHalf, kByte, kChar, kShort, kInt
-// and kLong (here, not under torch::, where bindings.cpp's <torch/extension.h> has them).
+// and kLong (here, not under torch::, where the torch headers bindings.cpp includes have them).
 inline constexpr auto kFloat32 = at::kFloat;
 inline constexpr auto kFloat16 = at::kHalf;
 inline constexpr auto kUInt8 = at::kByte;
