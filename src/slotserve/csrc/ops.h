@@ -106,13 +106,12 @@ constexpr int64_t QUANT_SCALES_F32 = 0, QUANT_SCALES_F16 = 1, QUANT_SCALES_FACTO
 constexpr int64_t QK_K_WEIGHTS = 256;
 inline int64_t quant_scale_format(const torch::Tensor& scales_mins) {
   const auto dtype = scales_mins.scalar_type();
-  TORCH_CHECK(dtype == kFloat32 || dtype == kFloat16 || dtype == kUInt8 ||
-                  dtype == kInt8,
+  TORCH_CHECK(dtype == kFloat32 || dtype == kFloat16 || dtype == kUInt8 || dtype == kInt8,
               "scales_mins must be float32, float16 or (factored) uint8 or int8");
   return dtype == kFloat32   ? QUANT_SCALES_F32
          : dtype == kFloat16 ? QUANT_SCALES_F16
          : dtype == kUInt8   ? QUANT_SCALES_FACTORED
-                                    : QUANT_SCALES_FACTORED_SHARED;
+                             : QUANT_SCALES_FACTORED_SHARED;
 }
 bool quant_blocks_vectorised();
 std::string quant_blocks_isa();  // "avx512vnni", "avx2" or "plain" (this build's path)

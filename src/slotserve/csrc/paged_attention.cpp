@@ -92,8 +92,7 @@ int64_t kv_int8_head_dim(int64_t width) {
 KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                  (dtype == kFloat32 || dtype == torch::kBFloat16 ||
-                   dtype == kInt8) &&
+                  (dtype == kFloat32 || dtype == torch::kBFloat16 || dtype == kInt8) &&
                   v_cache.scalar_type() == dtype,
               "k_cache and v_cache must be float32 or bfloat16 (or int8 rows), the same, on "
               "the CPU");
@@ -102,8 +101,8 @@ KvCacheView kv_cache_view(const torch::Tensor& k_cache, const torch::Tensor& v_c
               "the caches must be (num_blocks, bs, nkv, hd), both the same");
   const int64_t width = k_cache.size(3);
   const KvElements elements = dtype == torch::kBFloat16 ? KvElements::kBf16
-                              : dtype == kInt8   ? KvElements::kInt8
-                                                        : KvElements::kFloat;
+                              : dtype == kInt8            ? KvElements::kInt8
+                                                          : KvElements::kFloat;
   const int64_t head_dim = elements == KvElements::kInt8 ? kv_int8_head_dim(width) : width;
   TORCH_CHECK(head_dim > 0, "an int8 cache's rows must be hd codes and 4 bytes per ",
               KV_INT8_GROUP, " of them, not ", width, " bytes");
