@@ -17,11 +17,13 @@ from tests.conftest import random_prompts, tiny_engine, tiny_hf_model
 from tests.model.test_decode_stack import run_comparing_stack_and_python
 
 SLACK = 1e-5  # fp32 sums against float64 ones (as tests/model/test_linear_kernels.py)
-# Rows: none, the 1-2 row tiles (the panel's 32 outputs at once), 3-6 (two halves of 16),
-# and 7, 13, 64 split into even tiles of up to 6.
+# Rows: none, 1-3 (one tile, the panel's 32 outputs at once), 5-6 (a tile over two halves of
+# 16), 7, 13 (tiles of 3-5 rows walking the panel together, chunk by chunk) and 64 (11 tiles:
+# groups of 4, 4 and 3).
 ROWS = [0, 1, 2, 3, 5, 6, 7, 13, 64]
 # (in, out): inputs no multiple of 8 or 2 (an odd input pair); 200 = 6 x 32 + 8 and 40 = 32 + 8:
-# a last panel of 8 outputs (masked stores, no second half); 32 + 20: a second half of 4.
+# a last panel of 8 outputs (masked stores, no second half); 32 + 20: a second half of 4; 95
+# and 64 inputs: chunks of 32 steps (inputs of fp32, pairs of bf16), the last one short.
 SHAPES = [(95, 200), (96, 40), (3, 32), (64, 52)]
 
 

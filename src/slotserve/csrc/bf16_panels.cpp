@@ -173,19 +173,15 @@ void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, fl
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// y[r, first : first + 8 VECS] = x[r, :] . panel's outputs first .. first + 8 VECS for ROWS
-// rows of fp32 x, widening the bf16 weights: VECS vectors of 8 outputs (8 input pairs) a row.
+// acc[r][v] += x[r, 2 kp : 2 kp + 2] . the panel's outputs first + 8 v .. + 8 for the input
+// pairs kp_begin .. kp_end, ROWS rows of fp32 x, widening the bf16 weights: VECS vectors of
+// 8 outputs (8 input pairs) a row.
 template <int ROWS, int VECS>
-void panel_tile_bf16_widen_avx2(const float* x, const uint16_t* panel, int64_t in, float* y,
-                                int64_t outs, int first, int64_t cols) {
-  __m256 acc[ROWS][VECS];
-  SLOTSERVE_UNROLL
-  for (int r = 0; r < ROWS; ++r)
-    SLOTSERVE_UNROLL
-    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_setzero_ps();
+__attribute__((always_inline)) inline void walk_pairs_bf16_widen_avx2(
+    const float* x, const uint16_t* panel, int64_t in, int first, int64_t kp_begin,
+    int64_t kp_end, __m256 (&acc)[ROWS][VECS]) {
   const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
-  const int64_t pairs = (in + 1) / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
+  for (int64_t kp = kp_begin; kp < kp_end; ++kp) {
     const uint16_t* w = panel + kp * 2 * PANEL_WIDTH + 2 * first;  // 32 bytes a vector
     _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
                  panel_prefetch_hint<ROWS>());
@@ -225,23 +221,34 @@ void panel_tile_bf16_widen_avx2(const float* x, const uint16_t* panel, int64_t i
       }
     }
   }
-  SLOTSERVE_UNROLL
-  for (int r = 0; r < ROWS; ++r)
-    SLOTSERVE_UNROLL
-    for (int v = 0; v < VECS; ++v)
-      store_panel_outputs_avx2(y + r * outs + first + 8 * v, acc[r][v], cols - first - 8 * v);
 }
 
-// The AVX2 tile of ROWS rows: the panel's 32 outputs at once for few rows, else two halves.
+// The AVX2 tile of up to PANEL_FULL_WIDTH_ROWS rows: the panel's 32 outputs at once.
+// NOTE: more rows walk the panel in halves, in panel_bf16_widen_halves: only the fewer
+// come here (panel_linear_bf16_rows).
 template <int ROWS>
 void panel_tile_bf16_widen(const float* x, const uint16_t* panel, int64_t in, float* y,
                            int64_t outs, int64_t cols) {
-  if constexpr (ROWS <= PANEL_FULL_WIDTH_ROWS) {
-    panel_tile_bf16_widen_avx2<ROWS, 4>(x, panel, in, y, outs, 0, cols);
-  } else {
-    panel_tile_bf16_widen_avx2<ROWS, 2>(x, panel, in, y, outs, 0, cols);
-    if (cols > 16) panel_tile_bf16_widen_avx2<ROWS, 2>(x, panel, in, y, outs, 16, cols);
-  }
+  constexpr int rows = std::min(ROWS, PANEL_FULL_WIDTH_ROWS);
+  __m256 acc[rows][4];
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < rows; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  walk_pairs_bf16_widen_avx2<rows, 4>(x, panel, in, 0, 0, (in + 1) / 2, acc);
+  store_panel_vectors_avx2<rows, 4>(acc, y, outs, 0, cols);
+}
+
+// y (tokens, outs)[:, :cols] = x (tokens, in) . one panel for tokens > PANEL_FULL_WIDTH_ROWS
+// (panels.h's walk_panel_in_halves_avx2).
+void panel_bf16_widen_halves(const float* x, const uint16_t* panel, int64_t in, float* y,
+                             int64_t outs, int64_t cols, int64_t tokens) {
+  walk_panel_in_halves_avx2(
+      tokens, (in + 1) / 2, y, outs, cols,
+      [&]<int ROWS>(int64_t row, int first, int64_t begin, int64_t end,
+                    __m256 (&acc)[ROWS][2]) __attribute__((always_inline)) {
+        walk_pairs_bf16_widen_avx2<ROWS, 2>(x + row * in, panel, in, first, begin, end, acc);
+      });
 }
 #endif
 
@@ -329,6 +336,15 @@ void panel_linear_bf16_rows(const float* x, const uint16_t* xb, int64_t tokens, 
                             const uint16_t* panels, int64_t num_panels, int64_t out_features,
                             float* y) {
   const int64_t pairs = (in + 1) / 2, pairs16 = padded_pairs(in);
+#if !defined(__AVX512F__) && defined(SLOTSERVE_BF16_WIDEN_VECTORISED)
+  if (xb == nullptr && !g_force_plain_loops && tokens > PANEL_FULL_WIDTH_ROWS) {
+    for_each_panel(num_panels, out_features, [&](int64_t p, int64_t cols) {
+      panel_bf16_widen_halves(x, panels + p * pairs16 * 2 * PANEL_WIDTH, in,
+                              y + p * PANEL_WIDTH, out_features, cols, tokens);
+    });
+    return;
+  }
+#endif
   for_each_panel_tile(tokens, num_panels, out_features,
                       [&](int64_t p, int64_t row, int rows, int64_t cols) {
     panel_tile_bf16_of(rows, xb != nullptr, x + row * in, xb ? xb + row * 2 * pairs : nullptr,

@@ -42,17 +42,13 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
 namespace {
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// y[r, first : first + 8 VECS] = x[r, :] . panel[:, first : first + 8 VECS] for ROWS rows,
-// only the panel's first cols outputs stored: VECS vectors of 8 outputs a row.
+// acc[r][v] += x[r, k_begin : k_end] . panel[k_begin : k_end, first + 8 v : + 8] for ROWS
+// rows: VECS vectors of 8 outputs a row.
 template <int ROWS, int VECS>
-void panel_tile_avx2(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
-                     int first, int64_t cols) {
-  __m256 acc[ROWS][VECS];
-  SLOTSERVE_UNROLL
-  for (int r = 0; r < ROWS; ++r)
-    SLOTSERVE_UNROLL
-    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < in; ++k) {
+__attribute__((always_inline)) inline void walk_inputs_avx2(
+    const float* x, const float* panel, int64_t in, int first, int64_t k_begin, int64_t k_end,
+    __m256 (&acc)[ROWS][VECS]) {
+  for (int64_t k = k_begin; k < k_end; ++k) {
     const float* w = panel + k * PANEL_WIDTH + first;  // input k's 8 VECS weights
     _mm_prefetch(reinterpret_cast<const char*>(w) + PANEL_PREFETCH_BYTES,
                  panel_prefetch_hint<ROWS>());
@@ -69,11 +65,32 @@ void panel_tile_avx2(const float* x, const float* panel, int64_t in, float* y, i
       for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_fmadd_ps(a, wv[v], acc[r][v]);
     }
   }
+}
+
+// The AVX2 tile of up to PANEL_FULL_WIDTH_ROWS rows: the panel's 32 outputs at once (more
+// walk the panel in halves, panel_halves_avx2).
+template <int ROWS>
+void panel_tile_avx2(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
+                     int64_t cols) {
+  __m256 acc[ROWS][4];
   SLOTSERVE_UNROLL
   for (int r = 0; r < ROWS; ++r)
     SLOTSERVE_UNROLL
-    for (int v = 0; v < VECS; ++v)
-      store_panel_outputs_avx2(y + r * outs + first + 8 * v, acc[r][v], cols - first - 8 * v);
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  walk_inputs_avx2<ROWS, 4>(x, panel, in, 0, 0, in, acc);
+  store_panel_vectors_avx2<ROWS, 4>(acc, y, outs, 0, cols);
+}
+
+// y (tokens, outs)[:, :cols] = x (tokens, in) . one panel for tokens > PANEL_FULL_WIDTH_ROWS
+// (panels.h's walk_panel_in_halves_avx2).
+void panel_halves_avx2(const float* x, const float* panel, int64_t in, float* y, int64_t outs,
+                       int64_t cols, int64_t tokens) {
+  walk_panel_in_halves_avx2(
+      tokens, in, y, outs, cols,
+      [&]<int ROWS>(int64_t row, int first, int64_t begin, int64_t end,
+                    __m256 (&acc)[ROWS][2]) __attribute__((always_inline)) {
+        walk_inputs_avx2<ROWS, 2>(x + row * in, panel, in, first, begin, end, acc);
+      });
 }
 #endif
 
@@ -99,12 +116,8 @@ void panel_tile(const float* x, const float* panel, int64_t in, float* y, int64_
   }
   store_panel_tile<ROWS>(acc, y, outs, cols);
 #elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (ROWS <= PANEL_FULL_WIDTH_ROWS) {
-    panel_tile_avx2<ROWS, 4>(x, panel, in, y, outs, 0, cols);
-  } else {  // two halves of 16 outputs (the second only where the panel has them)
-    panel_tile_avx2<ROWS, 2>(x, panel, in, y, outs, 0, cols);
-    if (cols > 16) panel_tile_avx2<ROWS, 2>(x, panel, in, y, outs, 16, cols);
-  }
+  // NOTE: only tiles of up to PANEL_FULL_WIDTH_ROWS come here (panel_linear_into)
+  panel_tile_avx2<std::min(ROWS, PANEL_FULL_WIDTH_ROWS)>(x, panel, in, y, outs, cols);
 #else
   // The same sums in the same order, without AVX-512 or AVX2 (fma keeps each step's rounding).
   for (int r = 0; r < ROWS; ++r)
@@ -155,6 +168,15 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
 // y (tokens, out) = x (tokens, in) @ W^T on raw pointers (panels of in rows each).
 void panel_linear_into(const float* x, int64_t tokens, int64_t in, const float* panels,
                        int64_t num_panels, int64_t out_features, float* y) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (tokens > PANEL_FULL_WIDTH_ROWS) {
+    for_each_panel(num_panels, out_features, [&](int64_t p, int64_t cols) {
+      panel_halves_avx2(x, panels + p * in * PANEL_WIDTH, in, y + p * PANEL_WIDTH,
+                        out_features, cols, tokens);
+    });
+    return;
+  }
+#endif
   for_each_panel_tile(tokens, num_panels, out_features,
                       [&](int64_t p, int64_t row, int rows, int64_t cols) {
     panel_tile_of(rows, x + row * in, panels + p * in * PANEL_WIDTH, in,

@@ -57,24 +57,36 @@ constexpr _mm_hint panel_prefetch_hint() {
   return ROWS <= PANEL_L2_PREFETCH_MAX_ROWS ? _MM_HINT_T1 : _MM_HINT_T0;
 }
 
+// The tiles a call's rows go in: as even as possible (64 rows: 11 11 11 11 10 10, not
+// 12 x 5 + 4), in row order.
+struct RowTiles {
+  int64_t count, base, extra;
+  explicit RowTiles(int64_t tokens)
+      : count((tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS),
+        base(count ? tokens / count : 0),
+        extra(count ? tokens % count : 0) {}
+  int rows(int64_t tile) const { return int(base + (tile < extra ? 1 : 0)); }
+  int64_t first_row(int64_t tile) const { return tile * base + std::min(tile, extra); }
+};
+
+// fn(panel, cols) for every panel, in parallel.
+template <typename Fn>
+void for_each_panel(int64_t num_panels, int64_t out_features, const Fn& fn) {
+  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      fn(p, std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH));
+  });
+}
+
 // tile(panel, first row, rows, cols) for every panel (in parallel) and every tile of rows.
-// NOTE: the rows go in tiles as even as possible (64 rows: 11 11 11 11 10 10, not
-// 12 x 5 + 4), and a panel's tiles in row order, whatever the thread.
+// NOTE: a panel's tiles go in row order, whatever the thread.
 template <typename Tile>
 void for_each_panel_tile(int64_t tokens, int64_t num_panels, int64_t out_features,
                          const Tile& tile) {
   if (tokens == 0) return;
-  const int64_t tiles = (tokens + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
-  const int64_t base = tokens / tiles, extra = tokens % tiles;
-  parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t cols = std::min(PANEL_WIDTH, out_features - p * PANEL_WIDTH);
-      for (int64_t t = 0, row = 0; t < tiles; ++t) {
-        const int rows = int(base + (t < extra ? 1 : 0));
-        tile(p, row, rows, cols);
-        row += rows;
-      }
-    }
+  const RowTiles tiles(tokens);
+  for_each_panel(num_panels, out_features, [&](int64_t p, int64_t cols) {
+    for (int64_t t = 0; t < tiles.count; ++t) tile(p, tiles.first_row(t), tiles.rows(t), cols);
   });
 }
 
@@ -102,6 +114,85 @@ inline void store_panel_outputs_avx2(float* y, __m256 v, int64_t n) {
   } else if (n > 0) {  // lanes 0 .. n - 1
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lanes), v);
+  }
+}
+
+// y[r, first : first + 8 VECS] = acc[r] for ROWS rows (row stride outs), only the panel's
+// first cols outputs.
+template <int ROWS, int VECS>
+inline void store_panel_vectors_avx2(const __m256 (&acc)[ROWS][VECS], float* y, int64_t outs,
+                                     int first, int64_t cols) {
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r)
+    SLOTSERVE_UNROLL
+    for (int v = 0; v < VECS; ++v)
+      store_panel_outputs_avx2(y + r * outs + first + 8 * v, acc[r][v], cols - first - 8 * v);
+}
+
+// NOTE: a tile of more rows than PANEL_FULL_WIDTH_ROWS walks the panel in two halves of 16
+// outputs. One half's walk down the whole panel, then the other's from L2, then the next
+// tile's, left the memory idle while they multiplied: 4-6 rows streamed at 11.6-14 GB/s
+// against 18-20 at 1-3 rows (Ice Lake, the avx2 build). So a group of up to
+// PANEL_GROUP_TILES tiles walks the panel together, a chunk of PANEL_CHUNK_STEPS steps (input
+// pairs of bf16, inputs of fp32: 128 bytes each) at a time: the chunk in L1, each tile's
+// halves over it in turn, their sums kept in memory between chunks. The panel streams once
+// per group; every output is still one sum in input order.
+// Ice Lake, the avx2 build, SmolLM2-135M through the engine (`benchmarks.engine_ab`, 5
+// rounds): bf16 batch 4 x1.25, 8 x1.09, 16 x1.00; fp32 batch 4 x1.33, 8 x1.32; batch 1 level.
+// A 3072 x 576 bf16 matmul streaming from memory: 4-8 rows x1.16-1.28, 12-20 x1.07-1.08.
+// Chunks of 8 or 16 steps were no faster; groups of 11 tiles slower from 12 rows.
+constexpr int64_t PANEL_CHUNK_STEPS = 32;  // 4 KB of the panel
+constexpr int PANEL_GROUP_TILES = 4;  // up to 24 rows; their sums 3 KB
+
+using HalfSums = __m256[PANEL_TILE_ROWS][2];  // a tile's sums over a half: rows x 2 vectors
+
+template <int ROWS, typename Walk>
+inline void walk_half_chunk_avx2(const Walk& walk, int64_t row, int first, int64_t begin,
+                                 int64_t end, HalfSums& sums) {
+  __m256 acc[ROWS][2];
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = sums[r][0], acc[r][1] = sums[r][1];
+  walk.template operator()<ROWS>(row, first, begin, end, acc);
+  SLOTSERVE_UNROLL
+  for (int r = 0; r < ROWS; ++r) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
+}
+
+template <typename Walk, int... R>
+inline void walk_half_chunk_of(int rows, const Walk& walk, int64_t row, int first,
+                               int64_t begin, int64_t end, HalfSums& sums,
+                               std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? (walk_half_chunk_avx2<R + 1>(walk, row, first, begin, end, sums), 0) : 0),
+   ...);
+}
+
+// One panel's outputs y (tokens, outs)[:, :cols] for tokens > PANEL_FULL_WIDTH_ROWS rows, as
+// the NOTE above: walk.operator()<ROWS>(first row, first output, first step, end step,
+// __m256 (&acc)[ROWS][2]) adds the steps' products of a tile's rows to acc.
+template <typename Walk>
+void walk_panel_in_halves_avx2(int64_t tokens, int64_t steps, float* y, int64_t outs,
+                               int64_t cols, const Walk& walk) {
+  const RowTiles tiles(tokens);
+  const int halves = cols > 16 ? 2 : 1;
+  for (int64_t group = 0; group < tiles.count; group += PANEL_GROUP_TILES) {
+    const int n = int(std::min<int64_t>(PANEL_GROUP_TILES, tiles.count - group));
+    HalfSums sums[PANEL_GROUP_TILES][2];
+    for (int t = 0; t < n; ++t)
+      for (auto& half : sums[t])
+        for (auto& row : half) row[0] = row[1] = _mm256_setzero_ps();
+    for (int64_t begin = 0; begin < steps; begin += PANEL_CHUNK_STEPS) {
+      const int64_t end = std::min(steps, begin + PANEL_CHUNK_STEPS);
+      for (int t = 0; t < n; ++t)
+        for (int h = 0; h < halves; ++h)
+          walk_half_chunk_of(tiles.rows(group + t), walk, tiles.first_row(group + t), 16 * h,
+                             begin, end, sums[t][h],
+                             std::make_integer_sequence<int, PANEL_TILE_ROWS>{});
+    }
+    for (int t = 0; t < n; ++t)
+      for (int h = 0; h < halves; ++h)
+        for (int r = 0; r < tiles.rows(group + t); ++r)
+          for (int v = 0; v < 2; ++v)
+            store_panel_outputs_avx2(y + (tiles.first_row(group + t) + r) * outs + 16 * h + 8 * v,
+                                     sums[t][h][r][v], cols - 16 * h - 8 * v);
   }
 }
 #endif
