@@ -137,8 +137,9 @@ inline void store_panel_vectors_avx2(const __m256 (&acc)[ROWS][VECS], float* y, 
 // pairs of bf16, inputs of fp32: 128 bytes each) at a time: the chunk in L1, each tile's
 // halves over it in turn, their sums kept in memory between chunks. The panel streams once
 // per group; every output is still one sum in input order.
-// Ice Lake, the avx2 build, SmolLM2-135M through the engine (`benchmarks.engine_ab`, 5
-// rounds): bf16 batch 4 x1.25, 8 x1.09, 16 x1.00; fp32 batch 4 x1.33, 8 x1.32; batch 1 level.
+// Ice Lake, the avx2 build, SmolLM2-135M through the engine (`benchmarks.engine_ab`,
+// benchmarks/results/engine-ab-avx2-panels-icelake.txt): bf16 batch 4 x1.24, 8 x1.18, 16
+// x1.02; fp32 batch 4 x1.40, 8 x1.36; batch 1 level.
 // A 3072 x 576 bf16 matmul streaming from memory: 4-8 rows x1.16-1.28, 12-20 x1.07-1.08.
 // Chunks of 8 or 16 steps were no faster; groups of 11 tiles slower from 12 rows.
 constexpr int64_t PANEL_CHUNK_STEPS = 32;  // 4 KB of the panel
