@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -22,8 +23,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 # NOTE: `slotserve calibrate` run by a test must not replace this machine's calibration
 # (`slotserve replay`'s default clock): tests read and write their own.
-os.environ["SLOTSERVE_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="slotserve-tests-"),
-                                                   "calibration.json")
+_CALIBRATION_DIR = tempfile.mkdtemp(prefix="slotserve-tests-")
+os.environ["SLOTSERVE_CALIBRATION"] = os.path.join(_CALIBRATION_DIR, "calibration.json")
+atexit.register(shutil.rmtree, _CALIBRATION_DIR, ignore_errors=True)
 
 
 def tiny_hf_model(kind: str = "llama", seed: int = 0, tied: bool = False):
