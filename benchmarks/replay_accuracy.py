@@ -171,7 +171,9 @@ def main() -> None:
         settings = ReplaySettings(max_num_seqs=case.slots,
                                   num_blocks=measured["config"]["num_blocks"], **ENGINE)
         started = time.perf_counter()
-        predicted = replay(requests, settings, profile, workload=source).bench_result(label)
+        cached = source.pop("trace_cached_prefixes", [])
+        predicted = replay(requests, settings, profile, workload=source,
+                           cached_prefixes=cached).bench_result(label)
         replay_s = time.perf_counter() - started
         predicted = predicted.to_dict()
         rows.append({"case": label, "replay_s": replay_s, "measured": measured,

@@ -86,7 +86,8 @@ def test_the_earliest_request_of_a_tenant_computes_its_prefix():
     requests = [ReplayRequest(f"{t}{i}", 40, 2, 0.1 * i, tenant=t)
                 for t in ("A", "B") for i in range(3)]
     cached = [0, 32, 16, 0, 0, 0]  # A's first computed it; B hit nothing
-    rebuilt = shared_prefix_prompts(requests, cached)
+    rebuilt, warm = shared_prefix_prompts(requests, cached)
+    assert warm == []  # NOTE: every hit is one an earlier request of the trace computed
     a0, a1, a2, b0, b1, b2 = (r.prompt_token_ids for r in rebuilt)
     assert a0[:32] == a1[:32] and a2[:16] == a0[:16] and a2[16] != a0[16]
     assert a1[32] != a0[32]  # nothing after the hit is shared
@@ -109,3 +110,68 @@ def test_bad_cached_tokens_is_an_error_naming_it(bad):
                            "cached_tokens": bad}]}
     with pytest.raises(ValueError, match="request 0: cached_tokens"):
         requests_from_trace(trace)
+
+
+def _hit_trace(records) -> dict:
+    return {"requests": [{"id": rid, "arrival": arrival, "prompt_tokens": prompt,
+                          "output_tokens": 3, "cached_tokens": hit, "tenant": tenant}
+                         for rid, arrival, prompt, hit, tenant in records]}
+
+
+def test_a_hit_no_request_of_the_trace_computed_was_cached_before_it_and_is_replayed():
+    # A benchmark's later round: its one request found 48 of its 70 tokens cached by an
+    # earlier round, before this trace began.
+    requests, info = requests_from_trace(_hit_trace([("x", 0.0, 70, 48, "default")]))
+    [(tenant, ids)] = info["trace_cached_prefixes"]
+    assert tenant == "default" and len(ids) == 48
+    assert tuple(requests[0].prompt_token_ids[:48]) == tuple(ids)
+    warm = replay(requests, _settings(4), COST, cached_prefixes=info["trace_cached_prefixes"],
+                  check=True)
+    cold = replay(requests, _settings(4), COST, check=True)
+    assert _cached(warm) == {"x": 48} and _cached(cold) == {"x": 0}
+    assert warm.outcomes[0].ttft < cold.outcomes[0].ttft
+
+
+def test_a_tenant_whose_first_request_hit_has_its_prefix_cached_and_no_source():
+    requests, info = requests_from_trace(_hit_trace([
+        ("a0", 0.0, 50, 32, "A"), ("a1", 0.1, 50, 0, "A"), ("a2", 0.2, 50, 16, "A"),
+        ("b0", 0.0, 50, 0, "B"), ("b1", 0.1, 50, 32, "B")]))
+    assert [(t, len(ids)) for t, ids in info["trace_cached_prefixes"]] == [("A", 32)]
+    result = replay(requests, _settings(1), COST, check=True,
+                    cached_prefixes=info["trace_cached_prefixes"])
+    # A's hits came from before the trace (a1 computed something else); B's first request
+    # computed the prefix B's second hit.
+    assert _cached(result) == {"a0": 32, "a1": 0, "a2": 16, "b0": 0, "b1": 32}
+
+
+def test_a_cached_prefix_larger_than_the_pool_is_an_error_naming_it():
+    requests = [ReplayRequest("x", 20, 2)]
+    settings = replace(_settings(1), num_blocks=4)
+    with pytest.raises(ValueError, match="cached_prefixes"):
+        replay(requests, settings, COST, cached_prefixes=[("default", (7,) * 200)])
+
+
+def test_an_engine_s_second_round_replays_with_the_hits_it_had(tiny_llama):
+    """The benchmarks' rounds: the same prompts again on the same engine hit what the first
+    round left cached; the second round's trace, replayed, hits the same (before, the
+    replay computed those prompts in full, and a batch-1 cell's speculation ratio came out
+    13-23% low)."""
+    from slotserve.sampling import SamplingParams
+    from tests.conftest import random_prompts, tiny_engine
+
+    engine = tiny_engine(tiny_llama, max_num_seqs=4)
+    prompts = random_prompts(3, min_len=40, max_len=70, seed=11)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    for round_ in range(2):
+        engine.trace.clear()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{round_}.{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    trace = json.loads(json.dumps(engine.export_trace()))
+    recorded = {r["id"]: r["cached_tokens"] for r in trace["requests"]}
+    assert all(recorded.values()), recorded
+    requests, info = requests_from_trace(trace)
+    result = replay(requests, _settings(4), COST, check=True,
+                    cached_prefixes=info["trace_cached_prefixes"])
+    assert _cached(result) == recorded

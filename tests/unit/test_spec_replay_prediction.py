@@ -78,7 +78,7 @@ def _tok_s(trace: dict) -> float:
 
 def test_a_trace_s_plans_price_as_the_replay_s(traces):
     on = traces["on"]
-    requests, settings = batch_requests(on)
+    requests, settings, _ = batch_requests(on)
     verifications = recorded_verifications(on["iterations"])
     drafted = [replace(r, verifications=tuple(verifications.get(r.id, ()))) for r in requests]
     result = replay(drafted, replace(settings, speculative_config=SPEC), UnitCost(),
@@ -96,7 +96,7 @@ def test_a_trace_s_plans_price_as_the_replay_s(traces):
 def test_a_fit_on_a_trace_s_times_replays_its_tok_s(traces):
     """The clock fit on an off run's iterations replays that run at its own tok/s (the
     seconds here are a known clock's, so the fit must find it: no timing noise)."""
-    requests, settings = batch_requests(traces["off"])
+    requests, settings, _ = batch_requests(traces["off"])
     timed = replay(requests, settings, KNOWN).trace
     fitted = fit_trace_cost([timed])
     assert fitted.meta["fit"]["max_rel_error"] < 0.01
@@ -107,7 +107,7 @@ def test_a_fit_on_a_trace_s_times_replays_its_tok_s(traces):
 
 def _timed(trace: dict, clock) -> dict:
     """The run of a recorded trace again, its iterations timed by `clock` (no noise)."""
-    requests, settings = batch_requests(trace)
+    requests, settings, _ = batch_requests(trace)
     verifications = recorded_verifications(trace["iterations"])
     drafted = [replace(r, verifications=tuple(verifications.get(r.id, ()))) for r in requests]
     spec = SPEC if verifications else None
@@ -127,7 +127,7 @@ def test_a_trace_timed_by_a_knee_clock_replays_within_1_percent(traces):
     fitted = fit_trace_cost([off])
     assert fitted.knee == pytest.approx(KNEE.knee, abs=0.5)
     assert fitted.meta["fit"]["max_rel_error"] < 0.01
-    requests, settings = batch_requests(off)
+    requests, settings, _ = batch_requests(off)
     again = replay(requests, settings, fitted)
     tokens = sum(r.output_tokens for r in requests)
     assert tokens / again.duration == pytest.approx(_tok_s(off), rel=0.01)
@@ -157,7 +157,7 @@ def test_a_recorded_off_run_replays_its_own_iterations_on_a_fit_of_its_times(tra
     fitted = fit_trace_cost([off])
     assert fitted.meta["fit"]["samples"] == len(off["iterations"])
     assert fitted.meta["fit"]["median_rel_error"] < 0.35
-    requests, settings = batch_requests(off)
+    requests, settings, _ = batch_requests(off)
     result = replay(requests, settings, fitted)
     expected = sum(fitted.step_seconds(StepFeatures.of(p)) for p in trace_plans(off))
     assert result.duration == pytest.approx(expected, rel=1e-9)  # the same iterations

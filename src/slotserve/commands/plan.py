@@ -56,9 +56,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from slotserve.lab.replay.plan import DEFAULT_RATES, SLO, format_plan, search
 
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    workload, info = None, {}
+    workload, info, cached_prefixes = None, {}, []
     if args.workload:
         requests, info = load_input(args.workload, lambda: load_tokenizer(args.model))
+        cached_prefixes = info.pop("trace_cached_prefixes", [])
         if args.verify:
             workload = _workload_file(args.workload)
     else:
@@ -74,7 +75,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     candidates = search(requests, slo, cost, base=base, batching=args.batching,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        rates=args.rates or DEFAULT_RATES, seed=args.seed)
+                        rates=args.rates or DEFAULT_RATES, seed=args.seed,
+                        cached_prefixes=cached_prefixes)
     print(format_plan(candidates, slo, args.top))
     clock = "unit cost: no --profile" if isinstance(cost, UnitCost) else f"profile {args.profile}"
     print(f"({len(candidates)} replays of {len(requests)} requests in "

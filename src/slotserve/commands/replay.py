@@ -166,11 +166,18 @@ def run_replay(args: argparse.Namespace, cost) -> int:
         requests = with_poisson(requests, args.request_rate)
         info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     base = settings_from_args(args, info)
+    # NOTE: the engine's planner state is in seconds: not on the toy clock's iterations
+    recorded_state = info.pop("trace_planner_state", None)
+    planner_state = None if isinstance(cost, UnitCost) else recorded_state
+    if planner_state is not None:
+        info["planner_state"] = "the trace's"
+    cached_prefixes = info.pop("trace_cached_prefixes", [])
     both = args.batching == "both"
     rules = ("static", "continuous") if both else (args.batching or base.batching,)
     results, started = [], time.perf_counter()
     for rule in rules:
-        results.append(replay(requests, replace(base, batching=rule), cost, workload=info))
+        results.append(replay(requests, replace(base, batching=rule), cost, workload=info,
+                              planner_state=planner_state, cached_prefixes=cached_prefixes))
     elapsed = time.perf_counter() - started
     reports = [r.bench_result() for r in results]
     if len(reports) == 1:

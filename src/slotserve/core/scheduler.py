@@ -53,7 +53,7 @@ from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
-from slotserve.spec.planner import Candidate, DecodeStepCost, Speculator
+from slotserve.spec.planner import Candidate, DecodeStepCost, PooledAcceptance, Speculator
 
 # hold_first_tokens holds a first token for a burst of at least this many other prompts: one
 # long prompt beside a short one is the online case, where the short one's first token should
@@ -674,6 +674,28 @@ class Scheduler:
                 request.error = message
                 failed.append(request)
         return failed
+
+    def planner_state(self) -> dict | None:
+        """What "auto" speculation has learnt (JSON-able; None when speculation is off): the
+        decode step's cost and the engine's pooled acceptance. A trace records it where it
+        starts, so a replay of the trace plans drafts as the engine did then."""
+        if self.speculator is None:
+            return None
+        return {"decode_cost": self.decode_cost.state(),
+                "pooled_acceptance": self.speculator.pooled.state()}
+
+    def restore_planner_state(self, state: dict) -> None:
+        """Start planning from a `planner_state()` (no-op when speculation is off);
+        ValueError naming what is malformed (then nothing changed)."""
+        if self.speculator is None:
+            return
+        for name in ("decode_cost", "pooled_acceptance"):
+            if not isinstance(state, dict) or not isinstance(state.get(name), dict):
+                raise ValueError(f"planner_state.{name} must be an object")
+        cost, pooled = DecodeStepCost(), PooledAcceptance()
+        cost.restore(state.get("decode_cost"))
+        pooled.restore(state.get("pooled_acceptance"))
+        self.decode_cost, self.speculator.pooled = cost, pooled
 
     def check_integrity(self) -> None:
         """Assert the scheduler's invariants (tests call this after every step)."""

@@ -124,7 +124,8 @@ class LLMEngine:
         self.scheduler.filter_drafts = self._filter_drafts
         self.trace = TraceRecorder(sched.max_num_seqs, sched.policy, num_blocks,
                                    config.trace_capacity,
-                                   settings=trace_settings(sched, config.cache, window))
+                                   settings=trace_settings(sched, config.cache, window),
+                                   planner_state=self.scheduler.planner_state)
         self._sequences: dict[str, SequenceState] = {}
         self._parents: dict[str, list[str]] = {}
         self._pending: list[RequestOutput] = []

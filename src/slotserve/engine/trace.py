@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, TypedDict
 
@@ -86,20 +87,32 @@ class _TraceRequired(TypedDict):
 
 class Trace(_TraceRequired, total=False):
     """A whole trace (JSON-able). `settings`: what a replay needs beyond the slots, policy
-    and KV pool (TRACE_SETTINGS, block_size, enable_prefix_caching)."""
+    and KV pool (TRACE_SETTINGS, block_size, enable_prefix_caching); `planner_state`: what
+    "auto" speculation had learnt where the trace starts (`Scheduler.planner_state`; only in
+    a trace cleared between runs)."""
 
     kv_blocks_total: int | None
     settings: dict
+    planner_state: dict
 
 
 class TraceRecorder:
     """The engine's trace; written in the engine thread, `export()` from any thread."""
 
     def __init__(self, num_slots: int, policy: str, kv_blocks_total: int,
-                 capacity: int = 4096, settings: dict | None = None) -> None:
+                 capacity: int = 4096, settings: dict | None = None,
+                 planner_state: Callable[[], dict | None] | None = None) -> None:
         """settings: the scheduling settings the run used (`trace_settings`), exported so a
-        replay of the trace runs with them."""
+        replay of the trace runs with them. planner_state: what "auto" speculation has
+        learnt now (`Scheduler.planner_state`), read by `clear` so the trace of the run that
+        follows carries where its planning started (`planner_state` in `export`).
+
+        NOTE: `clear` reads the scheduler's state: call it between runs, while the engine
+        is not stepping (as `LLM.generate(trace=...)` and the benchmarks do)."""
         self.settings = dict(settings or {})
+        self._planner_state = planner_state
+        self.start_state: dict | None = None  # planner_state() at the last clear
+        self._complete = True  # every iteration since the last clear is kept
         self.num_slots = num_slots
         self.policy = policy
         self.kv_blocks_total = kv_blocks_total
@@ -149,6 +162,7 @@ class TraceRecorder:
                   "slots": slots, "num_waiting": plan.num_waiting,
                   "kv_blocks_used": plan.kv_blocks_used, "preempted": list(plan.preempted)}
         with self._lock:
+            self._complete = self._complete and len(self.iterations) < self.capacity
             self.iterations.append(record)
             for seq in plan.seqs:
                 req = self.requests.get(seq.request_id)
@@ -163,16 +177,22 @@ class TraceRecorder:
                     "num_slots": self.num_slots, "kv_blocks_total": self.kv_blocks_total,
                     "requests": [dict(r) for r in self.requests.values()],
                     "iterations": list(self.iterations),
-                    **({"settings": dict(self.settings)} if self.settings else {})}
+                    **({"settings": dict(self.settings)} if self.settings else {}),
+                    # NOTE: only where the trace still starts where the state was read
+                    **({"planner_state": self.start_state}
+                       if self.start_state is not None and self._complete else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.export()))
 
     def clear(self) -> None:
+        """Forget every iteration and request: the trace starts again (see __init__)."""
+        state = self._planner_state() if self._planner_state is not None else None
         with self._lock:
             self.iterations.clear()
             self.requests.clear()
             self.t0 = None
+            self.start_state, self._complete = state, True
 
 
 POLICY_FIELDS = ("tenant", "priority", "slo_ttft_ms", "slo_tpot_ms")

@@ -221,6 +221,52 @@ class DecodeStepCost(CostModel):
         a, b, c, knee = self.hinge
         return a + b * num_tokens + c * max(0.0, num_tokens - knee)
 
+    def state(self) -> dict:
+        """What it has learnt, JSON-able (`restore` takes it back): the line's sums, the
+        bins in today's weights, the hinge, `verify_extra`, and where it is in its refit
+        and stall counts (so a restored copy goes on as this one would)."""
+        return {"line": list(self._sums),
+                "bins": [[key, drafted, *(value / self._unit for value in sums)]
+                         for (key, drafted), sums in self._bins.items()],
+                "hinge": None if self.hinge is None else list(self.hinge),
+                "verify_extra": self.verify_extra, "since_fit": self._since_fit,
+                "slow_in_a_row": self._slow_in_a_row}
+
+    def restore(self, state: dict) -> None:
+        """Start from a `state()` (e.g. a trace's: a replay plans as the engine did then);
+        ValueError naming the field that is malformed, and nothing changed."""
+        line = _numbers(state, "line", 5)
+        if line[0] < 0 or (line[0] > 0 and line[1] <= 0):
+            raise ValueError(f"decode_cost.line: weight >= 0 and, with weight, rows > 0: "
+                             f"got {line!r}")
+        bins: dict[tuple[int, bool], list[float]] = {}
+        for entry in _field(state, "bins", list):
+            if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[1], bool)
+                    and isinstance(entry[0], int) and not isinstance(entry[0], bool)):
+                raise ValueError(f"decode_cost.bins: expected [rows, drafted, weight, "
+                                 f"weight x rows, weight x seconds], got {entry!r}")
+            sums = _finite(entry[2:], "decode_cost.bins", 3)
+            if sums[0] <= 0:
+                raise ValueError(f"decode_cost.bins: a bin's weight must be > 0: {entry!r}")
+            bins[(entry[0], entry[1])] = sums
+        hinge = state.get("hinge")
+        if hinge is not None:
+            hinge = tuple(_numbers(state, "hinge", 4))
+            if min(hinge) < 0:
+                raise ValueError(f"decode_cost.hinge: a, b, c and the knee must be >= 0: "
+                                 f"{list(hinge)!r}")
+        extra = _finite([state.get("verify_extra")], "verify_extra", 1)[0]
+        counts = [state.get(name, 0) for name in ("since_fit", "slow_in_a_row")]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise ValueError(f"decode_cost: since_fit and slow_in_a_row must be integers "
+                             f">= 0, got {counts!r}")
+        self._sums, self._bins, self.hinge = line, bins, hinge
+        self.verify_extra = max(extra, 0.0)
+        self._unit, (self._since_fit, self._slow_in_a_row) = 1.0, counts
+        self.overhead, self.per_token = 0.0, None
+        if line[0] > 0:
+            self._fit()
+
 
 # `Speculator._auto_lengths` looks this many draft increments past its best plan so far (at
 # least; one per candidate sequence past that: one more draft for each).
@@ -435,6 +481,17 @@ class PooledAcceptance:
     def rate(self, state: str) -> float:
         accepted, rejections = self._counts[state]
         return (accepted + 1.0) / (accepted + rejections + 2.0)
+
+    def state(self) -> dict:
+        """The faded counts per state, JSON-able (`restore` takes them back)."""
+        return {name: list(counts) for name, counts in self._counts.items()}
+
+    def restore(self, state: dict) -> None:
+        """Start from a `state()`; ValueError naming the state that is malformed."""
+        counts = {name: _numbers(state, name, 2) for name in self._counts}
+        if any(value < 0 for pair in counts.values() for value in pair):
+            raise ValueError(f"pooled: counts must be >= 0, got {counts!r}")
+        self._counts = counts
 
 
 @dataclass(frozen=True)
@@ -722,6 +779,26 @@ class Speculator:
         """Accepted / proposed draft tokens since start (0.0 before any)."""
         return (self.num_accepted_tokens / self.num_draft_tokens
                 if self.num_draft_tokens else 0.0)
+
+
+def _field(state: dict, name: str, kind: type):
+    if not isinstance(state, dict) or not isinstance(state.get(name), kind):
+        raise ValueError(f"planner state: {name!r} must be a {kind.__name__}")
+    return state[name]
+
+
+def _numbers(state: dict, name: str, count: int) -> list[float]:
+    """state[name] as `count` finite floats; ValueError naming it otherwise."""
+    return _finite(_field(state, name, list), name, count)
+
+
+def _finite(values: list, name: str, count: int) -> list[float]:
+    if len(values) != count or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in values):
+        raise ValueError(f"planner state: {name!r} must be {count} finite numbers, "
+                         f"got {values!r}")
+    return [float(v) for v in values]
 
 
 def _slowdown(cost: StepCost, tokens: int, more: int) -> float:

@@ -54,15 +54,22 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
         raise ValueError("trace: no finished request to replay")
     start = min(r.arrival for r in requests)
     requests = [replace(r, arrival=round(r.arrival - start, 6)) for r in requests]
+    warm: list[tuple[str, tuple[int, ...]]] = []
     if any(cached):
-        requests = shared_prefix_prompts(requests, cached)
+        requests, warm = shared_prefix_prompts(requests, cached)
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
             "cached_prompt_tokens": sum(cached),
+            # NOTE: token ids (thousands): a replay reads them; a report names their sizes
+            "trace_cached_prefixes": warm,
             "trace_policy": trace.get("policy"), "trace_num_slots": trace.get("num_slots"),
             "trace_kv_blocks": trace.get("kv_blocks_total")}
     # NOTE: a replay's own trace also records every setting it ran with.
     if isinstance(trace.get("settings"), dict):
         info["trace_settings"] = dict(trace["settings"])
+    if "planner_state" in trace:
+        if not isinstance(trace["planner_state"], dict):
+            raise ValueError("trace: planner_state must be an object")
+        info["trace_planner_state"] = trace["planner_state"]
     if verifications:
         info["trace_speculation"] = speculation_totals(trace["iterations"])
         settings = info.setdefault("trace_settings", {})
@@ -94,27 +101,36 @@ UNIQUE_TOKEN_BASE = 1_000_000  # + the request's index: ends every shared prefix
 
 
 def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
-                          ) -> list[ReplayRequest]:
-    """Prompts whose prefix-cache hits reproduce the trace's: what the run computed.
+                          ) -> tuple[list[ReplayRequest], list[tuple[str, tuple[int, ...]]]]:
+    """Prompts whose prefix-cache hits reproduce the trace's: what the run computed; and
+    the prefixes that were cached before the trace began (tenant, token ids), for the
+    replay's prefix cache to start with (`replay`'s cached_prefixes).
 
     A trace records how many prompt tokens each request found cached (`cached[i]`), not
     what they were. The rebuilt prompt of a request that hit c tokens starts with the first
     c tokens of its tenant's shared prefix (one constant token per tenant), then a token of
     its own (so nothing after c is shared), then filler. The earliest-arriving request of a
     tenant with hits that found nothing cached itself computed the prefix the others hit:
-    it gets the tenant's longest hit (at most its prompt less one token). The replay's own
-    prefix cache then decides the hits, so they follow the replayed schedule: at more slots
-    more requests share one iteration, as in a real run.
+    it gets the tenant's longest hit (at most its prompt less one token). Where a tenant's
+    earliest request hit, the prefix was cached before the trace (an engine that served
+    these prompts before, a server's trace ring): the tenant's longest hit is cached when
+    the replay starts. The replay's own prefix cache then decides the hits, so they follow
+    the replayed schedule: at more slots more requests share one iteration, as in a real
+    run.
     NOTE: prefixes shared across tenants (global scope) are modelled per tenant.
     """
     tenants = list(dict.fromkeys(r.tenant for r in requests))
     longest = {t: max((c for r, c in zip(requests, cached) if r.tenant == t), default=0)
                for t in tenants}
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    first = {}
+    for i in order:
+        first.setdefault(requests[i].tenant, i)
+    warm = [t for t in tenants if cached[first[t]] > 0]
     sources = {}
     for i in order:
         tenant = requests[i].tenant
-        if longest[tenant] and cached[i] == 0 and tenant not in sources:
+        if longest[tenant] and cached[i] == 0 and tenant not in sources and tenant not in warm:
             sources[tenant] = i
     rebuilt = []
     for i, request in enumerate(requests):
@@ -125,7 +141,8 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
         tail = [FILLER_TOKEN] * (request.prompt_tokens - shared - 1)
         ids = (*prefix, UNIQUE_TOKEN_BASE + i, *tail)
         rebuilt.append(replace(request, prompt_token_ids=ids))
-    return rebuilt
+    prefixes = [(t, (PREFIX_TOKEN_BASE + tenants.index(t),) * longest[t]) for t in warm]
+    return rebuilt, prefixes
 
 
 def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayRequest]:

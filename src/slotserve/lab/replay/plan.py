@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from slotserve.lab.replay.inputs import with_poisson
@@ -65,8 +66,10 @@ def search(requests: list[ReplayRequest], slo: SLO, cost_model, *,
            base: ReplaySettings | None = None, batching: tuple[str, ...] = ("continuous",),
            max_num_seqs: tuple[int, ...] = (4, 8, 16, 32, 64),
            max_num_batched_tokens: tuple[int, ...] = (256, 512, 1024),
-           rates: tuple[float, ...] = DEFAULT_RATES, seed: int = 0) -> list[Candidate]:
-    """Every (setting, rate) scored; best goodput first (ties: fewer slots, smaller budget)."""
+           rates: tuple[float, ...] = DEFAULT_RATES, seed: int = 0,
+           cached_prefixes: Sequence[tuple[str, Sequence[int]]] = ()) -> list[Candidate]:
+    """Every (setting, rate) scored; best goodput first (ties: fewer slots, smaller budget).
+    cached_prefixes: in the prefix cache at each replay's start (`replay`'s)."""
     if not requests:
         raise ValueError("requests: nothing to plan for")
     if not rates or any(not r > 0 for r in rates):
@@ -77,7 +80,7 @@ def search(requests: list[ReplayRequest], slo: SLO, cost_model, *,
     for rule, seqs, tokens in itertools.product(batching, max_num_seqs, max_num_batched_tokens):
         settings = replace(base, batching=rule, max_num_seqs=seqs, max_num_batched_tokens=tokens)
         for rate, arrivals in timed.items():
-            result = replay(arrivals, settings, cost_model)
+            result = replay(arrivals, settings, cost_model, cached_prefixes=cached_prefixes)
             goodput, attainment = score(result, slo)
             candidates.append(Candidate(settings, rate, goodput, attainment, result))
     candidates.sort(key=lambda c: (-c.goodput, c.settings.max_num_seqs,

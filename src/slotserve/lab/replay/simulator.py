@@ -26,6 +26,7 @@ from slotserve.config import (
     SchedulerConfig,
     check_policy_fields,
 )
+from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.trace import TraceRecorder, policy_fields_of
@@ -217,11 +218,17 @@ class ReplayResult:
 
 def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_model, *,
            keep_plans: bool = False, check: bool = False,
-           workload: dict | None = None) -> ReplayResult:
+           workload: dict | None = None, planner_state: dict | None = None,
+           cached_prefixes: Sequence[tuple[str, Sequence[int]]] = ()) -> ReplayResult:
     """Run the requests through the real scheduler on the cost model's clock.
 
     keep_plans: keep every SchedulerOutput (tests compare them with the engine's).
     check: assert the scheduler's invariants after every iteration (slower).
+    planner_state: where "auto" speculation starts (a trace's `planner_state`: what the
+    engine had learnt when the run began; None: from nothing, as a fresh engine).
+    cached_prefixes: (tenant, token ids) in the prefix cache when the replay starts (what
+    the engine had cached before its trace began: `shared_prefix_prompts`); ValueError if
+    the KV pool cannot hold one.
     A request the scheduler refuses (e.g. longer than max_model_len) is a failed outcome,
     as `slotserve bench` counts it. Raises ValueError on bad settings or duplicate ids.
     """
@@ -233,6 +240,10 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model,
                              speculator=make_speculator(settings.speculation(), oracle),
                              acceptance=oracle, sliding_window=settings.sliding_window)
+    if planner_state is not None:
+        core.scheduler.restore_planner_state(planner_state)
+    for index, (tenant, token_ids) in enumerate(cached_prefixes):
+        cache_prefix(core.scheduler.kv, f"cached-before:{index}", tenant, token_ids)
     trace = TraceRecorder(settings.max_num_seqs, settings.batching, cache.num_blocks,
                           capacity=1 << 62)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
@@ -251,6 +262,19 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
             core.scheduler.check_integrity()
     return _result(core, trace, settings, cost_model, outcomes, busy, workload,
                    plans if keep_plans else None)
+
+
+def cache_prefix(kv: KVCacheManager, request_id: str, tenant: str,
+                 token_ids: Sequence[int]) -> None:
+    """Put the full blocks of `token_ids` in the prefix cache, free (as a request that
+    computed them and left), without a forward or a tick of the clock."""
+    holder = Request(request_id, list(token_ids), SamplingParams(max_tokens=1), tenant=tenant)
+    if kv.allocate_slots(holder, len(token_ids)) is None:
+        raise ValueError(f"cached_prefixes: {len(token_ids)} tokens do not fit the KV pool "
+                         f"({kv.num_free_blocks} free blocks)")
+    holder.num_computed_tokens = len(token_ids)
+    kv.cache_full_blocks(holder)
+    kv.free(request_id)
 
 
 def _next_iteration(core: VirtualEngineCore, trace: TraceRecorder, pending: deque,

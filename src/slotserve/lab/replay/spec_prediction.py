@@ -28,9 +28,10 @@ from slotserve.sampling import SamplingParams
 
 
 def batch_requests(trace: dict):
-    """(requests, settings) to replay a run that sent all its requests at once: the trace's
-    requests at arrival 0 and the settings it recorded (slots, KV pool, admission rule,
-    budget...), speculation off.
+    """(requests, settings, cached prefixes) to replay a run that sent all its requests at
+    once: the trace's requests at arrival 0, the settings it recorded (slots, KV pool,
+    admission rule, budget...), speculation off, and what its prefix cache held before it
+    (`replay`'s cached_prefixes: a benchmark sends the same prompts round after round).
 
     NOTE: a batch's arrivals in a trace are microseconds apart (the adds before the first
     step); replayed as they are, the first iteration would admit only the first request,
@@ -45,7 +46,7 @@ def batch_requests(trace: dict):
     recorded |= {k: v for k, v in header.items() if v is not None}
     recorded["speculative_config"] = None
     return ([replace(r, arrival=0.0, verifications=()) for r in requests],
-            ReplaySettings(**recorded))
+            ReplaySettings(**recorded), info["trace_cached_prefixes"])
 
 
 def iteration_seconds(trace: dict) -> list[float]:
@@ -166,8 +167,9 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     speculation off, and with `speculative_config` with the drafts the on run's trace
     offered and accepted (`recorded_verifications`, per request and output position: the
     replay's `DraftOracle`; its own speculator, on the replay's clock, decides how many
-    to verify). Requests are matched by order (both runs added the same prompts in the same
-    order); ValueError when the runs' requests differ in number or prompt length.
+    to verify, from where the on run's planning started: its `planner_state`, if recorded).
+    Requests are matched by order (both runs added the same prompts in the same order);
+    ValueError when the runs' requests differ in number or prompt length.
 
     anchor: first move `cost_model`'s fixed cost to the off run's own decodes (`anchored`;
     a LinearCost only).
@@ -178,7 +180,7 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     """
     if anchor:
         cost_model = anchored(cost_model, off_trace)
-    requests, settings = batch_requests(off_trace)
+    requests, settings, cached = batch_requests(off_trace)
     on_requests = [r for r in on_trace.get("requests") or () if r.get("output_tokens")]
     if [r["prompt_tokens"] for r in on_requests] != [r.prompt_tokens for r in requests]:
         raise ValueError("on_trace: its requests' prompt lengths are not the off run's "
@@ -186,8 +188,9 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     verifications = recorded_verifications(on_trace["iterations"])
     drafted = [replace(r, verifications=tuple(verifications.get(str(on["id"]), ())))
                for r, on in zip(requests, on_requests)]
-    off = replay(requests, settings, cost_model)
-    on = replay(drafted, replace(settings, speculative_config=speculative_config), cost_model)
+    off = replay(requests, settings, cost_model, cached_prefixes=cached)
+    on = replay(drafted, replace(settings, speculative_config=speculative_config), cost_model,
+                planner_state=on_trace.get("planner_state"), cached_prefixes=cached)
     off_tok_s, on_tok_s = _tok_s(off), _tok_s(on)
     slots = [s for it in on.trace["iterations"] for s in it["slots"] if s and s.get("proposed")]
     return {"off_tok_s": off_tok_s, "on_tok_s": on_tok_s, "ratio": on_tok_s / off_tok_s,
