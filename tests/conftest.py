@@ -66,6 +66,14 @@ def tiny_engine(hf_model, *, kernel_set=None, **kwargs) -> LLMEngine:
                      kernel_set=kernel_set)
 
 
+def run_to_end(engine: LLMEngine, requests) -> None:
+    """Add (request_id, prompt ids, SamplingParams) to the engine and step until done."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def tiny_llm(hf_model, **kwargs) -> LLM:
     return LLM(engine=tiny_engine(hf_model, **kwargs))
 

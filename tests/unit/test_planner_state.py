@@ -17,7 +17,7 @@ from slotserve.lab.replay import LinearCost, ReplayRequest, ReplaySettings, repl
 from slotserve.sampling import SamplingParams
 from slotserve.spec.config import parse
 from slotserve.spec.planner import FIRST, FRESH, SPAN, DecodeStepCost, PooledAcceptance, Speculator
-from tests.conftest import tiny_engine
+from tests.conftest import run_to_end, tiny_engine
 from tests.unit.test_spec_engine import repetitive_prompts
 
 AUTO = json.dumps({"method": "ngram", "num_speculative_tokens": "auto",
@@ -125,13 +125,6 @@ def test_a_scheduler_restored_from_a_state_reports_that_state():
     assert off.planner_state() is None
 
 
-def _run(engine, requests) -> None:
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 @pytest.fixture(scope="module")
 def warmed(tiny_llama):
     """An engine with auto speculation after a first batch, its state then, and the trace
@@ -139,10 +132,10 @@ def warmed(tiny_llama):
     engine = tiny_engine(tiny_llama, speculative_config=AUTO, max_num_seqs=4)
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     prompts = repetitive_prompts(8, seed=7)
-    _run(engine, [(f"a{i}", p, params) for i, p in enumerate(prompts[:4])])
+    run_to_end(engine, [(f"a{i}", p, params) for i, p in enumerate(prompts[:4])])
     state = json.loads(json.dumps(engine.scheduler.planner_state()))
     engine.trace.clear()
-    _run(engine, [(f"b{i}", p, params) for i, p in enumerate(prompts[4:])])
+    run_to_end(engine, [(f"b{i}", p, params) for i, p in enumerate(prompts[4:])])
     return engine, state, json.loads(json.dumps(engine.export_trace()))
 
 
@@ -158,7 +151,7 @@ def test_a_trace_that_lost_its_first_iterations_carries_no_planner_state(tiny_ll
                          trace_capacity=4)
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     engine.trace.clear()
-    _run(engine, [("a", repetitive_prompts(1)[0], params)])
+    run_to_end(engine, [("a", repetitive_prompts(1)[0], params)])
     assert len(engine.export_trace()["iterations"]) == 4
     assert "planner_state" not in engine.export_trace()
 
@@ -166,7 +159,7 @@ def test_a_trace_that_lost_its_first_iterations_carries_no_planner_state(tiny_ll
 def test_an_engine_without_speculation_records_no_planner_state(tiny_llama):
     engine = tiny_engine(tiny_llama, max_num_seqs=2)
     engine.trace.clear()
-    _run(engine, [("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])
+    run_to_end(engine, [("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])
     assert "planner_state" not in engine.export_trace()
 
 

@@ -157,17 +157,15 @@ def test_an_engine_s_second_round_replays_with_the_hits_it_had(tiny_llama):
     replay computed those prompts in full, and a batch-1 cell's speculation ratio came out
     13-23% low)."""
     from slotserve.sampling import SamplingParams
-    from tests.conftest import random_prompts, tiny_engine
+    from tests.conftest import random_prompts, run_to_end, tiny_engine
 
     engine = tiny_engine(tiny_llama, max_num_seqs=4)
     prompts = random_prompts(3, min_len=40, max_len=70, seed=11)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     for round_ in range(2):
         engine.trace.clear()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{round_}.{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_to_end(engine, [(f"r{round_}.{i}", prompt, params)
+                            for i, prompt in enumerate(prompts)])
     trace = json.loads(json.dumps(engine.export_trace()))
     recorded = {r["id"]: r["cached_tokens"] for r in trace["requests"]}
     assert all(recorded.values()), recorded

@@ -27,7 +27,7 @@ from slotserve.lab.replay.spec_prediction import (
 )
 from slotserve.lab.replay.speculation import recorded_verifications
 from slotserve.sampling import SamplingParams
-from tests.conftest import tiny_engine
+from tests.conftest import run_to_end, tiny_engine
 from tests.unit.test_spec_engine import repetitive_prompts
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -51,18 +51,11 @@ def _record(hf_model, speculative_config: str | None) -> dict:
     """A batch of repetitive prompts sent at once, on a warmed engine: its trace."""
     engine = tiny_engine(hf_model, speculative_config=speculative_config, **RUN)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-    _run(engine, [("warm", [7, 8, 9], params)])  # NOTE: the first step's one-off costs
+    run_to_end(engine, [("warm", [7, 8, 9], params)])  # NOTE: the first step's one-off costs
     engine.trace.clear()
-    _run(engine, [(f"q{i}", prompt, replace(params, max_tokens=24 + 4 * i))
+    run_to_end(engine, [(f"q{i}", prompt, replace(params, max_tokens=24 + 4 * i))
                   for i, prompt in enumerate(repetitive_prompts(6))])
     return json.loads(json.dumps(engine.export_trace()))
-
-
-def _run(engine, requests) -> None:
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 @pytest.fixture(scope="module")
