@@ -59,7 +59,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
         requests, warm = shared_prefix_prompts(requests, cached)
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
             "cached_prompt_tokens": sum(cached),
-            # NOTE: token ids (thousands): a replay reads them; a report names their sizes
+            # NOTE: token ids (thousands): the commands take them out of the info they report
             "trace_cached_prefixes": warm,
             "trace_policy": trace.get("policy"), "trace_num_slots": trace.get("num_slots"),
             "trace_kv_blocks": trace.get("kv_blocks_total")}

@@ -267,7 +267,10 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
 def cache_prefix(kv: KVCacheManager, request_id: str, tenant: str,
                  token_ids: Sequence[int]) -> None:
     """Put the full blocks of `token_ids` in the prefix cache, free (as a request that
-    computed them and left), without a forward or a tick of the clock."""
+    computed them and left), without a forward or a tick of the clock; nothing without
+    prefix caching."""
+    if not kv.enable_prefix_caching:
+        return
     holder = Request(request_id, list(token_ids), SamplingParams(max_tokens=1), tenant=tenant)
     if kv.allocate_slots(holder, len(token_ids)) is None:
         raise ValueError(f"cached_prefixes: {len(token_ids)} tokens do not fit the KV pool "
