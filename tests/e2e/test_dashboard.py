@@ -326,6 +326,9 @@ def page(browser):
 def open_dashboard(page, server: ThreadServer, path: str = "/") -> None:
     page.goto(server.url + path)
     page.wait_for_selector('body[data-connected="true"]')
+    # NOTE: the event stream opens before its "hello" arrives (the config; a loaded CI
+    # host once ran a test's script in between)
+    page.wait_for_function("() => live.config !== null")
     page.wait_for_selector('#replay-static[data-iterations="12"]')
 
 
