@@ -84,6 +84,7 @@ def _learnt_state() -> dict:
         scheduler.decode_cost.observe(rows, seconds, drafted)
     for _ in range(30):
         scheduler.speculator.pooled.observe(4, 4, FIRST)
+    scheduler.speculator.dry_iterations = 5
     return scheduler.planner_state()
 
 
@@ -98,6 +99,13 @@ def _learnt_state() -> dict:
     (("decode_cost", "hinge"), [0.01, 0.0, -1.0, 8.0], "hinge"),
     (("decode_cost", "verify_extra"), "0.1", "verify_extra"),
     (("decode_cost", "since_fit"), -2, "since_fit"),
+    (("decode_cost", "line"), [1.0, 4.0, -0.5, 16.0, -2.0], "line"),
+    (("decode_cost", "bins"), [[0, False, 1.0, 0.0, 0.01]], "bins"),
+    (("decode_cost", "bins"), [[4, False, 1.0, 0.5, 0.01]], "bins"),
+    (("decode_cost", "bins"), [[4, False, 1.0, 4.0, -0.01]], "bins"),
+    (("decode_cost", "bins"), [[4, False, 1.0, 4.0, 0.01], [4, False, 2.0, 8.0, 0.02]],
+     "twice"),
+    (("dry_iterations",), 2.5, "dry_iterations"),
     (("pooled_acceptance", FRESH), [3.0, float("inf")], FRESH),
     (("pooled_acceptance", SPAN), [-1.0, 0.0], "pooled"),
 ])

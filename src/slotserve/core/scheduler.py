@@ -53,7 +53,13 @@ from slotserve.core.queue_policy import CostModel, QueuePolicy, make_policy
 from slotserve.core.scheduling_fields import SchedulingFields
 from slotserve.core.tenant_share import TenantLoad
 from slotserve.request import Request, RequestStatus
-from slotserve.spec.planner import Candidate, DecodeStepCost, PooledAcceptance, Speculator
+from slotserve.spec.planner import (
+    Candidate,
+    DecodeStepCost,
+    PooledAcceptance,
+    Speculator,
+    count_of,
+)
 
 # hold_first_tokens holds a first token for a burst of at least this many other prompts: one
 # long prompt beside a short one is the online case, where the short one's first token should
@@ -682,7 +688,8 @@ class Scheduler:
         if self.speculator is None:
             return None
         return {"decode_cost": self.decode_cost.state(),
-                "pooled_acceptance": self.speculator.pooled.state()}
+                "pooled_acceptance": self.speculator.pooled.state(),
+                "dry_iterations": self.speculator.dry_iterations}
 
     def restore_planner_state(self, state: dict) -> None:
         """Start planning from a `planner_state()` (no-op when speculation is off);
@@ -695,7 +702,9 @@ class Scheduler:
         cost, pooled = DecodeStepCost(), PooledAcceptance()
         cost.restore(state.get("decode_cost"))
         pooled.restore(state.get("pooled_acceptance"))
+        dry = count_of(state, "dry_iterations")
         self.decode_cost, self.speculator.pooled = cost, pooled
+        self.speculator.dry_iterations = dry
 
     def check_integrity(self) -> None:
         """Assert the scheduler's invariants (tests call this after every step)."""

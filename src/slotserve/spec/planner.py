@@ -236,19 +236,24 @@ class DecodeStepCost(CostModel):
         """Start from a `state()` (e.g. a trace's: a replay plans as the engine did then);
         ValueError naming the field that is malformed, and nothing changed."""
         line = _numbers(state, "line", 5)
-        if line[0] < 0 or (line[0] > 0 and line[1] <= 0):
-            raise ValueError(f"decode_cost.line: weight >= 0 and, with weight, rows > 0: "
+        if min(line) < 0 or (line[0] > 0 and line[1] <= 0):
+            raise ValueError(f"decode_cost.line: sums >= 0 and, with weight, rows > 0: "
                              f"got {line!r}")
         bins: dict[tuple[int, bool], list[float]] = {}
         for entry in _field(state, "bins", list):
             if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[1], bool)
-                    and isinstance(entry[0], int) and not isinstance(entry[0], bool)):
-                raise ValueError(f"decode_cost.bins: expected [rows, drafted, weight, "
+                    and isinstance(entry[0], int) and not isinstance(entry[0], bool)
+                    and entry[0] >= 1):
+                raise ValueError(f"decode_cost.bins: expected [rows >= 1, drafted, weight, "
                                  f"weight x rows, weight x seconds], got {entry!r}")
-            sums = _finite(entry[2:], "decode_cost.bins", 3)
-            if sums[0] <= 0:
-                raise ValueError(f"decode_cost.bins: a bin's weight must be > 0: {entry!r}")
-            bins[(entry[0], entry[1])] = sums
+            weight, rows, seconds = _finite(entry[2:], "decode_cost.bins", 3)
+            # NOTE: a bin's mean rows is at least 1 (the tolerance: its sums' rounding)
+            if weight <= 0 or rows < weight * (1 - 1e-9) or seconds < 0:
+                raise ValueError(f"decode_cost.bins: weight > 0, mean rows >= 1 and seconds "
+                                 f">= 0: {entry!r}")
+            if (entry[0], entry[1]) in bins:
+                raise ValueError(f"decode_cost.bins: [{entry[0]}, {entry[1]}] twice")
+            bins[(entry[0], entry[1])] = [weight, rows, seconds]
         hinge = state.get("hinge")
         if hinge is not None:
             hinge = tuple(_numbers(state, "hinge", 4))
@@ -256,10 +261,7 @@ class DecodeStepCost(CostModel):
                 raise ValueError(f"decode_cost.hinge: a, b, c and the knee must be >= 0: "
                                  f"{list(hinge)!r}")
         extra = _finite([state.get("verify_extra")], "verify_extra", 1)[0]
-        counts = [state.get(name, 0) for name in ("since_fit", "slow_in_a_row")]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-            raise ValueError(f"decode_cost: since_fit and slow_in_a_row must be integers "
-                             f">= 0, got {counts!r}")
+        counts = [count_of(state, name) for name in ("since_fit", "slow_in_a_row")]
         self._sums, self._bins, self.hinge = line, bins, hinge
         self.verify_extra = max(extra, 0.0)
         self._unit, (self._since_fit, self._slow_in_a_row) = 1.0, counts
@@ -535,7 +537,8 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.max_tokens
         self.explorations = 0  # "auto" plans made on the prior after EXPLORE_AFTER dry ones
-        self._dry_iterations = 0
+        # "auto": iterations in a row that planned nothing on a fitted cost (EXPLORE_AFTER)
+        self.dry_iterations = 0
 
     # ----------------------------------------------------------------- planning
     def plan(self, candidates: list[Candidate], budget: int, planned_tokens: int,
@@ -606,12 +609,12 @@ class Speculator:
         wanted = self._proposed_lengths(candidates, budget, planned_tokens, producing, cost,
                                         proposals)
         if wanted:
-            self._dry_iterations = 0
+            self.dry_iterations = 0
             return wanted
-        self._dry_iterations += 1
-        if self._dry_iterations < EXPLORE_AFTER:
+        self.dry_iterations += 1
+        if self.dry_iterations < EXPLORE_AFTER:
             return wanted
-        self._dry_iterations = 0
+        self.dry_iterations = 0
         prior = self._proposed_lengths(candidates, budget, planned_tokens, producing,
                                        LinearStepCost(), proposals)
         if not prior:
@@ -779,6 +782,14 @@ class Speculator:
         """Accepted / proposed draft tokens since start (0.0 before any)."""
         return (self.num_accepted_tokens / self.num_draft_tokens
                 if self.num_draft_tokens else 0.0)
+
+
+def count_of(state: dict, name: str) -> int:
+    """state[name] (0 if absent) as an integer >= 0; ValueError naming it otherwise."""
+    value = state.get(name, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"planner state: {name!r} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _field(state: dict, name: str, kind: type):

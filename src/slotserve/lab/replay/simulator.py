@@ -246,6 +246,8 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
         cache_prefix(core.scheduler.kv, f"cached-before:{index}", tenant, token_ids)
     trace = TraceRecorder(settings.max_num_seqs, settings.batching, cache.num_blocks,
                           capacity=1 << 62)
+    if planner_state is not None:  # NOTE: its trace carries it, so a replay of it starts so
+        trace.start_state = core.scheduler.planner_state()
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
     # NOTE: arrival order, input order among equal arrivals (as a workload's).
     pending = deque(sorted(requests, key=lambda r: r.arrival))

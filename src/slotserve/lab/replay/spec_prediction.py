@@ -20,7 +20,7 @@ import numpy as np
 
 from slotserve.config import SlotKind
 from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
-from slotserve.lab.replay.cost_model import LinearCost, StepFeatures
+from slotserve.lab.replay.cost_model import LinearCost, StepFeatures, UnitCost
 from slotserve.lab.replay.inputs import requests_from_trace
 from slotserve.lab.replay.simulator import ReplaySettings, replay
 from slotserve.lab.replay.speculation import FILLER_DRAFT, recorded_verifications, slot_drafts
@@ -189,8 +189,10 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     drafted = [replace(r, verifications=tuple(verifications.get(str(on["id"]), ())))
                for r, on in zip(requests, on_requests)]
     off = replay(requests, settings, cost_model, cached_prefixes=cached)
+    # NOTE: the engine's planner state is in seconds: not on the toy clock's iterations
+    state = None if isinstance(cost_model, UnitCost) else on_trace.get("planner_state")
     on = replay(drafted, replace(settings, speculative_config=speculative_config), cost_model,
-                planner_state=on_trace.get("planner_state"), cached_prefixes=cached)
+                planner_state=state, cached_prefixes=cached)
     off_tok_s, on_tok_s = _tok_s(off), _tok_s(on)
     slots = [s for it in on.trace["iterations"] for s in it["slots"] if s and s.get("proposed")]
     return {"off_tok_s": off_tok_s, "on_tok_s": on_tok_s, "ratio": on_tok_s / off_tok_s,
