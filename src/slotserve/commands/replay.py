@@ -167,9 +167,10 @@ def run_replay(args: argparse.Namespace, cost) -> int:
         info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     base = settings_from_args(args, info)
     # NOTE: the engine's planner state is in seconds: not on the toy clock's iterations
-    recorded_state = info.pop("trace_planner_state", None)
-    planner_state = None if isinstance(cost, UnitCost) else recorded_state
-    if planner_state is not None:
+    planner_state = info.pop("trace_planner_state", None)
+    if isinstance(cost, UnitCost):
+        planner_state = None
+    elif planner_state is not None:
         info["planner_state"] = "the trace's"
     cached_prefixes = info.pop("trace_cached_prefixes", [])
     both = args.batching == "both"

@@ -240,14 +240,13 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
     core = VirtualEngineCore(settings.scheduler_config(), cache, cost_model,
                              speculator=make_speculator(settings.speculation(), oracle),
                              acceptance=oracle, sliding_window=settings.sliding_window)
-    if planner_state is not None:
-        core.scheduler.restore_planner_state(planner_state)
-    for index, (tenant, token_ids) in enumerate(cached_prefixes):
-        cache_prefix(core.scheduler.kv, f"cached-before:{index}", tenant, token_ids)
     trace = TraceRecorder(settings.max_num_seqs, settings.batching, cache.num_blocks,
                           capacity=1 << 62)
-    if planner_state is not None:  # NOTE: its trace carries it, so a replay of it starts so
-        trace.start_state = core.scheduler.planner_state()
+    if planner_state is not None:
+        core.scheduler.restore_planner_state(planner_state)
+        trace.start_state = core.scheduler.planner_state()  # NOTE: a replay of it starts so
+    for index, (tenant, token_ids) in enumerate(cached_prefixes):
+        cache_prefix(core.scheduler.kv, f"cached-before:{index}", tenant, token_ids)
     outcomes = {r.id: RequestOutcome(r.id, r.prompt_tokens, float(r.arrival)) for r in requests}
     # NOTE: arrival order, input order among equal arrivals (as a workload's).
     pending = deque(sorted(requests, key=lambda r: r.arrival))
