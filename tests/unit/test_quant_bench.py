@@ -161,6 +161,34 @@ def test_agreement_and_rotation():
     assert quant.rotated(("a", "b"), 2) == ["a", "b"]
 
 
+def test_paired_agreement_counts_the_positions_one_system_got():
+    """Four positions: both hit one, only ours two, only theirs one; the standard error is
+    sqrt(b + c - (b - c)^2 / n) / n, the spread of the per-position differences."""
+    ours = [[True, True], [True, False]]
+    theirs = [[True, False], [False, True]]
+    paired = quant.paired_agreement(ours, theirs)
+    assert (paired["positions"], paired["only_slotserve"], paired["only_llama.cpp"]) == (4, 2, 1)
+    assert paired["difference"] == pytest.approx(0.25)
+    assert paired["difference"] == pytest.approx(quant.agreement(ours) - quant.agreement(theirs))
+    assert paired["standard_error"] == pytest.approx((3 - 1 / 4) ** 0.5 / 4)
+    assert quant.paired_agreement(ours, ours)["standard_error"] == 0.0
+    assert quant.hits_text(ours) == ["11", "10"]
+    with pytest.raises(ValueError):  # not the same positions
+        quant.paired_agreement(ours, [[True, True]])
+    with pytest.raises(ValueError):
+        quant.paired_agreement([[True]], [[True, False]])
+    line = quant.paired_lines({"files": [{"label": "f", "quality_paired": paired}]})
+    assert line == ["f: agreement slotserve - llama.cpp +25.00% (standard error 41.46%; "
+                    "positions only slotserve got 2, only llama.cpp 1, of 4)"]
+
+
+def test_quality_only_run_and_prompt_count():
+    args = quant.parse_args(["--workloads", "", "--quality-prompts", "96"])
+    assert args.workloads == [] and args.quality_prompts == 96
+    with pytest.raises(SystemExit):
+        quant.parse_args(["--quality-prompts", "0"])
+
+
 def test_both_servers_get_the_same_context():
     """slotserve's KV pool holds what llama.cpp's -c gives its 64 slots, 512 positions each."""
     flags = quant.slotserve_flags(Path("/m.gguf"))
