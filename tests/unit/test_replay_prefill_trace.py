@@ -144,6 +144,42 @@ def test_a_tenant_whose_first_request_hit_has_its_prefix_cached_and_no_source():
     assert _cached(result) == {"a0": 32, "a1": 0, "a2": 16, "b0": 0, "b1": 32}
 
 
+def test_under_priority_the_first_request_served_computes_the_prefix():
+    """A later arrival of higher priority is served first and computes the system prompt the
+    earlier, lower-priority one then hits: the trace's order of service (`first_iteration`),
+    not its arrivals, says who computed it (by arrival the earlier one's hit looked cached
+    before the trace, and the replay found the prefix warm for both)."""
+    system = tuple(range(100, 132))
+    requests = [ReplayRequest("busy", 40, 6, 0.0, tuple(range(900, 940)), tenant="other"),
+                ReplayRequest("low", 40, 2, 0.001, system + tuple(range(500, 508)),
+                              priority=5, tenant="A"),
+                ReplayRequest("high", 40, 2, 0.002, system + tuple(range(600, 608)),
+                              priority=0, tenant="A")]
+    settings = replace(_settings(1), scheduling_policy="priority")
+    truth = replay(requests, settings, UnitCost(), check=True)
+    assert _cached(truth) == {"busy": 0, "low": 32, "high": 0}
+    trace = json.loads(json.dumps(truth.trace))
+    from_trace, info = requests_from_trace(trace)
+    assert info["trace_cached_prefixes"] == []
+    predicted = replay(from_trace, settings, UnitCost(), check=True,
+                       cached_prefixes=info["trace_cached_prefixes"])
+    assert _cached(predicted) == _cached(truth)
+    assert predicted.duration == pytest.approx(truth.duration)
+    # Without the order of service (an older trace): arrival order, as before.
+    for record in trace["requests"]:
+        record.pop("first_iteration")
+    _, by_arrival = requests_from_trace(trace)
+    assert [(t, len(ids)) for t, ids in by_arrival["trace_cached_prefixes"]] == [("A", 32)]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
+def test_bad_first_iteration_is_an_error_naming_it(bad):
+    trace = _hit_trace([("x", 0.0, 50, 16, "A")])
+    trace["requests"][0]["first_iteration"] = bad
+    with pytest.raises(ValueError, match="request 0: first_iteration"):
+        requests_from_trace(trace)
+
+
 def test_a_cached_prefix_larger_than_the_pool_is_an_error_naming_it():
     requests = [ReplayRequest("x", 20, 2)]
     settings = replace(_settings(1), num_blocks=4)

@@ -36,7 +36,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     if not isinstance(trace, dict) or not isinstance(trace.get("requests"), list):
         raise ValueError("trace: expected a JSON object with a \"requests\" list")
     verifications = recorded_verifications(trace.get("iterations") or [])
-    requests, cached, skipped = [], [], 0
+    requests, cached, admitted, skipped = [], [], [], 0
     for i, record in enumerate(trace["requests"]):
         try:
             output = record["output_tokens"]
@@ -48,6 +48,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
             requests.append(ReplayRequest(str(record["id"]), int(record["prompt_tokens"]),
                                           int(output), float(record["arrival"]), **fields))
             cached.append(_cached_tokens(record))
+            admitted.append(_first_iteration(record))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace: request {i}: {exc}") from None
     if not requests:
@@ -56,7 +57,7 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     requests = [replace(r, arrival=round(r.arrival - start, 6)) for r in requests]
     warm: list[tuple[str, tuple[int, ...]]] = []
     if any(cached):
-        requests, warm = shared_prefix_prompts(requests, cached)
+        requests, warm = shared_prefix_prompts(requests, cached, admitted)
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
             "cached_prompt_tokens": sum(cached),
             # NOTE: token ids (thousands): the commands take them out of the info they report
@@ -95,12 +96,22 @@ def _cached_tokens(record: dict) -> int:
     return value
 
 
+def _first_iteration(record: dict) -> int | None:
+    value = record.get("first_iteration")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 0):
+        raise ValueError(f"first_iteration must be a non-negative integer or null, "
+                         f"got {value!r}")
+    return value
+
+
 # Token ids of rebuilt prompts (the fake runner never reads them; only block hashes do).
 PREFIX_TOKEN_BASE = 1_000  # + the tenant's index: its shared prefix's tokens
 UNIQUE_TOKEN_BASE = 1_000_000  # + the request's index: ends every shared prefix
 
 
-def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
+def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int],
+                          admitted: list[int | None] | None = None
                           ) -> tuple[list[ReplayRequest], list[tuple[str, tuple[int, ...]]]]:
     """Prompts whose prefix-cache hits reproduce the trace's: what the run computed; and
     the prefixes that were cached before the trace began (tenant, token ids), for the
@@ -109,20 +120,22 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
     A trace records how many prompt tokens each request found cached (`cached[i]`), not
     what they were. The rebuilt prompt of a request that hit c tokens starts with the first
     c tokens of its tenant's shared prefix (one constant token per tenant), then a token of
-    its own (so nothing after c is shared), then filler. The earliest-arriving request of a
+    its own (so nothing after c is shared), then filler. The earliest-admitted request of a
     tenant with hits that found nothing cached itself computed the prefix the others hit:
-    it gets the tenant's longest hit (at most its prompt less one token). Where a tenant's
-    earliest request hit, the prefix was cached before the trace (an engine that served
-    these prompts before, a server's trace ring): the tenant's longest hit is cached when
-    the replay starts. The replay's own prefix cache then decides the hits, so they follow
-    the replayed schedule: at more slots more requests share one iteration, as in a real
-    run.
+    it gets the tenant's longest hit (at most its prompt less one token). Admitted means
+    first scheduled (`admitted[i]`, the trace's `first_iteration`), then arrival: under
+    the priority, deadline and fair policies a later arrival can be served first. Where a
+    tenant's earliest-admitted request hit, the prefix was cached before the trace (an
+    engine that served these prompts before, a server's trace ring): the tenant's longest
+    hit is cached when the replay starts. The replay's own prefix cache then decides the
+    hits, so they follow the replayed schedule: at more slots more requests share one
+    iteration, as in a real run.
     NOTE: prefixes shared across tenants (global scope) are modelled per tenant.
     """
     tenants = list(dict.fromkeys(r.tenant for r in requests))
     longest = {t: max((c for r, c in zip(requests, cached) if r.tenant == t), default=0)
                for t in tenants}
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    order = sorted(range(len(requests)), key=lambda i: _admission_key(requests, admitted, i))
     first = {}
     for i in order:
         first.setdefault(requests[i].tenant, i)
@@ -143,6 +156,17 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int]
         rebuilt.append(replace(request, prompt_token_ids=ids))
     prefixes = [(t, (PREFIX_TOKEN_BASE + tenants.index(t),) * longest[t]) for t in warm]
     return rebuilt, prefixes
+
+
+def _admission_key(requests: list[ReplayRequest], admitted: list[int | None] | None,
+                   i: int) -> tuple[float, float]:
+    """Where request i stands in the order the run served the requests: its first scheduled
+    iteration (never scheduled: last), then its arrival; arrival alone without `admitted`.
+    NOTE: a stable sort keeps the trace's order among equals (the engine's queue order)."""
+    if admitted is None:
+        return (0.0, requests[i].arrival)
+    first = admitted[i]
+    return (math.inf if first is None else float(first), requests[i].arrival)
 
 
 def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayRequest]:
