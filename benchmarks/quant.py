@@ -26,13 +26,16 @@ so a round stays a few minutes; the report names each workload's actual figures.
 Quality (trained weights only: SmolLM2 and Gemma; on random weights the logits are so flat
 that agreement says nothing): teacher-forced greedy agreement with the fp32-dequantized
 reference, slotserve `quantization="none"` on the same file in this process (its greedy
-continuations of 32 chat prompts, 64 tokens each). Through each server's API, in round 1
-after the workloads: slotserve's by `prompt_logprobs` (the rank-1 token after each teacher-
-forced prefix, as benchmarks.vs_vllm measures vLLM); llama.cpp's server returns no prompt
-logprobs (`echo` is refused), so one greedy token per prefix (`/completion`, token-id
-prompt, top_k 1, the sampled token's id; its prompt cache reuses the prefix). Both are
-the argmax after the same prefixes. slotserve's engine in process gives the same figure as
-a check of the API path.
+continuations of 32 chat prompts, `--quality-prompts`, 64 tokens each). Through each
+server's API, in round 1 after the workloads: slotserve's by `prompt_logprobs` (the rank-1
+token after each teacher-forced prefix, as benchmarks.vs_vllm measures vLLM); llama.cpp's
+server returns no prompt logprobs (`echo` is refused), so one greedy token per prefix
+(`/completion`, token-id prompt, top_k 1, the sampled token's id; its prompt cache reuses
+the prefix). Both are the argmax after the same prefixes. slotserve's engine in process
+gives the same figure as a check of the API path. The report keeps each system's hit at
+every position and compares them paired (`paired_agreement`: the difference and its
+standard error by prompt).
+`--workloads ""` measures quality alone (one round, the files with trained weights).
 
 Targets (issue 31), per file: batch-1 tok/s >= llama.cpp's; W output tok/s >= 1.5x
 llama.cpp's; peak RSS <= llama.cpp's + 20%; agreement >= llama.cpp's.
@@ -272,23 +275,50 @@ def api_hits(server: Server, ref: dict) -> list[list[bool]]:
 
 def paired_agreement(ours: list[list[bool]], theirs: list[list[bool]]) -> dict:
     """The two systems' hits position by position (a paired comparison, as McNemar's): the
-    positions only one of them got, and the difference of agreements with its standard
-    error, sqrt(b + c - (b - c)^2 / n) / n for b, c positions only ours / only theirs hit.
+    positions only one of them got (b ours, c theirs, of n), the difference of agreements
+    d = (b - c) / n, and two standard errors of d: `standard_error` with the positions
+    independent, sqrt(b + c - (b - c)^2 / n) / n, and `prompt_standard_error` clustered by
+    prompt (the one to read), sqrt(J / (J - 1) * sum_j (D_j - d n_j)^2) / n over the J
+    prompts, D_j = b_j - c_j and n_j positions in prompt j.
 
-    NOTE: at ~98% agreement over 2,048 positions each system's own standard error is ~0.3
-    points, more than the gap it is compared with; pairing removes the positions both get
-    (or both miss), which is most of that noise."""
-    pairs = [(a, b) for row_a, row_b in zip(ours, theirs, strict=True)
-             for a, b in zip(row_a, row_b, strict=True)]
-    if not pairs:
+    NOTE: at ~98% agreement each system's own standard error is as large as the gap it is
+    compared with; pairing removes the positions both get (or both miss). A prompt's
+    positions are not independent (one early miss shifts what follows), so the clustered
+    error is the honest one; it needs two prompts or more (else None)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} prompts against {len(theirs)}")
+    per_prompt = [_only_counts(row_a, row_b) for row_a, row_b in zip(ours, theirs)]
+    n = sum(size for size, _, _ in per_prompt)
+    if not n:
         raise ValueError("no positions to compare")
-    n = len(pairs)
-    only_ours = sum(a and not b for a, b in pairs)
-    only_theirs = sum(b and not a for a, b in pairs)
+    only_ours = sum(b for _, b, _ in per_prompt)
+    only_theirs = sum(c for _, _, c in per_prompt)
+    difference = (only_ours - only_theirs) / n
     spread = max(only_ours + only_theirs - (only_ours - only_theirs) ** 2 / n, 0.0)
-    return {"positions": n, "only_slotserve": only_ours, "only_llama.cpp": only_theirs,
-            "difference": (only_ours - only_theirs) / n,
-            "standard_error": math.sqrt(spread) / n}
+    prompts = len(per_prompt)
+    clustered = None
+    if prompts >= 2:
+        squares = sum((b - c - difference * size) ** 2 for size, b, c in per_prompt)
+        clustered = math.sqrt(prompts / (prompts - 1) * squares) / n
+    return {"positions": n, "prompts": prompts, "only_slotserve": only_ours,
+            "only_llama.cpp": only_theirs, "difference": difference,
+            "standard_error": math.sqrt(spread) / n, "prompt_standard_error": clustered}
+
+
+def _only_counts(ours: list[bool], theirs: list[bool]) -> tuple[int, int, int]:
+    """(positions, only ours hit, only theirs hit) of one prompt; ValueError if the prompt's
+    positions differ in number."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"a prompt of {len(ours)} positions against {len(theirs)}")
+    return (len(ours), sum(a and not b for a, b in zip(ours, theirs)),
+            sum(b and not a for a, b in zip(ours, theirs)))
+
+
+def quality_paired(hits: dict[str, list[list[bool]]]) -> dict | None:
+    """The paired comparison where both systems were scored (None where one failed)."""
+    if not set(SYSTEMS) <= set(hits):
+        return None
+    return paired_agreement(hits["slotserve"], hits["llama.cpp"])
 
 
 def hits_text(hits: list[list[bool]]) -> list[str]:
@@ -328,10 +358,13 @@ def target_figures(ours: dict, theirs: dict, quality: dict) -> dict:
         tpot = row.get("batch-1", {}).get("tpot_p50_ms")
         return 1e3 / tpot if tpot else None
 
+    # NOTE: a quality-only run's peak RSS is idle servers': no target
+    measured = any(w in ours for w in WORKLOADS)
     pairs = {"batch-1 tok/s": (b1(ours), b1(theirs)),
              "W tok/s": (ours.get("W", {}).get("output_tok_s"),
                          theirs.get("W", {}).get("output_tok_s")),
-             "peak RSS": (ours.get("peak_rss_mib"), theirs.get("peak_rss_mib")),
+             "peak RSS": ((ours.get("peak_rss_mib"), theirs.get("peak_rss_mib")) if measured
+                          else (None, None)),
              "agreement": (quality.get("slotserve"), quality.get("llama.cpp"))}
     out = {}
     for name, (a, b) in pairs.items():
@@ -396,9 +429,11 @@ def paired_lines(report: dict) -> list[str]:
     for f in report["files"]:
         paired = f.get("quality_paired")
         if paired:
+            clustered = paired.get("prompt_standard_error")
             lines.append(
                 f"{f['label']}: agreement slotserve - llama.cpp {paired['difference']:+.2%} "
-                f"(standard error {paired['standard_error']:.2%}; positions only slotserve "
+                f"(standard error {_f(clustered, '.2%')} by prompt, "
+                f"{paired['standard_error']:.2%} by position; positions only slotserve "
                 f"got {paired['only_slotserve']}, only llama.cpp {paired['only_llama.cpp']}, "
                 f"of {paired['positions']})")
     return lines
@@ -437,8 +472,7 @@ def run_file(model: ModelFile, scale: Scale, workloads: list[str], rounds: int,
                 server.stop()
     if quality is not None:
         scores["slotserve (in process)"] = quality["slotserve_in_process"]
-    paired = (paired_agreement(hits["slotserve"], hits["llama.cpp"])
-              if set(SYSTEMS) <= set(hits) else None)
+    paired = quality_paired(hits)
     summary = {s: summarize(r) for s, r in runs.items() if r}
     return {"key": model.key, "label": model.label, "path": str(model.path),
             "size_mib": model.path.stat().st_size / 2**20, "types": tensor_types(model.path),
@@ -466,8 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-quality", action="store_true")
     p.add_argument("--quality-prompts", type=int, default=QUALITY_PROMPTS,
-                   help=f"chat prompts for the agreement (default {QUALITY_PROMPTS}), "
-                        f"{QUALITY_TOKENS} reference tokens each")
+                   help=f"chat prompts for the agreement (default {QUALITY_PROMPTS}; --smoke: "
+                        f"4), {QUALITY_TOKENS} reference tokens each")
     p.add_argument("--smoke", action="store_true",
                    help="short workloads on every file (SCALES['smoke']), 4 quality prompts "
                         "of 8 tokens: checks the script, measures nothing")
@@ -484,6 +518,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds: at least 1")
     if args.quality_prompts < 1:
         p.error("--quality-prompts: at least 1")
+    if not args.workloads:  # NOTE: quality alone: one round is all it measures
+        if args.no_quality:
+            p.error('--workloads "" with --no-quality measures nothing')
+        args.rounds = 1
     return args
 
 
@@ -492,6 +530,10 @@ def main(argv: list[str] | None = None) -> dict:
     start_time = time.perf_counter()
     gemma = find_gemma()
     files = planned_files(Path(args.workdir), args.files, gemma)
+    if not args.workloads:
+        files = [f for f in files if f.quality]
+        if not files:
+            raise SystemExit('--workloads "": none of --files has trained weights to score')
     prepare(files, Path(args.workdir), LLAMA_BIN / "llama-quantize", gemma_path=gemma)
     prompts, tokens = (4, 8) if args.smoke else (args.quality_prompts, QUALITY_TOKENS)
     references, t0 = {}, time.perf_counter()

@@ -162,8 +162,9 @@ def test_agreement_and_rotation():
 
 
 def test_paired_agreement_counts_the_positions_one_system_got():
-    """Four positions: both hit one, only ours two, only theirs one; the standard error is
-    sqrt(b + c - (b - c)^2 / n) / n, the spread of the per-position differences."""
+    """Four positions: both hit one, only ours two, only theirs one; the standard error by
+    position is sqrt(b + c - (b - c)^2 / n) / n, the spread of the per-position differences;
+    by prompt, sqrt(J / (J - 1) * sum_j (D_j - d n_j)^2) / n: D = (1, 0), d = 1/4, n_j = 2."""
     ours = [[True, True], [True, False]]
     theirs = [[True, False], [False, True]]
     paired = quant.paired_agreement(ours, theirs)
@@ -171,22 +172,41 @@ def test_paired_agreement_counts_the_positions_one_system_got():
     assert paired["difference"] == pytest.approx(0.25)
     assert paired["difference"] == pytest.approx(quant.agreement(ours) - quant.agreement(theirs))
     assert paired["standard_error"] == pytest.approx((3 - 1 / 4) ** 0.5 / 4)
-    assert quant.paired_agreement(ours, ours)["standard_error"] == 0.0
+    assert paired["prompt_standard_error"] == pytest.approx((2 * (0.5**2 + 0.5**2)) ** 0.5 / 4)
+    same = quant.paired_agreement(ours, ours)
+    assert same["standard_error"] == 0.0 and same["prompt_standard_error"] == 0.0
+    assert quant.paired_agreement([[True]], [[False]])["prompt_standard_error"] is None
     assert quant.hits_text(ours) == ["11", "10"]
     with pytest.raises(ValueError):  # not the same positions
         quant.paired_agreement(ours, [[True, True]])
     with pytest.raises(ValueError):
         quant.paired_agreement([[True]], [[True, False]])
     line = quant.paired_lines({"files": [{"label": "f", "quality_paired": paired}]})
-    assert line == ["f: agreement slotserve - llama.cpp +25.00% (standard error 41.46%; "
-                    "positions only slotserve got 2, only llama.cpp 1, of 4)"]
+    assert line == ["f: agreement slotserve - llama.cpp +25.00% (standard error 25.00% by "
+                    "prompt, 41.46% by position; positions only slotserve got 2, only "
+                    "llama.cpp 1, of 4)"]
+    # one system failed on the file: nothing to pair
+    assert quant.quality_paired({"slotserve": ours}) is None
+    assert quant.quality_paired({"slotserve": ours, "llama.cpp": theirs}) == paired
 
 
 def test_quality_only_run_and_prompt_count():
-    args = quant.parse_args(["--workloads", "", "--quality-prompts", "96"])
+    args = quant.parse_args(["--workloads", "", "--quality-prompts", "96", "--rounds", "3"])
     assert args.workloads == [] and args.quality_prompts == 96
+    assert args.rounds == 1  # quality is measured in round 1 only
     with pytest.raises(SystemExit):
         quant.parse_args(["--quality-prompts", "0"])
+    with pytest.raises(SystemExit):  # nothing to measure
+        quant.parse_args(["--workloads", "", "--no-quality"])
+
+
+def test_a_quality_only_run_has_no_memory_target():
+    """Without workloads the servers' peak RSS is idle servers': no target is judged on it."""
+    idle = {"rounds": 1, "start_s": 1.0, "peak_rss_mib": 400}
+    figures = quant.target_figures(idle, dict(idle, peak_rss_mib=900),
+                                   {"slotserve": 0.98, "llama.cpp": 0.97})
+    assert figures["peak RSS"]["met"] is None
+    assert figures["agreement"]["met"] is True
 
 
 def test_both_servers_get_the_same_context():

@@ -172,6 +172,29 @@ def test_under_priority_the_first_request_served_computes_the_prefix():
     assert [(t, len(ids)) for t, ids in by_arrival["trace_cached_prefixes"]] == [("A", 32)]
 
 
+def test_a_hit_in_a_tenant_s_first_iteration_was_cached_before_the_trace():
+    """Blocks are cached after the forward that computed them: a request that hit in the
+    same iteration as its tenant's first miss hit something from before the trace (the
+    miss, though it arrived first, is not its source)."""
+    trace = _hit_trace([("a0", 0.0, 50, 0, "A"), ("a1", 0.0, 50, 32, "A")])
+    for record in trace["requests"]:
+        record["first_iteration"] = 3
+    requests, info = requests_from_trace(trace)
+    assert [(t, len(ids)) for t, ids in info["trace_cached_prefixes"]] == [("A", 32)]
+    result = replay(requests, _settings(2), COST, check=True,
+                    cached_prefixes=info["trace_cached_prefixes"])
+    assert _cached(result) == {"a0": 0, "a1": 32}
+
+
+def test_a_trace_with_the_order_of_service_for_some_requests_only_uses_arrivals():
+    """A record without first_iteration (an older trace, edited): arrival order for all, not
+    the listed requests first and the others after every one of them."""
+    trace = _hit_trace([("a0", 0.0, 50, 0, "A"), ("a1", 0.1, 50, 32, "A")])
+    trace["requests"][1]["first_iteration"] = 0  # a0 has none
+    _, info = requests_from_trace(trace)
+    assert info["trace_cached_prefixes"] == []  # a0, the first to arrive, computed it
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
 def test_bad_first_iteration_is_an_error_naming_it(bad):
     trace = _hit_trace([("x", 0.0, 50, 16, "A")])

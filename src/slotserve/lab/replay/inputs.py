@@ -57,7 +57,10 @@ def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
     requests = [replace(r, arrival=round(r.arrival - start, 6)) for r in requests]
     warm: list[tuple[str, tuple[int, ...]]] = []
     if any(cached):
-        requests, warm = shared_prefix_prompts(requests, cached, admitted)
+        # NOTE: the order of service only where every request has it (an older trace, or
+        # a record without the field: arrival order for all, not a mix of the two)
+        order = None if None in admitted else admitted
+        requests, warm = shared_prefix_prompts(requests, cached, order)
     info = {"source": "trace", "num_requests": len(requests), "skipped_unfinished": skipped,
             "cached_prompt_tokens": sum(cached),
             # NOTE: token ids (thousands): the commands take them out of the info they report
@@ -124,7 +127,9 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int],
     tenant with hits that found nothing cached itself computed the prefix the others hit:
     it gets the tenant's longest hit (at most its prompt less one token). Admitted means
     first scheduled (`admitted[i]`, the trace's `first_iteration`), then arrival: under
-    the priority, deadline and fair policies a later arrival can be served first. Where a
+    the priority, deadline and fair policies a later arrival can be served first. Within
+    one iteration a request that hit goes first: blocks are cached only after the forward
+    that computed them, so nothing hits what its own iteration computes. Where a
     tenant's earliest-admitted request hit, the prefix was cached before the trace (an
     engine that served these prompts before, a server's trace ring): the tenant's longest
     hit is cached when the replay starts. The replay's own prefix cache then decides the
@@ -135,7 +140,8 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int],
     tenants = list(dict.fromkeys(r.tenant for r in requests))
     longest = {t: max((c for r, c in zip(requests, cached) if r.tenant == t), default=0)
                for t in tenants}
-    order = sorted(range(len(requests)), key=lambda i: _admission_key(requests, admitted, i))
+    order = sorted(range(len(requests)),
+                   key=lambda i: _admission_key(requests, cached, admitted, i))
     first = {}
     for i in order:
         first.setdefault(requests[i].tenant, i)
@@ -158,15 +164,15 @@ def shared_prefix_prompts(requests: list[ReplayRequest], cached: list[int],
     return rebuilt, prefixes
 
 
-def _admission_key(requests: list[ReplayRequest], admitted: list[int | None] | None,
-                   i: int) -> tuple[float, float]:
+def _admission_key(requests: list[ReplayRequest], cached: list[int],
+                   admitted: list[int | None] | None, i: int) -> tuple[float, bool, float]:
     """Where request i stands in the order the run served the requests: its first scheduled
-    iteration (never scheduled: last), then its arrival; arrival alone without `admitted`.
-    NOTE: a stable sort keeps the trace's order among equals (the engine's queue order)."""
+    iteration (None: last), a hit before a miss within it, then its arrival; arrival alone
+    without `admitted`. NOTE: among equals a stable sort keeps the trace's order (arrival)."""
     if admitted is None:
-        return (0.0, requests[i].arrival)
-    first = admitted[i]
-    return (math.inf if first is None else float(first), requests[i].arrival)
+        return (requests[i].arrival, False, 0.0)
+    first = math.inf if admitted[i] is None else float(admitted[i])
+    return (first, cached[i] == 0, requests[i].arrival)
 
 
 def requests_from_workload(workload: Workload, tokenizer=None) -> list[ReplayRequest]:
