@@ -187,3 +187,16 @@ def test_a_replay_from_a_learnt_state_drafts_as_a_warm_engine_would():
 
     learnt = _learnt_state()
     assert first_drafts(learnt) > first_drafts(None)
+
+
+def test_a_recorded_state_is_not_restored_on_the_toy_clock():
+    """The engine's state prices steps in seconds; the toy clock counts iterations."""
+    from slotserve.lab.replay import UnitCost
+    from slotserve.lab.replay.simulator import planner_state_for
+
+    learnt = _learnt_state()
+    assert planner_state_for(UnitCost(), learnt) is None
+    clock = LinearCost(0.010, {"decode_seqs": 0.0002, "prefill_tokens": 1e-5,
+                               "attention_pairs": 0.0, "sampled_rows": 0.0})
+    assert planner_state_for(clock, learnt) is learnt
+    assert planner_state_for(clock, None) is None

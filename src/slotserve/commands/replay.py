@@ -20,7 +20,12 @@ from slotserve.commands.common import add_chart_options, fail, load_tokenizer, w
 from slotserve.engine_args import DeprecatedFlag
 from slotserve.lab.replay.cost_model import UnitCost, load_profile
 from slotserve.lab.replay.inputs import load_input, scale_rate, with_poisson
-from slotserve.lab.replay.simulator import ReplayResult, ReplaySettings, replay
+from slotserve.lab.replay.simulator import (
+    ReplayResult,
+    ReplaySettings,
+    planner_state_for,
+    replay,
+)
 from slotserve.paths import last_calibration_path
 
 # Flags only a replay reads: `simulate` without --trace refuses them (replay_requested).
@@ -166,11 +171,8 @@ def run_replay(args: argparse.Namespace, cost) -> int:
         requests = with_poisson(requests, args.request_rate)
         info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     base = settings_from_args(args, info)
-    # NOTE: the engine's planner state is in seconds: not on the toy clock's iterations
-    planner_state = info.pop("trace_planner_state", None)
-    if isinstance(cost, UnitCost):
-        planner_state = None
-    elif planner_state is not None:
+    planner_state = planner_state_for(cost, info.pop("trace_planner_state", None))
+    if planner_state is not None:
         info["planner_state"] = "the trace's"
     cached_prefixes = info.pop("trace_cached_prefixes", [])
     both = args.batching == "both"

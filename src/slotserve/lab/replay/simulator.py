@@ -30,6 +30,7 @@ from slotserve.core.kv_manager import KVCacheManager
 from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.trace import TraceRecorder, policy_fields_of
+from slotserve.lab.replay.cost_model import UnitCost
 from slotserve.lab.replay.runner import FILLER_TOKEN, VirtualEngineCore, default_num_blocks
 from slotserve.lab.replay.speculation import DraftOracle, make_speculator
 from slotserve.request import Request
@@ -263,6 +264,13 @@ def replay(requests: Sequence[ReplayRequest], settings: ReplaySettings, cost_mod
             core.scheduler.check_integrity()
     return _result(core, trace, settings, cost_model, outcomes, busy, workload,
                    plans if keep_plans else None)
+
+
+def planner_state_for(cost_model, state: dict | None) -> dict | None:
+    """The recorded planner `state` a replay on `cost_model` can start from: None on the
+    toy clock (`UnitCost`). NOTE: the engine's planner state is in seconds, not in the toy
+    clock's iterations."""
+    return None if isinstance(cost_model, UnitCost) else state
 
 
 def cache_prefix(kv: KVCacheManager, request_id: str, tenant: str,

@@ -20,9 +20,9 @@ import numpy as np
 
 from slotserve.config import SlotKind
 from slotserve.core.outputs import ScheduledSeq, SchedulerOutput
-from slotserve.lab.replay.cost_model import LinearCost, StepFeatures, UnitCost
+from slotserve.lab.replay.cost_model import LinearCost, StepFeatures
 from slotserve.lab.replay.inputs import requests_from_trace
-from slotserve.lab.replay.simulator import ReplaySettings, replay
+from slotserve.lab.replay.simulator import ReplaySettings, planner_state_for, replay
 from slotserve.lab.replay.speculation import FILLER_DRAFT, recorded_verifications, slot_drafts
 from slotserve.sampling import SamplingParams
 
@@ -189,8 +189,7 @@ def predict_ratio(off_trace: dict, on_trace: dict, speculative_config: str,
     drafted = [replace(r, verifications=tuple(verifications.get(str(on["id"]), ())))
                for r, on in zip(requests, on_requests)]
     off = replay(requests, settings, cost_model, cached_prefixes=cached)
-    # NOTE: the engine's planner state is in seconds: not on the toy clock's iterations
-    state = None if isinstance(cost_model, UnitCost) else on_trace.get("planner_state")
+    state = planner_state_for(cost_model, on_trace.get("planner_state"))
     on = replay(drafted, replace(settings, speculative_config=speculative_config), cost_model,
                 planner_state=state, cached_prefixes=cached)
     off_tok_s, on_tok_s = _tok_s(off), _tok_s(on)
