@@ -41,7 +41,7 @@ def one_pass(ops, pairs, flush: torch.Tensor | None = None
         flush.sum()
     start = time.perf_counter()
     ys = [ops.quant_block_linear(x, k.codes, k.scales_mins, k.out_features, k.block_len,
-                                 k.bits, False) for k, x in pairs]
+                                 k.bits, activation_bits=k.activation_bits) for k, x in pairs]
     return time.perf_counter() - start, ys
 
 

@@ -47,7 +47,8 @@ def test_one_row_equals_every_tile_and_the_plain_loops(types, block_ops):
     for tile in range(2, 10):  # tiles of 2..8 rows, and 9 = 8 + 1
         assert torch.equal(kernel(x[:tile]), alone[:tile]), tile
     plain = block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, kernel.out_features,
-                                         kernel.block_len, kernel.bits, force_plain=True)
+                                         kernel.block_len, kernel.bits, kernel.activation_bits,
+                                         force_plain=True)
     assert torch.equal(plain, alone)
     error = (alone - x @ blocks.dequantize().T).abs()
     assert (error <= error_bound(x, blocks)).all(), error.max()

@@ -57,9 +57,10 @@ def test_factored_panels_compute_as_the_fp32_ones(block_ops, qtype, force_plain)
     for tokens in (1, 3, 8, 9, 17):
         x = torch.randn(tokens, COLS)
         ours = block_ops.quant_block_linear(x, factored.codes, factored.scales_mins, ROWS,
-                                            factored.block_len, factored.bits, force_plain)
+                                            factored.block_len, factored.bits,
+                                            force_plain=force_plain)
         theirs = block_ops.quant_block_linear(x, full.codes, full.scales_mins, ROWS, full.block_len,
-                                              full.bits, force_plain)
+                                              full.bits, force_plain=force_plain)
         assert torch.equal(ours, theirs), tokens
     ids = torch.tensor([0, 39, 16, 7])
     assert torch.equal(factored.rows(ids), blocks.dequantize()[ids])
@@ -137,9 +138,9 @@ def test_six_bit_codes_compute_as_bytes(block_ops, qtype, force_plain):
     for tokens in (1, 5, 8, 11):
         x = torch.randn(tokens, COLS)
         ours = block_ops.quant_block_linear(x, six.codes, six.scales_mins, 48, six.block_len, 6,
-                                            force_plain)
+                                            force_plain=force_plain)
         theirs = block_ops.quant_block_linear(x, eight.codes, eight.scales_mins, 48,
-                                              eight.block_len, 8, force_plain)
+                                              eight.block_len, 8, force_plain=force_plain)
         assert torch.equal(ours, theirs), tokens
     ids = torch.tensor([47, 0, 21])
     assert torch.equal(six.rows(ids), blocks.dequantize()[ids])

@@ -1,8 +1,9 @@
 """GGUF weights kept in their own blocks (loader/gguf_blocks.py, csrc/quant_blocks.cpp).
 
-Tolerance of the block matmul: the kernel rounds each activation block of L values to int8,
-a = round(x / s) with s = max|x| / 127, so |x_i - s a_i| <= s / 2; the integer sums are
-exact and the block scales and mins enter in fp32. Hence, for one output,
+Tolerance of the block matmul: the kernel rounds each activation block of L values to a
+code, a = round(x / s) with s = max|x| / limit (127 for int8 codes, 32512 for the 16-bit
+codes beside Q8_0: linear_kernels.activation_bits_for), so |x_i - s a_i| <= s / 2; the
+integer sums are exact and the block scales and mins enter in fp32. Hence, for one output,
 
     |y - sum_i w_i x_i| <= sum_i |w_i| s_b(i) / 2 + fp32 rounding,
 
@@ -36,11 +37,13 @@ from slotserve.loader.gguf_blocks import (
 from slotserve.loader.gguf_reader import read_gguf
 from slotserve.model.kernels import gguf_bytes_text
 from slotserve.model.layers import Linear
-from slotserve.model.linear_kernels import GGUFBlockLinear
+from slotserve.model.linear_kernels import GGUFBlockLinear, activation_bits_for
 
 Q = GGMLQuantizationType
 # gguf-py quantizes these; the K-quants are built from random valid blocks.
 GGUF_PY_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+# The activations' codes' largest magnitude by their bits (csrc/quant_blocks.cpp).
+ACTIVATION_LIMIT = {8: 127, 16: 127 * 256}
 # Byte offsets of the fp16 scales (and mins) inside each type's block.
 _F16_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
                Q.IQ4_NL: (0,)}  # IQ4_NL: random indices, as tests/model/test_gguf_iq4nl.py
@@ -64,11 +67,13 @@ def reference_weights(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Ten
     return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).copy())
 
 
-def error_bound(x: torch.Tensor, blocks) -> torch.Tensor:
-    """The docstring's bound, (T, out), for x (T, in) against `blocks` (out, in)."""
+def error_bound(x: torch.Tensor, blocks, activation_bits: int = 8) -> torch.Tensor:
+    """The docstring's bound, (T, out), for x (T, in) against `blocks` (out, in), the
+    activations rounded to `activation_bits`."""
     rows, cols = blocks.shape
     length = blocks.block_len
-    steps = x.abs().reshape(len(x), -1, length).amax(dim=2) / 127  # (T, blocks)
+    limit = ACTIVATION_LIMIT[activation_bits]
+    steps = x.abs().reshape(len(x), -1, length).amax(dim=2) / limit  # (T, blocks)
     half_step = steps.repeat_interleave(length, dim=1) / 2  # (T, in)
     weights = blocks.dequantize()
     magnitude = ((blocks.unpacked_codes().float() * blocks.scales[:, :, None]).abs()
@@ -76,29 +81,37 @@ def error_bound(x: torch.Tensor, blocks) -> torch.Tensor:
     return half_step @ weights.abs().T + 1e-5 * (x.abs() @ magnitude.T)
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
-def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, block_ops):
+# Each format with int8 activations, and Q8_0 with the 16-bit ones of an all-Q8_0 model.
+FORMATS_AND_ACTIVATIONS = [(qtype, 8) for qtype in BLOCK_FORMATS] + [(Q.Q8_0, 16)]
+
+
+@pytest.mark.parametrize(("qtype", "activation_bits"), FORMATS_AND_ACTIVATIONS,
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_each_block_format_matches_gguf_dequantize_and_an_fp32_matmul(qtype, activation_bits,
+                                                                      block_ops):
     rows, cols = 40, 512  # 40: the last panel of 16 rows is partly padding
     raw = raw_tensor(qtype, rows, cols)
     blocks = to_blocks(raw, qtype, "blk.0.ffn_up.weight", "test.gguf")
     weights = reference_weights(raw, qtype)
     assert torch.equal(blocks.dequantize(), weights)  # the conversion is exact
-    kernel = GGUFBlockLinear(blocks, None, block_ops)
+    kernel = GGUFBlockLinear(blocks, None, block_ops, activation_bits)
     x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
     y = kernel(x)
     error = (y - x @ weights.T).abs()
-    assert (error <= error_bound(x, blocks)).all(), error.max()
+    assert (error <= error_bound(x, blocks, activation_bits)).all(), error.max()
     assert error.max() > 0  # the activations really are quantized
     plain = block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows,
-                                         blocks.block_len, kernel.bits,
+                                         blocks.block_len, kernel.bits, kernel.activation_bits,
                                          force_plain=True)  # bits: the codes' format
     assert torch.equal(plain, y)  # the fallback does the same float operations in order
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
-def test_a_rows_result_does_not_depend_on_its_batch(qtype, block_ops):
+@pytest.mark.parametrize(("qtype", "activation_bits"), [(Q.Q4_1, 8), (Q.Q6_K, 8), (Q.Q8_0, 16)],
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_a_rows_result_does_not_depend_on_its_batch(qtype, activation_bits, block_ops):
     raw = raw_tensor(qtype, 48, 256, seed=2)
-    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, block_ops)
+    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, block_ops,
+                             activation_bits)
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])
     for batch in (2, 3, 8, 9, 17):
@@ -247,20 +260,25 @@ def test_kernels_that_do_not_run_blocks_get_them_dequantized():
     assert torch.equal(prepared, blocks.dequantize().t())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
-def test_activation_quantization_edges_match_the_plain_loops(qtype, block_ops):
-    assert_quantization_edges_match_the_plain_loops(block_ops, qtype)
+@pytest.mark.parametrize(("qtype", "activation_bits"), [(Q.Q8_0, 8), (Q.Q6_K, 8), (Q.Q8_0, 16)],
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_activation_quantization_edges_match_the_plain_loops(qtype, activation_bits, block_ops):
+    assert_quantization_edges_match_the_plain_loops(block_ops, qtype, activation_bits)
 
 
-def assert_quantization_edges_match_the_plain_loops(ops, qtype: GGMLQuantizationType) -> None:
+def assert_quantization_edges_match_the_plain_loops(ops, qtype: GGMLQuantizationType,
+                                                    activation_bits: int = 8) -> None:
     """The vectorised activation quantizer gives the plain loops' bits on the blocks where
     they could part: ties (x / s exactly k + 0.5: to even), zeros, denormals, a huge value,
-    -0.0, and blocks holding inf or NaN (their row's outputs NaN)."""
+    -0.0, blocks holding inf or NaN (their row's outputs NaN), and 16-bit codes whose
+    halves are at their ends."""
     raw = raw_tensor(qtype, 32, 256, seed=4)
-    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, ops)
+    kernel = GGUFBlockLinear(to_blocks(raw, qtype, "w", "test.gguf"), None, ops,
+                             activation_bits)
     length = kernel.block_len
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
-    ties = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 126.5, -126.5])
+    top = float(ACTIVATION_LIMIT[kernel.activation_bits])
+    ties = torch.tensor([top, 2.5, 3.5, -2.5, -0.5, 0.5, top - 0.5, -(top - 0.5)])
     x[0, :8] = ties  # block 0 of row 0: its scale 1, every tie exact
     x[1, :length] = 0.0
     x[1, length:2 * length] = -0.0
@@ -268,9 +286,42 @@ def assert_quantization_edges_match_the_plain_loops(ops, qtype: GGMLQuantization
     x[2, length] = 1e30
     x[3, 5] = float("inf")
     x[4, 7] = float("nan")
-    x[5, :length] = torch.linspace(-1.0, 1.0, length) * 127.00001  # x / s just past 127
+    past = torch.nextafter(torch.tensor(top), torch.tensor(float("inf")))
+    x[5, :length] = torch.linspace(-1.0, 1.0, length) * past  # x / s just past top
+    # 16-bit codes whose halves are at their ends: 128 = 256 - 128, 127, -128, 32511, ...
+    x[6, :8] = torch.tensor([top, 128.0, 127.0, -128.0, top - 1, -127.5, 383.5, 1 - top])
     y = kernel(x)
     plain = ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 32, length,
-                                   kernel.bits, force_plain=True)
+                                   kernel.bits, kernel.activation_bits, force_plain=True)
     torch.testing.assert_close(y, plain, rtol=0, atol=0, equal_nan=True)
     assert y[3].isnan().all() and y[4].isnan().all() and not y[[0, 1, 2, 5, 6, 7]].isnan().any()
+
+
+def test_only_an_all_q8_0_model_gets_16_bit_activations():
+    """linear_kernels.activation_bits_for: 16 bits where every block weight is Q8_0 (where
+    int8 activations doubled the weights' own error), int8 where 4-6-bit weights are there
+    (a Q4_K_M file's Q8_0 or Q6_K head included)."""
+    assert activation_bits_for(("Q8_0",)) == 16
+    for types in [("Q4_K", "Q6_K"), ("Q4_1", "Q8_0"), ("IQ4_NL",), ("Q6_K",), ()]:
+        assert activation_bits_for(types) == 8, types
+
+
+def test_bad_activation_bits_are_a_clear_error(block_ops):
+    """16 bits take 8-bit codes only (the wide kernels read bytes): the Python kernel, the
+    kernel call and the decode stack's linear each refuse another pairing, naming it."""
+    four_bit = to_blocks(raw_tensor(Q.Q4_0, 16, 64), Q.Q4_0, "w", "t.gguf")
+    with pytest.raises(ValueError, match="activation_bits must be 8, or 16 for 8-bit codes"):
+        GGUFBlockLinear(four_bit, None, block_ops, activation_bits=16)
+    with pytest.raises(ValueError, match="activation_bits must be 8"):
+        GGUFBlockLinear(four_bit, None, block_ops, activation_bits=12)
+    kernel = GGUFBlockLinear(four_bit, None, block_ops)
+    x = torch.randn(2, 64)
+    args = (kernel.codes, kernel.scales_mins, 16, kernel.block_len, kernel.bits)
+    with pytest.raises(RuntimeError, match="16-bit activations take 8-bit codes only"):
+        block_ops.quant_block_linear(x, *args, 16)
+    with pytest.raises(RuntimeError, match="activation_bits must be 8 or 16, got 4"):
+        block_ops.quant_block_linear(x, *args, 4)
+    with pytest.raises(RuntimeError, match="16-bit activations take 8-bit codes only"):
+        block_ops.linear_weights("gguf_blocks", kernel.codes, kernel.scales_mins, None, 16,
+                                 block_len=kernel.block_len, bits=kernel.bits,
+                                 activation_bits=16)

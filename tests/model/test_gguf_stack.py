@@ -50,6 +50,9 @@ LAYOUTS = {
     "mixed_float": {"q_proj": Q.Q5_1, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": None,
                     "gate_proj": Q.Q5_K, "up_proj": Q.Q8_0, "down_proj": Q.Q4_K,
                     "lm_head": None},
+    # a Q8_0 file: 16-bit activations (linear_kernels.activation_bits_for)
+    "q8_0": {name: Q.Q8_0 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                       "up_proj", "down_proj", "lm_head")},
 }
 
 
@@ -130,12 +133,13 @@ def gguf_engine(layout: str, kind: str = "llama", **kwargs) -> LLMEngine:
 
 
 @pytest.mark.parametrize("layout,kind", [("k_quants", "llama"), ("legacy_4bit", "qwen2"),
-                                         ("mixed_float", "qwen2")])
+                                         ("mixed_float", "qwen2"), ("q8_0", "llama")])
 def test_stack_equals_python_layers_on_gguf_blocks(block_ops, layout, kind):
     engine = gguf_engine(layout, kind)
     model, kernels = engine.runner.model, engine.runner.kernels
     assert model.decode_stack is not None and kernels.decode_stack
-    assert kernels.describe_linears().startswith("GGUF blocks x int8 activations (")
+    activations = "16-bit" if layout == "q8_0" else "int8"
+    assert kernels.describe_linears().startswith(f"GGUF blocks x {activations} activations (")
     assert kernels.describe_linears().endswith("(decodes: one C++ call for all layers)")
     block_linears = [m for m in model.modules() if isinstance(m, Linear)
                      and isinstance(m.kernel, (GGUFBlockLinear, SegmentedLinear))]
@@ -143,8 +147,11 @@ def test_stack_equals_python_layers_on_gguf_blocks(block_ops, layout, kind):
     # 3 layers x (qkv, o, gate_up, down) + the LM head; a float o_proj is 3 fewer
     assert len(block_linears) == 13 - (3 + 1 if floats else 0)
     fused = model.layers[0].self_attn.qkv_proj.kernel
-    if layout == "legacy_4bit":  # Q4_0, Q4_1, Q4_0: one packing, one kernel of 4-bit codes
-        assert isinstance(fused, GGUFBlockLinear) and fused.bits == 4
+    assert all(k.activation_bits == (16 if layout == "q8_0" else 8)
+               for m in block_linears
+               for k in getattr(m.kernel, "segments", [m.kernel]))
+    if layout in ("legacy_4bit", "q8_0"):  # one packing, one kernel (of 4-bit, 8-bit codes)
+        assert isinstance(fused, GGUFBlockLinear) and fused.bits == (4 if layout != "q8_0" else 8)
     else:  # three types of three packings: each keeps its own (k_quants: 4-bit blocks of 32,
         # 6-bit of 16, 8-bit of 32)
         assert isinstance(fused, SegmentedLinear)
@@ -263,11 +270,12 @@ def test_compact_scales_compute_as_fp32_ones(block_ops, qtype, dtype):
     fp32 = (kernel.scales_mins.float() if dtype == torch.float16 else
             GGUFBlockLinear(dataclasses.replace(blocks, factors=None), None, block_ops).scales_mins)
     assert fp32.dtype == torch.float32
-    as_fp32 = block_ops.quant_block_linear(x, kernel.codes, fp32, 40, blocks.block_len, blocks.bits)
+    as_fp32 = block_ops.quant_block_linear(x, kernel.codes, fp32, 40, blocks.block_len, blocks.bits,
+                                           kernel.activation_bits)
     assert torch.equal(y, as_fp32)
     assert torch.equal(y, block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, 40,
                                                        blocks.block_len, blocks.bits,
-                                                       force_plain=True))
+                                                       kernel.activation_bits, force_plain=True))
     with pytest.raises(RuntimeError, match="scales_mins must be float32, float16 or"):
         block_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins.double(), 40,
                                      blocks.block_len, blocks.bits)

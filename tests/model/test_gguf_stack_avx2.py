@@ -19,6 +19,7 @@ from slotserve.model.linear_kernels import GGUFBlockLinear
 from tests.conftest import random_prompts
 from tests.model.test_decode_stack import run_comparing_stack_and_python
 from tests.model.test_gguf_quant import (
+    FORMATS_AND_ACTIVATIONS,
     assert_quantization_edges_match_the_plain_loops,
     error_bound,
     raw_tensor,
@@ -40,26 +41,30 @@ def avx2_ops():
     return ops
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
-def test_avx2_path_equals_the_plain_loops_and_vnni(qtype, avx2_ops, cpu_ops):
+@pytest.mark.parametrize(("qtype", "activation_bits"), FORMATS_AND_ACTIVATIONS,
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_avx2_path_equals_the_plain_loops_and_vnni(qtype, activation_bits, avx2_ops, cpu_ops):
     rows, cols = 40, 512  # the last panel of 16 rows is partly padding
     raw = raw_tensor(qtype, rows, cols, seed=4)
     blocks = to_blocks(raw, qtype, "blk.0.ffn_up.weight", "test.gguf")
-    kernel = GGUFBlockLinear(blocks, None, avx2_ops)
+    kernel = GGUFBlockLinear(blocks, None, avx2_ops, activation_bits)
     x = torch.randn(11, cols, generator=torch.Generator().manual_seed(5))  # 4 + 4 + 3 rows
     y = kernel(x)
     plain = avx2_ops.quant_block_linear(x, kernel.codes, kernel.scales_mins, rows,
-                                        blocks.block_len, kernel.bits, force_plain=True)
+                                        blocks.block_len, kernel.bits, kernel.activation_bits,
+                                        force_plain=True)
     assert torch.equal(y, plain)
     error = (y - x @ reference_weights(raw, qtype).T).abs()
-    assert (error <= error_bound(x, blocks)).all(), error.max()
+    assert (error <= error_bound(x, blocks, activation_bits)).all(), error.max()
     if cpu_ops.quant_blocks_isa() == "avx512vnni":
-        assert torch.equal(GGUFBlockLinear(blocks, None, cpu_ops)(x), y)
+        assert torch.equal(GGUFBlockLinear(blocks, None, cpu_ops, activation_bits)(x), y)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
-def test_avx2_activation_quantization_edges_match_the_plain_loops(qtype, avx2_ops):
-    assert_quantization_edges_match_the_plain_loops(avx2_ops, qtype)
+@pytest.mark.parametrize(("qtype", "activation_bits"), [(Q.Q8_0, 8), (Q.Q6_K, 8), (Q.Q8_0, 16)],
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_avx2_activation_quantization_edges_match_the_plain_loops(qtype, activation_bits,
+                                                                  avx2_ops):
+    assert_quantization_edges_match_the_plain_loops(avx2_ops, qtype, activation_bits)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
@@ -98,7 +103,8 @@ def test_the_largest_codes_and_activations_sum_exactly(qtype, avx2_ops):
     x[1] = -1
     x[2, cols // 2:] = -1  # one sign per half: every block still all one sign
     x[3] *= 1e4
-    args = (codes, kernel.scales_mins, rows, blocks.block_len, kernel.bits)
+    args = (codes, kernel.scales_mins, rows, blocks.block_len, kernel.bits,
+            kernel.activation_bits)
     y = avx2_ops.quant_block_linear(x, *args)
     assert torch.equal(y, avx2_ops.quant_block_linear(x, *args, force_plain=True))
     assert torch.equal(y[1], -y[0]) and y[0].abs().min() > 0

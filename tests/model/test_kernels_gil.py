@@ -56,7 +56,8 @@ def kernels(ops) -> dict[str, Kernel]:
     if gguf_block_kernel_available(ops):
         blocks = _gguf_blocks(ops)
         found["quant_block_linear"] = lambda x: ops.quant_block_linear(
-            x, blocks.codes, blocks.scales_mins, OUT, blocks.block_len, blocks.bits)
+            x, blocks.codes, blocks.scales_mins, OUT, blocks.block_len, blocks.bits,
+            blocks.activation_bits)
     found["argmax_rows"] = ops.argmax_rows  # (T, IN) logits here; wider_logits below
     return found
 

@@ -112,6 +112,8 @@ def test_an_hf_directory_as_q8_0_computes_as_its_q8_0_gguf(block_ops, hf_and_q8_
     assert isinstance(converted.runner.model.embed_tokens, BlockEmbedding)
     assert converted.runner.kernels.describe().startswith(
         "float weights quantized to GGUF Q8_0 blocks as they load (1.125 bytes/weight), ")
+    assert "GGUF blocks x 16-bit activations (" in converted.runner.kernels.describe()
+    assert {k.activation_bits for k in kernels if isinstance(k, GGUFBlockLinear)} == {16}
 
     prompts = random_prompts(4, seed=9)
     for ours, theirs in zip(generate(converted, prompts), generate(served, prompts)):

@@ -102,9 +102,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_memory_spare_bytes", &unpack_memory_spare_bytes,
         "bytes unpack_gguf_blocks keeps now for the next call's arrays");
   m.def("quant_block_linear", &quant_block_linear, release_gil(),
-        "x @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block",
+        "x @ W^T, W as pack_quant_blocks' blocks, x quantized per block to activation_bits "
+        "(8, or 16 for 8-bit codes)",
         py::arg("x"), py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"),
-        py::arg("block_len"), py::arg("bits"), py::arg("force_plain") = false);
+        py::arg("block_len"), py::arg("bits"), py::arg("activation_bits") = 8,
+        py::arg("force_plain") = false);
   m.def("quant_block_rows", &quant_block_rows,
         "rows `ids` of W in pack_quant_blocks' blocks, dequantized to fp32 (an embedding lookup)",
         py::arg("codes"), py::arg("scales_mins"), py::arg("out_features"), py::arg("block_len"),
@@ -178,7 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_weights", &make_linear, "a linear layer's weights for DecodeStack",
         py::arg("kind"), py::arg("a"), py::arg("b") = py::none(), py::arg("bias") = py::none(),
         py::arg("out_features") = -1, py::arg("amx_min_rows") = 0, py::arg("block_len") = 0,
-        py::arg("bits") = 0);
+        py::arg("bits") = 0, py::arg("activation_bits") = 8);
   m.def("segmented_linear_weights", &make_segments,
         "one linear layer for DecodeStack of segments (linear_weights each) whose outputs "
         "are concatenated", py::arg("segments"));

@@ -14,7 +14,7 @@
 //   fused_ops.cpp       RMSNorm, SiLU * up, RoPE, each row's argmax
 //   paged_attention.cpp storing new K/V in the paged cache, decode attention over it
 //   int8_linear.cpp     int8 weights x int16 activations
-//   quant_blocks.cpp    GGUF weights as blocks of 4/6/8-bit codes x int8 activations (VNNI)
+//   quant_blocks.cpp    GGUF weights as blocks of 4/6/8-bit codes x int8 or 16-bit activations
 //   gguf_unpack.cpp     a GGUF file's raw blocks unpacked at load (BlockWeights' arrays)
 //   panels.h            the weight-panel layout shared by the three panel matmuls
 //   panel_linear.cpp    fp32 weight panels

@@ -29,7 +29,8 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
   torch::Tensor y = kind == Kind::kPanel      ? panel_linear(x, a, out_features)
                     : kind == Kind::kInt8     ? int8_linear(x, a, b)
                     : kind == Kind::kQuantBlocks
-                        ? quant_block_linear(x, a, b, out_features, block_len, bits, false)
+                        ? quant_block_linear(x, a, b, out_features, block_len, bits,
+                                             activation_bits, false)
                     : kind == Kind::kPanelBf16 && amx_min_rows > 0 &&
                             x.size(0) >= amx_min_rows && amx_bf16_usable()
                         ? panel_linear_bf16_amx(x, a, out_features)
@@ -40,7 +41,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {  // (T, 
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
                           int64_t out_features, int64_t amx_min_rows, int64_t block_len,
-                          int64_t bits) {
+                          int64_t bits, int64_t activation_bits) {
   using Kind = LinearWeights::Kind;
   const bool panel = kind == "panel" || kind == "panel_bf16" || kind == "panel_bf16_dot";
   const bool blocks = kind == "gguf_blocks";
@@ -52,6 +53,7 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
   TORCH_CHECK(!blocks || ((block_len == 16 || block_len == 32) && quant_codes_format_known(bits)),
               "gguf_blocks linear needs block_len 16 or 32 and bits 4, 6 or 8 (or ",
               QUANT_CODES_IQ4_NL, ": IQ4_NL's indices)");
+  if (blocks) check_activation_bits(activation_bits, bits);
   const Kind parsed = kind == "plain"        ? Kind::kPlain
                       : kind == "mkl"        ? Kind::kMkl
                       : kind == "int8"       ? Kind::kInt8
@@ -62,6 +64,7 @@ LinearWeights make_linear(const std::string& kind, torch::Tensor a,
   LinearWeights weights{parsed, a, b ? *b : torch::Tensor(), bias, out_features, amx_min_rows};
   weights.block_len = blocks ? block_len : 0;
   weights.bits = blocks ? bits : 0;
+  weights.activation_bits = blocks ? activation_bits : 8;
   return weights;
 }
 
@@ -153,7 +156,7 @@ void LinearWeights::into(const float* x, int64_t rows, int64_t in, float* y) con
                            a.size(0), outs, y, dot_rows(rows));
   } else if (kind == Kind::kQuantBlocks) {
     quant_block_linear_into(x, rows, in, a.data_ptr<uint8_t>(), b.data_ptr(),
-                            quant_scale_format(b), outs, block_len, bits, y);
+                            quant_scale_format(b), outs, block_len, bits, activation_bits, y);
   } else {  // operator() adds the bias
     const torch::Tensor out = (*this)(torch::from_blob(const_cast<float*>(x), {rows, in}));
     std::copy_n(out.data_ptr<float>(), rows * outs, y);

@@ -23,7 +23,7 @@ struct LinearWeights {
   Kind kind;  // plain: a = W (in, out); mkl: a = packed, b = shape-only (out, in) view;
               // int8: a = qweight (out, in), b = scales (out,); panel: a = pack_panels(W);
               // panel_bf16 (fp32 activations), panel_bf16_dot (bf16 activations):
-              // a = pack_panels_bf16(W); gguf_blocks (GGUF blocks x int8 activations):
+              // a = pack_panels_bf16(W); gguf_blocks (GGUF blocks x 8- or 16-bit activations):
               // a, b = pack_quant_blocks' codes and scales_mins; segments: `segments`
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
@@ -31,6 +31,7 @@ struct LinearWeights {
   int64_t amx_min_rows;  // panel_bf16: from this many rows on, AMX where usable (0: never);
                          // panel_bf16_dot: bf16 activations from this many rows on (0: all)
   int64_t block_len = 0, bits = 0;  // gguf_blocks only: the blocks' length, the codes' bits
+  int64_t activation_bits = 8;      // gguf_blocks only: 8, or 16 (8-bit codes)
   // segments only: layers of the same inputs whose outputs follow each other (a fused q/k/v
   // whose parts keep their own GGUF formats: Q4_K's q and k beside Q6_K's v)
   std::vector<LinearWeights> segments;
@@ -51,7 +52,8 @@ struct LinearWeights {
 LinearWeights make_linear(const std::string& kind, torch::Tensor a,
                           c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
                           int64_t out_features, int64_t amx_min_rows, int64_t block_len,
-                          int64_t bits);
+                          int64_t bits,
+                          int64_t activation_bits = 8);
 
 // One linear layer of `segments` (each its own kind, biases their own), outputs concatenated.
 LinearWeights make_segments(const std::vector<LinearWeights>& segments);

@@ -122,9 +122,12 @@ std::tuple<torch::Tensor, torch::Tensor> pack_quant_blocks(torch::Tensor codes,
 torch::Tensor pack_factored_scales(torch::Tensor scale_factors,
                                    c10::optional<torch::Tensor> min_factors,
                                    torch::Tensor supers);
+// activation_bits: 8 (int8 activations, as llama.cpp's) or 16 (8-bit codes only).
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
-                                 bool force_plain);
+                                 int64_t activation_bits, bool force_plain);
+// Throws unless activation_bits is 8, or 16 with 8-bit codes (`bits` 8).
+void check_activation_bits(int64_t activation_bits, int64_t bits);
 // Throws unless codes and scales_mins are pack_quant_blocks' for (out, in) weights in blocks
 // of block_len with `bits`-bit codes.
 void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_mins,
@@ -132,7 +135,7 @@ void check_quant_blocks(const torch::Tensor& codes, const torch::Tensor& scales_
 // scales_mins in format scale_format (quant_scale_format of its tensor).
 void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
                              const void* scales_mins, int64_t scale_format, int64_t out_features,
-                             int64_t block_len, int64_t bits, float* y,
+                             int64_t block_len, int64_t bits, int64_t activation_bits, float* y,
                              bool force_plain = false);
 // Rows `ids` (n,) of the (out_features, in) weight as pack_quant_blocks packed it -> out
 // (n, in) fp32, each w = u * d + m (BlockWeights.dequantize's values, to the bit).

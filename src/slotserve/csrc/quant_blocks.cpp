@@ -1,4 +1,4 @@
-// ---- GGUF weights kept as blocks of small unsigned integers x int8 activations --------
+// ---- GGUF weights kept as blocks of small unsigned integers x int8 (or 16-bit) activations
 // Every GGUF block format the loader keeps (loader/gguf_blocks.py) is re-packed to one form:
 // for each output row, blocks of B (32, or 16 for Q6_K's sub-blocks) unsigned codes u with
 // a scale d and min m per block, w = d * u + m (Q8_0: u = q + 128, m = -128 d; Q4_0:
@@ -10,13 +10,17 @@
 // u = kvalues_iq4nl[q] + 128 (m = -128 d, as Q8_0), one byte shuffle (vpshufb) per step:
 // llama.cpp's iq4_nl dot product does the same lookup, to signed values.
 //
-// The activations are quantized per row and block of B to int8 (a = round(x / s),
-// s = max|x| / 127, as llama.cpp's q8_0), so that
+// The activations are quantized per row and block of B, a = round(x / s) with
+// s = max|x| / limit, to int8 (limit 127, as llama.cpp's q8_0 and q8_K) or to 16 bits
+// (`activation_bits` 16: limit 32512 = 127 * 256, each a split into int8 halves,
+// a = 256 h + l, h = (a + 128) >> 8 in [-127, 127], l in [-128, 127]), so that
 //   y[t, o] = sum_b s[t, b] * (d[o, b] * sum_i u[o, b, i] a[t, b, i] + m[o, b] * sum_i a[t, b, i])
 // where the inner sums are exact integers: AVX512-VNNI's vpdpbusd multiplies u8 (the codes,
-// unsigned by construction: no sign trick needed) by s8 (the activations) and adds groups of
-// four into int32 lanes.
-//
+// unsigned by construction: no sign trick needed) by s8 (the activations, or their halves:
+// sum u a = 256 sum u h + sum u l, at most 32 * 255 * 32512 < 2^31) and adds groups of four
+// into int32 lanes. 16 bits take 8-bit codes only (the caller's choice: Q8_0, whose own
+// rounding is as fine as int8 activations', linear_kernels.GGUFBlockLinear) and twice the
+// multiplies.
 // Layout (as llama.cpp's repacked "interleaved" formats): panels of 16 output rows; in a
 // panel, block b is B / 4 steps of 64 bytes, step k holding row j's codes 4k..4k+3 at bytes
 // 4j..4j+3 (4-bit: steps 2k and 2k+1 share 64 bytes, low and high nibbles; 6-bit: those
@@ -110,42 +114,65 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
   return s;
 }
 
-// One row's activations per block: int8 codes, the scale and the codes' sum (as float).
+// The activations' codes' largest magnitude: 127 for int8 codes; 127 * 256 for 16-bit ones,
+// so that a code's high half h = (a + 128) >> 8 stays in [-127, 127] (and its low half
+// l = a - 256 h in [-128, 127]).
+inline float activation_limit(bool wide) { return wide ? 127.f * 256.f : 127.f; }
+
+// One row's activations per block: their codes (16-bit ones as two halves), the scale and
+// the codes' sum (as float: exact, at most 32 * 32512).
 struct QuantizedRows {
-  std::vector<int8_t> a;     // (rows, in)
+  std::vector<int8_t> a;     // (rows, in): int8 codes, or 16-bit codes' high halves h
+  std::vector<int8_t> low;   // (rows, in): 16-bit codes' low halves l (a = 256 h + l)
   std::vector<float> scale;  // (rows, blocks)
   std::vector<float> sum;    // (rows, blocks)
 };
 
+// A code -> what the kernels read: itself (int8), or its halves (wide: code = 256 h + l).
+inline void store_code(int32_t code, bool wide, int8_t* high, int8_t* low) {
+  if (!wide) {
+    *high = int8_t(code);
+    return;
+  }
+  const int32_t h = (code + 128) >> 8;  // NOTE: an arithmetic shift: floor, for negatives too
+  *high = int8_t(h);
+  *low = int8_t(code - 256 * h);
+}
+
 // One block of n activations -> its codes, scale and codes' sum: a = round(x / s) (to
-// nearest even), s = max|x| / 127. NOTE: a non-finite block makes its row's outputs NaN (as
-// the fp32 matmul's would be); an all-(near-)zero block is codes of zero.
-void quantize_block_plain(const float* x, int64_t n, int8_t* a, float* scale, float* sum) {
+// nearest even), s = max|x| / activation_limit(wide). NOTE: a non-finite block makes its
+// row's outputs NaN (as the fp32 matmul's would be); an all-(near-)zero block is codes of
+// zero.
+void quantize_block_plain(const float* x, int64_t n, bool wide, int8_t* high, int8_t* low,
+                          float* scale, float* sum) {
   float top = 0.f, probe = 0.f;  // probe: NaN if any x is NaN or inf
   for (int64_t i = 0; i < n; ++i) {
     top = std::max(top, std::abs(x[i]));
     probe += x[i] * 0.f;
   }
   const bool usable = std::isfinite(probe) && top >= FLT_MIN;
-  const float inv = usable ? 127.f / top : 0.f;
+  const float limit = activation_limit(wide);
+  const float inv = usable ? limit / top : 0.f;
   int32_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv)));
-    a[i] = int8_t(v);
-    total += a[i];
+    const int32_t code = int32_t(std::min(limit, std::max(-limit, std::nearbyint(x[i] * inv))));
+    store_code(code, wide, high + i, low + i);
+    total += code;
   }
-  *scale = !std::isfinite(probe) ? NAN : usable ? top / 127.f : 0.f;
+  *scale = !std::isfinite(probe) ? NAN : usable ? top / limit : 0.f;
   *sum = float(total);
 }
 
 // quantize_block_vector: quantize_block_plain of a finite block of 16 or 32 activations in
-// vectors, the same bits: the same max, the same one product x * (127 / top) rounded to
-// nearest even and clamped, an exact integer sum. A block with a non-finite value goes to
-// the plain loop (false). At batch 1 the plain loop took ~1.7 us of a linear's ~58 (q8_0
-// SmolLM2 on the Ice Lake Xeon), on the calling thread while the others wait.
+// vectors, the same bits: the same max, the same one product x * (limit / top) rounded to
+// nearest even and clamped, the same codes (or halves), an exact integer sum. A block with a
+// non-finite value goes to the plain loop (false). At batch 1 the plain loop took ~1.7 us
+// of a linear's ~58 (q8_0 SmolLM2 on the Ice Lake Xeon), on the calling thread while the
+// others wait.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool QUANTIZES_IN_VECTORS = true;
-bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, float* sum) {
+bool quantize_block_vector(const float* x, int64_t n, bool wide, int8_t* high, int8_t* low,
+                           float* scale, float* sum) {
   const __m512 lo = _mm512_loadu_ps(x);
   const __m512 hi = n == 32 ? _mm512_loadu_ps(x + 16) : _mm512_setzero_ps();
   const __m512 magnitude_lo = _mm512_abs_ps(lo), magnitude_hi = _mm512_abs_ps(hi);
@@ -156,28 +183,47 @@ bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, f
     return false;
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(magnitude_lo, magnitude_hi));
   const bool usable = top >= FLT_MIN;
-  const __m512 inv = _mm512_set1_ps(usable ? 127.f / top : 0.f);
-  const __m512 limit = _mm512_set1_ps(127.f), floor = _mm512_set1_ps(-127.f);
-  auto codes = [&](__m512 v) {
+  const float bound = activation_limit(wide);
+  const __m512 inv = _mm512_set1_ps(usable ? bound / top : 0.f);
+  const __m512 limit = _mm512_set1_ps(bound), floor = _mm512_set1_ps(-bound);
+  const __m512i half_step = _mm512_set1_epi32(128);
+  __m512i total = _mm512_setzero_si512();
+  auto quantize16 = [&](__m512 v, int at) {  // 16 activations from `at`
     const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, inv),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(floor, r)));
+    const __m512i code = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(floor, r)));
+    if (wide) {
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(code, half_step), 8);
+      const __m512i l = _mm512_sub_epi32(code, _mm512_slli_epi32(h, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(high + at), _mm512_cvtepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(low + at), _mm512_cvtepi32_epi8(l));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(high + at), _mm512_cvtepi32_epi8(code));
+    }
+    total = _mm512_add_epi32(total, code);
   };
-  const __m512i low = codes(lo);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtepi32_epi8(low));
-  __m512i total = low;
-  if (n == 32) {
-    const __m512i high = codes(hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtepi32_epi8(high));
-    total = _mm512_add_epi32(total, high);
-  }
-  *scale = usable ? top / 127.f : 0.f;
+  quantize16(lo, 0);
+  if (n == 32) quantize16(hi, 16);
+  *scale = usable ? top / bound : 0.f;
   *sum = float(_mm512_reduce_add_epi32(total));
   return true;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr bool QUANTIZES_IN_VECTORS = true;
-bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, float* sum) {
+
+// 2 or 4 vectors of 8 int32 values, each in int8's range -> n bytes at `out`, in order.
+inline void store_bytes_avx2(const __m256i values[4], int parts, int8_t* out) {
+  // the packs interleave the 128-bit lanes, the permutation puts the groups of 4 back in order
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(values[0], values[1]),
+                         _mm256_packs_epi32(values[2], values[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (parts == 4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+bool quantize_block_vector(const float* x, int64_t n, bool wide, int8_t* high, int8_t* low,
+                           float* scale, float* sum) {
   const int parts = int(n / 8);  // 2 or 4 vectors of 8
   const __m256 sign = _mm256_set1_ps(-0.f), finite_max = _mm256_set1_ps(FLT_MAX);
   __m256 v[4], top8 = _mm256_setzero_ps();
@@ -191,57 +237,59 @@ bool quantize_block_vector(const float* x, int64_t n, int8_t* a, float* scale, f
   }
   const float top = max8(top8);
   const bool usable = top >= FLT_MIN;
-  const __m256 inv = _mm256_set1_ps(usable ? 127.f / top : 0.f);
-  const __m256 limit = _mm256_set1_ps(127.f), floor = _mm256_set1_ps(-127.f);
-  __m256i codes[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                      _mm256_setzero_si256()};
+  const float bound = activation_limit(wide);
+  const __m256 inv = _mm256_set1_ps(usable ? bound / top : 0.f);
+  const __m256 limit = _mm256_set1_ps(bound), floor = _mm256_set1_ps(-bound);
+  const __m256i half_step = _mm256_set1_epi32(128);
+  __m256i highs[4], lows[4];
+  for (int i = 0; i < 4; ++i) highs[i] = lows[i] = _mm256_setzero_si256();
   __m256i total = _mm256_setzero_si256();
   for (int i = 0; i < parts; ++i) {
     const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    codes[i] = _mm256_cvtps_epi32(_mm256_min_ps(limit, _mm256_max_ps(floor, r)));
-    total = _mm256_add_epi32(total, codes[i]);
+    const __m256i code = _mm256_cvtps_epi32(_mm256_min_ps(limit, _mm256_max_ps(floor, r)));
+    highs[i] = wide ? _mm256_srai_epi32(_mm256_add_epi32(code, half_step), 8) : code;
+    lows[i] = _mm256_sub_epi32(code, _mm256_slli_epi32(highs[i], 8));
+    total = _mm256_add_epi32(total, code);
   }
-  // int32 -> int8 (in range: no saturation); the packs interleave the 128-bit lanes, the
-  // permutation puts the 4-code groups back in order
-  const __m256i packed = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
-                         _mm256_packs_epi32(codes[2], codes[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if (parts == 4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), packed);
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm256_castsi256_si128(packed));
+  store_bytes_avx2(highs, parts, high);
+  if (wide) store_bytes_avx2(lows, parts, low);
   __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
   sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
-  *scale = usable ? top / 127.f : 0.f;
+  *scale = usable ? top / bound : 0.f;
   *sum = float(_mm_cvtsi128_si32(sum4));
   return true;
 }
 #else
 constexpr bool QUANTIZES_IN_VECTORS = false;
-bool quantize_block_vector(const float*, int64_t, int8_t*, float*, float*) { return false; }
+bool quantize_block_vector(const float*, int64_t, bool, int8_t*, int8_t*, float*, float*) {
+  return false;
+}
 #endif
 
-// x (rows, in) -> the rows' codes, scales and sums per block of block_len, in a buffer of
-// the calling thread's, kept and grown (a decode step quantizes ~120 times: no allocation
+// x (rows, in) -> the rows' codes (wide: 16-bit ones, as halves), scales and sums per block
+// of block_len, in a buffer of the calling thread's, kept and grown (a decode step quantizes ~120 times: no allocation
 // each). plain: the plain loops only (force_plain: the vector path is tested against them).
 // NOTE: valid until the calling thread's next call.
 const QuantizedRows& quantize_activations(const float* x, int64_t rows, int64_t in,
-                                          int64_t block_len, bool plain) {
+                                          int64_t block_len, bool wide, bool plain) {
   thread_local QuantizedRows q;
   const int64_t blocks = in / block_len;
   if (int64_t(q.a.size()) < rows * in) q.a.resize(rows * in);
+  if (wide && int64_t(q.low.size()) < rows * in) q.low.resize(rows * in);
   if (int64_t(q.scale.size()) < rows * blocks) {
     q.scale.resize(rows * blocks);
     q.sum.resize(rows * blocks);
   }
   for (int64_t at = 0; at < rows * blocks; ++at) {
     const float* xb = x + at * block_len;  // block b of row r: rows are in / block_len blocks
-    int8_t* ab = q.a.data() + at * block_len;
+    int8_t* high = q.a.data() + at * block_len;
+    int8_t* low = wide ? q.low.data() + at * block_len : nullptr;
     if (QUANTIZES_IN_VECTORS && !plain && (block_len == 16 || block_len == 32) &&
-        quantize_block_vector(xb, block_len, ab, &q.scale[at], &q.sum[at]))
+        quantize_block_vector(xb, block_len, wide, high, low, &q.scale[at], &q.sum[at]))
       continue;
-    quantize_block_plain(xb, block_len, ab, &q.scale[at], &q.sum[at]);
+    quantize_block_plain(xb, block_len, wide, high, low, &q.scale[at], &q.sum[at]);
   }
   return q;
 }
@@ -382,28 +430,41 @@ inline void block_codes(const uint8_t* block, __m512i w[L / 4]) {
 }
 
 // Rows t0..t0+N of y over one panel in blocks of L, vectorised.
-template <int N, int L, int BITS, typename SM>
+template <int N, int L, int BITS, bool WIDE, typename SM>
 void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   constexpr int steps = L / 4;
   constexpr int64_t block_bytes = L * QB_ROWS * (BITS == 8 ? 8 : BITS == 6 ? 6 : 4) / 8;
   __m512 acc[N];
   for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-  const int8_t* rows_a[N];
-  for (int t = 0; t < N; ++t) rows_a[t] = q.a.data() + (t0 + t) * s.in;
+  const int8_t* rows_high[N];
+  const int8_t* rows_low[N];
+  for (int t = 0; t < N; ++t) {
+    rows_high[t] = q.a.data() + (t0 + t) * s.in;
+    rows_low[t] = WIDE ? q.low.data() + (t0 + t) * s.in : nullptr;
+  }
   for (int64_t b = 0; b < s.blocks; ++b) {
     const uint8_t* block = codes + b * block_bytes;
     prefetch_block(block, block_bytes);
     __m512i w[steps];
     block_codes<L, BITS>(block, w);
+    // wide: sum u a = 256 sum u h + sum u l, the high halves' dot products shifted, then the
+    // low halves' added (one register per row: a tile of 8 rows keeps 8 + 8 + steps in 32)
     __m512i dots[N];
     for (int t = 0; t < N; ++t) dots[t] = _mm512_setzero_si512();
-    for (int k = 0; k < steps; ++k) {
-      for (int t = 0; t < N; ++t) {
-        int32_t four;
-        std::memcpy(&four, rows_a[t] + b * L + 4 * k, 4);
-        dots[t] = _mm512_dpbusd_epi32(dots[t], w[k], _mm512_set1_epi32(four));
+    auto add_products = [&](const int8_t* const* rows) {
+      for (int k = 0; k < steps; ++k) {
+        for (int t = 0; t < N; ++t) {
+          int32_t four;
+          std::memcpy(&four, rows[t] + b * L + 4 * k, 4);
+          dots[t] = _mm512_dpbusd_epi32(dots[t], w[k], _mm512_set1_epi32(four));
+        }
       }
+    };
+    add_products(rows_high);
+    if constexpr (WIDE) {
+      for (int t = 0; t < N; ++t) dots[t] = _mm512_slli_epi32(dots[t], 8);
+      add_products(rows_low);
     }
     const __m512 d = sm.d16(b);
     const __m512 m = sm.m16(b);
@@ -452,7 +513,7 @@ inline void load_step_avx2(const uint8_t* block, int64_t k, __m256i w[4]) {
 }
 
 // Rows t0..t0+N of y over one panel (N <= QB_TILE_AVX2), AVX2.
-template <int N, int BITS, typename SM>
+template <int N, int BITS, bool WIDE, typename SM>
 void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
                      const QuantBlockShape& s, int64_t t0, float* acc_out /* (N, 16) */) {
   __m256 acc[N][2];
@@ -469,10 +530,17 @@ void panel_rows_avx2(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       __m256i w[4];
       load_step_avx2<BITS>(block, k, w);
       for (int t = 0; t < N; ++t) {
-        int32_t four;
-        std::memcpy(&four, q.a.data() + (t0 + t) * s.in + b * s.block_len + 4 * k, 4);
-        // the 4 activations as int16, once per row of codes: (a0 a1 a2 a3) x 4
-        const __m256i a = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+        const int64_t at = (t0 + t) * s.in + b * s.block_len + 4 * k;
+        int32_t high, low = 0;
+        std::memcpy(&high, q.a.data() + at, 4);
+        if constexpr (WIDE) std::memcpy(&low, q.low.data() + at, 4);
+        // the 4 activations' codes as int16 (wide: 256 h + l), once per row of codes:
+        // (a0 a1 a2 a3) x 4
+        __m128i codes16 = _mm_cvtepi8_epi16(_mm_cvtsi32_si128(high));
+        if constexpr (WIDE)
+          codes16 = _mm_add_epi16(_mm_slli_epi16(codes16, 8),
+                                  _mm_cvtepi8_epi16(_mm_cvtsi32_si128(low)));
+        const __m256i a = _mm256_broadcastq_epi64(codes16);
         for (int g = 0; g < 4; ++g)
           dots[t][g] = _mm256_add_epi32(dots[t][g], _mm256_madd_epi16(w[g], a));
       }
@@ -588,16 +656,21 @@ void panel_rows_avx2_small(const uint8_t* codes, const SM& sm, const QuantizedRo
 // The same as panel_rows_vnni, in plain loops (the same float operations in the same order).
 template <typename SM>
 void panel_rows_plain(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
-                      const QuantBlockShape& s, int64_t t0, int64_t n, float* acc_out) {
+                      const QuantBlockShape& s, int64_t t0, int64_t n, bool wide,
+                      float* acc_out) {
   for (int64_t t = 0; t < n; ++t) {
     float acc[QB_ROWS] = {};
     for (int64_t b = 0; b < s.blocks; ++b) {
       const uint8_t* block = codes + b * s.block_bytes();
-      const int8_t* a = q.a.data() + (t0 + t) * s.in + b * s.block_len;
+      const int64_t first = (t0 + t) * s.in + b * s.block_len;
+      const int8_t* high = q.a.data() + first;
+      const int8_t* low = wide ? q.low.data() + first : nullptr;
       int32_t dots[QB_ROWS] = {};
-      for (int64_t i = 0; i < s.block_len; ++i)
+      for (int64_t i = 0; i < s.block_len; ++i) {
+        const int32_t a = wide ? 256 * int32_t(high[i]) + int32_t(low[i]) : int32_t(high[i]);
         for (int64_t j = 0; j < QB_ROWS; ++j)
-          dots[j] += int32_t(code_of(block, s.block_len, s.bits, j, i)) * int32_t(a[i]);
+          dots[j] += int32_t(code_of(block, s.block_len, s.bits, j, i)) * a;
+      }
       const int64_t at = (t0 + t) * s.blocks + b;
       for (int64_t j = 0; j < QB_ROWS; ++j) {
         const float d = sm.d(b, j);
@@ -610,44 +683,50 @@ void panel_rows_plain(const uint8_t* codes, const SM& sm, const QuantizedRows& q
   }
 }
 
+// wide: the activations' codes are 16-bit (8-bit codes only: quant_block_linear_into).
 template <typename SM>
 void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
-                const QuantBlockShape& s, int64_t t0, int64_t n, bool plain, float* acc_out) {
+                const QuantBlockShape& s, int64_t t0, int64_t n, bool wide, bool plain,
+                float* acc_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (!plain) {
-    auto run = [&](auto bits, auto len) {
+    auto run = [&](auto bits, auto len, auto widths) {
       constexpr int B = decltype(bits)::value, L = decltype(len)::value;
+      constexpr bool W = decltype(widths)::value;
       switch (n) {
-        case 8: return panel_rows_vnni<8, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 7: return panel_rows_vnni<7, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 6: return panel_rows_vnni<6, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 5: return panel_rows_vnni<5, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 4: return panel_rows_vnni<4, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 3: return panel_rows_vnni<3, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        case 2: return panel_rows_vnni<2, L, B, SM>(codes, sm, q, s, t0, acc_out);
-        default: return panel_rows_vnni<1, L, B, SM>(codes, sm, q, s, t0, acc_out);
+        case 8: return panel_rows_vnni<8, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 7: return panel_rows_vnni<7, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 6: return panel_rows_vnni<6, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 5: return panel_rows_vnni<5, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 4: return panel_rows_vnni<4, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 3: return panel_rows_vnni<3, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        case 2: return panel_rows_vnni<2, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
+        default: return panel_rows_vnni<1, L, B, W, SM>(codes, sm, q, s, t0, acc_out);
       }
     };
-    auto run_len = [&](auto bits) {
-      if (s.block_len == 16) run(bits, std::integral_constant<int, 16>());
-      else run(bits, std::integral_constant<int, 32>());
+    auto run_len = [&](auto bits, auto widths) {
+      if (s.block_len == 16) run(bits, std::integral_constant<int, 16>(), widths);
+      else run(bits, std::integral_constant<int, 32>(), widths);
     };
-    if (s.bits == 8) run_len(std::integral_constant<int, 8>());
-    else if (s.bits == 6) run_len(std::integral_constant<int, 6>());
+    const std::false_type narrow;
+    if (wide) run_len(std::integral_constant<int, 8>(), std::true_type());
+    else if (s.bits == 8) run_len(std::integral_constant<int, 8>(), narrow);
+    else if (s.bits == 6) run_len(std::integral_constant<int, 6>(), narrow);
     else if (s.bits == QUANT_CODES_IQ4_NL)
-      run_len(std::integral_constant<int, QUANT_CODES_IQ4_NL>());
-    else run_len(std::integral_constant<int, 4>());
+      run_len(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), narrow);
+    else run_len(std::integral_constant<int, 4>(), narrow);
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (!plain) {
-    auto run = [&](auto bits, int64_t first, int64_t rows, float* out) {
+    auto run = [&](auto bits, auto widths, int64_t first, int64_t rows, float* out) {
       constexpr int B = decltype(bits)::value;
+      constexpr bool W = decltype(widths)::value;
       switch (rows) {
-        case 4: return panel_rows_avx2<4, B, SM>(codes, sm, q, s, first, out);
-        case 3: return panel_rows_avx2<3, B, SM>(codes, sm, q, s, first, out);
-        case 2: return panel_rows_avx2<2, B, SM>(codes, sm, q, s, first, out);
-        default: return panel_rows_avx2<1, B, SM>(codes, sm, q, s, first, out);
+        case 4: return panel_rows_avx2<4, B, W, SM>(codes, sm, q, s, first, out);
+        case 3: return panel_rows_avx2<3, B, W, SM>(codes, sm, q, s, first, out);
+        case 2: return panel_rows_avx2<2, B, W, SM>(codes, sm, q, s, first, out);
+        default: return panel_rows_avx2<1, B, W, SM>(codes, sm, q, s, first, out);
       }
     };
     auto run_small = [&](auto bits, auto len, int64_t first, int64_t rows, float* out) {
@@ -663,19 +742,22 @@ void panel_rows(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
       if (s.block_len == 16) run_small(bits, std::integral_constant<int, 16>(), first, rows, out);
       else run_small(bits, std::integral_constant<int, 32>(), first, rows, out);
     };
+    const std::integral_constant<int, 8> bytes;
+    const std::false_type narrow;
     for (int64_t done = 0; done < n; done += QB_TILE_AVX2) {
       const int64_t rows = std::min<int64_t>(QB_TILE_AVX2, n - done);
       float* out = acc_out + done * QB_ROWS;
-      if (s.bits == 8) run(std::integral_constant<int, 8>(), t0 + done, rows, out);
+      if (wide) run(bytes, std::true_type(), t0 + done, rows, out);
+      else if (s.bits == 8) run(bytes, narrow, t0 + done, rows, out);
       else if (s.bits == 6) run_len(std::integral_constant<int, 6>(), t0 + done, rows, out);
       else if (s.bits == QUANT_CODES_IQ4_NL)  // codes up to 241: widened, as 8-bit ones
-        run(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), t0 + done, rows, out);
+        run(std::integral_constant<int, QUANT_CODES_IQ4_NL>(), narrow, t0 + done, rows, out);
       else run_len(std::integral_constant<int, 4>(), t0 + done, rows, out);
     }
     return;
   }
 #endif
-  panel_rows_plain(codes, sm, q, s, t0, n, acc_out);
+  panel_rows_plain(codes, sm, q, s, t0, n, wide, acc_out);
 }
 
 }  // namespace
@@ -925,17 +1007,18 @@ void with_panel_scales(const void* scales_mins, int64_t format, int64_t blocks,
 template <typename PanelScales>
 void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
                               const PanelScales& scales_of, int64_t out_features,
-                              int64_t block_len, int64_t bits, float* y, bool force_plain) {
+                              int64_t block_len, int64_t bits, bool wide, float* y,
+                              bool force_plain) {
   const int64_t panels = (out_features + QB_ROWS - 1) / QB_ROWS;
   const QuantBlockShape s{in, in / block_len, block_len, bits, panels, out_features};
-  const QuantizedRows& q = quantize_activations(x, rows, s.in, block_len, force_plain);
+  const QuantizedRows& q = quantize_activations(x, rows, s.in, block_len, wide, force_plain);
   parallel_for(0, s.panels, 1, [&](int64_t begin, int64_t end) {
     float lanes[QB_TILE * QB_ROWS];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * QB_ROWS, width = std::min(QB_ROWS, out_features - first);
       for (int64_t t0 = 0; t0 < rows; t0 += QB_TILE) {
         const int64_t n = std::min<int64_t>(QB_TILE, rows - t0);
-        panel_rows(codes + p * s.blocks * s.block_bytes(), scales_of(p), q, s, t0, n,
+        panel_rows(codes + p * s.blocks * s.block_bytes(), scales_of(p), q, s, t0, n, wide,
                    force_plain, lanes);
         for (int64_t t = 0; t < n; ++t)
           std::copy_n(lanes + t * QB_ROWS, width, y + (t0 + t) * out_features + first);
@@ -946,12 +1029,23 @@ void quant_block_linear_typed(const float* x, int64_t rows, int64_t in, const ui
 
 }  // namespace
 
+void check_activation_bits(int64_t activation_bits, int64_t bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activation_bits must be 8 or 16, "
+              "got ", activation_bits);
+  TORCH_CHECK(activation_bits == 8 || bits == 8, "16-bit activations take 8-bit codes only, "
+              "not format ", bits);
+}
+
 void quant_block_linear_into(const float* x, int64_t rows, int64_t in, const uint8_t* codes,
                              const void* sm, int64_t scale_format, int64_t out_features,
-                             int64_t block_len, int64_t bits, float* y, bool force_plain) {
+                             int64_t block_len, int64_t bits, int64_t activation_bits, float* y,
+                             bool force_plain) {
+  // NOTE: checked again here (make_linear checks it once): a wide kernel on 4-bit codes
+  // would read past its blocks
+  check_activation_bits(activation_bits, bits);
   with_panel_scales(sm, scale_format, in / block_len, block_len, [&](auto scales_of) {
-    quant_block_linear_typed(x, rows, in, codes, scales_of, out_features, block_len, bits, y,
-                             force_plain);
+    quant_block_linear_typed(x, rows, in, codes, scales_of, out_features, block_len, bits,
+                             activation_bits == 16, y, force_plain);
   });
 }
 
@@ -1009,10 +1103,11 @@ torch::Tensor quant_block_rows(torch::Tensor codes, torch::Tensor sm, int64_t ou
   return out;
 }
 
-// y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized to int8 per block.
+// y (T, out) = x (T, in) @ W^T, W as pack_quant_blocks' blocks, x quantized per block to
+// activation_bits (8 or 16).
 torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sm,
                                  int64_t out_features, int64_t block_len, int64_t bits,
-                                 bool force_plain) {
+                                 int64_t activation_bits, bool force_plain) {
   check_cpu_float(x, "x");
   TORCH_CHECK(x.dim() == 2, "x must be (T, in)");
   x = x.contiguous();
@@ -1020,7 +1115,7 @@ torch::Tensor quant_block_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   auto y = torch::empty({x.size(0), out_features}, x.options());
   quant_block_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), codes.data_ptr<uint8_t>(),
                           sm.data_ptr(), quant_scale_format(sm), out_features, block_len, bits,
-                          y.data_ptr<float>(), force_plain);
+                          activation_bits, y.data_ptr<float>(), force_plain);
   return y;
 }
 

@@ -28,7 +28,8 @@ The module's functions, on the CPU, fp32 but where said:
   bf16) where amx_bf16_usable(); set_force_plain_loops(bool): tests run the fallbacks
 - pack_quant_blocks(codes, scales, mins, bits) -> (packed codes, scales_mins: fp16 where
   every value is one, else fp32); quant_block_linear(x, codes, scales_mins, out, block_len,
-  bits) -> (T, out): GGUF blocks x int8 activations (linear_kernels.GGUFBlockLinear);
+  bits, activation_bits=8) -> (T, out): GGUF blocks x int8 (or, for 8-bit codes, 16-bit)
+  activations (linear_kernels.GGUFBlockLinear);
   quant_blocks_isa(): its path in this build ("avx512vnni", "avx2" or "plain")
 - unpack_gguf_blocks(raw (rows, row bytes), ggml type, order=None) -> a GGUF tensor's
   blocks as loader/gguf_blocks.py's BlockWeights arrays (codes, scales, mins, and the

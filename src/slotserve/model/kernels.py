@@ -287,7 +287,9 @@ class KernelSet:
             "int8": functools.partial(lk.Int8WeightOnlyLinear, ops=ops),
             "int8_torch": lk.Int8WeightOnlyLinear,
         }[kind or self.linear]
-        return _with_gguf_blocks(factory, ops) if self.gguf_types else factory
+        if not self.gguf_types:
+            return factory
+        return _with_gguf_blocks(factory, ops, linear_kernels.activation_bits_for(self.gguf_types))
 
     def head_factory(self):
         """The lm_head's kernel factory: head_linear's where set, else linear_factory()."""
@@ -330,8 +332,10 @@ class KernelSet:
         if self.gguf_types:  # NOTE: after the bf16 modes' texts, which replace `text`
             path = {"avx512vnni": "VNNI", "avx2": "AVX2"}.get(self.ops.quant_blocks_isa(),
                                                                "plain loops")
-            text = (f"GGUF blocks x int8 activations ({path}, fused CPU kernel), other linears "
-                    f"{text}")
+            bits = linear_kernels.activation_bits_for(self.gguf_types)
+            activations = "int8" if bits == 8 else f"{bits}-bit"
+            text = (f"GGUF blocks x {activations} activations ({path}, fused CPU kernel), other "
+                    f"linears {text}")
         if self.fused_layers:
             text += f" + {getattr(self.ops, 'DESCRIPTION', 'fused CPU ops')}"
         if self.decode_stack:
@@ -409,7 +413,7 @@ def gguf_kernels(kernels: KernelSet, types: tuple[str, ...],
 def q8_0_kernels(kernels: KernelSet) -> KernelSet:
     """quantization="q8_0": `kernels` (auto's) with the linear weights quantized to GGUF
     Q8_0 blocks as they load (KernelSet.prepare_weight) and run by the block kernel with
-    int8 activations (VNNI where the CPU has it: llama.cpp's Q8_0 arithmetic), any linear
+    16-bit activations (linear_kernels.activation_bits_for; VNNI where the CPU has it), any linear
     whose width is no multiple of 32 by `kernels`' float kernel.
 
     Raises ValueError where the fused kernels do not run the blocks vectorised (no compiler,
@@ -445,17 +449,18 @@ def size_text(size: int) -> str:
     return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
 
 
-def _with_gguf_blocks(factory, ops):
-    """A linear factory: GGUFBlockLinear for a weight in GGUF blocks, else `factory`'s kernel
-    (the fp32 weight panels where `factory` is None, plain torch)."""
+def _with_gguf_blocks(factory, ops, activation_bits: int):
+    """A linear factory: GGUFBlockLinear (its activations quantized to `activation_bits`) for
+    a weight in GGUF blocks, else `factory`'s kernel (the fp32 weight panels where `factory`
+    is None, plain torch)."""
     fallback = factory or functools.partial(linear_kernels.PanelLinear, ops=ops)
 
     def make(weight, bias):
         blocks = getattr(weight, gguf_blocks.BLOCKS_ATTRIBUTE, None)
         if isinstance(blocks, gguf_blocks.LazyBlocks):  # NOTE: made, packed, then dropped
-            return linear_kernels.gguf_block_linear(blocks, bias, ops)
+            return linear_kernels.gguf_block_linear(blocks, bias, ops, activation_bits)
         if blocks is not None:
-            return linear_kernels.GGUFBlockLinear(blocks, bias, ops)
+            return linear_kernels.GGUFBlockLinear(blocks, bias, ops, activation_bits)
         return fallback(weight, bias)
 
     return make

@@ -263,6 +263,26 @@ class Int8WeightOnlyLinear:
         return ops.linear_weights("int8", self.qweight, self.scales_fp32, self.bias)
 
 
+# NOTE: the block kernel's activations are int8 per block, as llama.cpp's, except in a model
+# whose block weights are all Q8_0 (a Q8_0 file, quantization=q8_0): 16 bits there, twice
+# the integer multiplies. SmolLM2-135M-Instruct's llama-quantize Q8_0 file served in its
+# blocks (32 chat prompts x 64 tokens, teacher-forced greedy agreement, Ice Lake Xeon):
+# with the file dequantized to fp32 99.61% (int8 activations: 97.90%), with the original
+# fp32 model 98.39% (97.17%): Q8_0's own rounding is as fine as int8 activations', which
+# doubled its error. Its Q4_K_M file, the activations rounded as the kernel rounds them (in
+# torch): 90.53% with int8 and 90.58% with 16 bits against the original (4- and 6-bit
+# weights' error is all there is to see, Q8_0 head or not). Through the engine 16 bits cost
+# nothing at batch 1 (the weights' stream) and x0.66 at 64 rows (the multiplies): paid
+# only where they buy something (benchmarks/QUANT.md).
+WIDE_ACTIVATION_TYPES = frozenset({"Q8_0"})
+
+
+def activation_bits_for(gguf_types: tuple[str, ...]) -> int:
+    """The block kernel's activation bits in a model whose block weights are of GGUF
+    `gguf_types` (KernelSet.gguf_types): 16 where every one is Q8_0, else 8."""
+    return 16 if gguf_types and set(gguf_types) <= WIDE_ACTIVATION_TYPES else 8
+
+
 class GGUFBlockLinear:
     """y ~= x @ W (+ b) with W kept in a GGUF file's own blocks (loader/gguf_blocks.py).
 
@@ -272,17 +292,22 @@ class GGUFBlockLinear:
     scale per super-block (`ops.pack_factored_scales`; Q3_K's and Q6_K's one factor for the
     scale and the min), else fp32) are packed into
     panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
-    x per row and block to int8 and sums the products in integers (AVX512-VNNI's vpdpbusd,
-    or on the avx2 CPU class vpmaddwd over the codes widened to int16: the same exact sums,
-    csrc/quant_blocks.cpp), the block scales and mins in fp32. A row's result does not depend
+    x per row and block to `activation_bits` (8, or 16 for 8-bit codes: activation_bits_for) and
+    sums the products in integers (AVX512-VNNI's vpdpbusd, or on the avx2 CPU class vpmaddwd
+    over the codes widened to int16: the same exact sums, csrc/quant_blocks.cpp), the block
+    scales and mins in fp32. A row's result does not depend
     on its batch, nor on the path. The decode stack runs the same kernel (its `gguf_blocks`
     kind).
     """
 
-    def __init__(self, blocks, bias: torch.Tensor | None, ops) -> None:
+    def __init__(self, blocks, bias: torch.Tensor | None, ops, activation_bits: int = 8) -> None:
         self.out_features = blocks.shape[0]
         self.block_len, self.types = blocks.block_len, blocks.types
         self.bits = blocks.kernel_bits  # 4, 6, 8 or IQ4_NL's indices (csrc/ops.h)
+        if activation_bits not in (8, 16) or (activation_bits == 16 and self.bits != 8):
+            raise ValueError(f"activation_bits must be 8, or 16 for 8-bit codes; got "
+                             f"{activation_bits!r} for codes of format {self.bits}")
+        self.activation_bits = activation_bits
         self.codes, self.scales_mins = ops.pack_quant_blocks(blocks.stored_codes(), blocks.scales,
                                                              blocks.mins, self.bits)
         factors = blocks.factors
@@ -295,13 +320,14 @@ class GGUFBlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         y = self.ops.quant_block_linear(x, self.codes, self.scales_mins, self.out_features,
-                                        self.block_len, self.bits)
+                                        self.block_len, self.bits, self.activation_bits)
         return y if self.bias is None else y.add_(self.bias)
 
     def cpp_weights(self, ops):
         """The same call for the C++ DecodeStack of `ops` (model/cpu_ops.py)."""
         return ops.linear_weights("gguf_blocks", self.codes, self.scales_mins, self.bias,
-                                  self.out_features, block_len=self.block_len, bits=self.bits)
+                                  self.out_features, block_len=self.block_len, bits=self.bits,
+                                  activation_bits=self.activation_bits)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # (n,) -> (n, in)
         """Rows `ids` of W (out, in) in fp32, each BlockWeights.dequantize's values to the bit:
@@ -330,18 +356,18 @@ class SegmentedLinear:
         return ops.segmented_linear_weights([s.cpp_weights(ops) for s in self.segments])
 
 
-def gguf_block_linear(lazy, bias: torch.Tensor | None, ops):
+def gguf_block_linear(lazy, bias: torch.Tensor | None, ops, activation_bits: int = 8):
     """The kernel of a weight in GGUF blocks (`lazy`: a LazyBlocks): a GGUFBlockLinear, or a
     SegmentedLinear where a fusion's parts differ in type. NOTE: each segment is made,
     packed, then dropped: one segment's converted blocks at a time."""
     segments = lazy.segments()
     if len(segments) == 1:
-        return GGUFBlockLinear(lazy.load(), bias, ops)
+        return GGUFBlockLinear(lazy.load(), bias, ops, activation_bits)
     kernels, first = [], 0
     for segment in segments:
         rows = segment.shape[0]
         part_bias = None if bias is None else bias[first:first + rows]
-        kernels.append(GGUFBlockLinear(segment.load(), part_bias, ops))
+        kernels.append(GGUFBlockLinear(segment.load(), part_bias, ops, activation_bits))
         first += rows
     return SegmentedLinear(kernels)
 
