@@ -4,7 +4,8 @@
         --rows 1 64
 
 A.so, B.so: two builds of the fused CPU kernels (`load_cpu_ops().__file__` of each checkout;
-the packed layout must be the same). The file's linears (benchmarks/gguf_1row.py's roles) run
+the packed layout must be the same, and both take `activation_bits`: builds from 2cbb7b3
+on). The file's linears (benchmarks/gguf_1row.py's roles) run
 through A and B in turn, `--passes` times each, the order swapped every pass, so a shared
 machine's stalls hit both alike: median ms and GB/s of each, their ratio, and whether the two
 builds give the same bits.

@@ -507,9 +507,10 @@ class EngineConfig:
         layers on the CPU; gguf: a GGUF's quantized linear weights in the file's own blocks
         (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL, int8 activations, 16-bit
         where every block weight is Q8_0, AVX512-VNNI or AVX2; no fp32 copy of the model; a
-        file with another quantized type is dequantized, with a warning); q8_0: every linear weight and the embedding (an HF
-        directory's, or a GGUF's dequantized) quantized to Q8_0 as they load, as llama.cpp's
-        llama-quantize does, and run as gguf's blocks (1.125 bytes/weight in memory). Greedy
+        file with another quantized type is dequantized, with a warning); q8_0: every linear
+        weight and the embedding (an HF directory's, or a GGUF's dequantized) quantized to
+        Q8_0 as they load, as llama.cpp's llama-quantize does, and run as gguf's blocks
+        (1.125 bytes/weight in memory; 16-bit activations). Greedy
         agreement with fp32 in benchmarks/PERF.md.
     seed: seed of the sampler's random generator.
     trace_capacity: iterations kept in the trace ring buffer.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from slotserve.loader.gguf_blocks import BLOCK_FORMATS, to_blocks
+from slotserve.loader.gguf_blocks import to_blocks
 from slotserve.model import kernels as kernel_choice
 from slotserve.model.cpu_ops import load_cpu_ops
 from slotserve.model.linear_kernels import GGUFBlockLinear
@@ -89,20 +89,25 @@ def test_the_avx2_class_decodes_gguf_blocks_through_the_stack(avx2_ops, monkeypa
     assert decode_only >= 10
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS), ids=lambda t: t.name)
-def test_the_largest_codes_and_activations_sum_exactly(qtype, avx2_ops):
+@pytest.mark.parametrize(("qtype", "activation_bits"), FORMATS_AND_ACTIVATIONS,
+                         ids=lambda v: getattr(v, "name", f"a{v}"))
+def test_the_largest_codes_and_activations_sum_exactly(qtype, activation_bits, avx2_ops):
     """Every code at its format's largest value (all bits set: 15, 63 or 255) times every
-    activation at +127 or -127: vpmaddubsw's int16 sums (4- and 6-bit codes, added over steps)
-    reach their bound here and must not saturate: the AVX2 path equals the plain loops."""
+    activation at its code's largest magnitude (+-127, or +-32512 for 16 bits), and 16-bit
+    codes of 128 (halves 1 and -128): vpmaddubsw's int16 sums (4- and 6-bit codes, added over
+    steps) reach their bound here and must not saturate, nor vpmaddwd's pairs of 16-bit
+    codes: the AVX2 path equals the plain loops."""
     rows, cols = 32, 512
     raw = raw_tensor(qtype, rows, cols, seed=8)
     blocks = to_blocks(raw, qtype, "blk.0.ffn_up.weight", "test.gguf")
-    kernel = GGUFBlockLinear(blocks, None, avx2_ops)
+    kernel = GGUFBlockLinear(blocks, None, avx2_ops, activation_bits)
     codes = torch.full_like(kernel.codes, 0xFF)
-    x = torch.ones(4, cols)
+    x = torch.ones(5, cols)
     x[1] = -1
     x[2, cols // 2:] = -1  # one sign per half: every block still all one sign
     x[3] *= 1e4
+    x[4] = -128.0 / (127 * 256)  # 16-bit codes of -128 (halves 0 and -128) but each
+    x[4, ::blocks.block_len] = -1.0  # block's first: the scale's, -32512
     args = (codes, kernel.scales_mins, rows, blocks.block_len, kernel.bits,
             kernel.activation_bits)
     y = avx2_ops.quant_block_linear(x, *args)

@@ -18,7 +18,8 @@
 // where the inner sums are exact integers: AVX512-VNNI's vpdpbusd multiplies u8 (the codes,
 // unsigned by construction: no sign trick needed) by s8 (the activations, or their halves:
 // sum u a = 256 sum u h + sum u l, at most 32 * 255 * 32512 < 2^31) and adds groups of four
-// into int32 lanes. 16 bits take 8-bit codes only (the caller's choice: Q8_0, whose own
+// into int32 lanes (16-bit codes' sums pass 2^24: their conversion to float rounds, the
+// same on every path). 16 bits take 8-bit codes only (the caller's choice: Q8_0, whose own
 // rounding is as fine as int8 activations', linear_kernels.GGUFBlockLinear) and twice the
 // multiplies.
 // Layout (as llama.cpp's repacked "interleaved" formats): panels of 16 output rows; in a
@@ -119,6 +120,14 @@ QuantBlockShape shape_of(const torch::Tensor& codes, const torch::Tensor& sm, in
 // l = a - 256 h in [-128, 127]).
 inline float activation_limit(bool wide) { return wide ? 127.f * 256.f : 127.f; }
 
+// Whether a block whose largest magnitude is `top` gets codes: not where limit / top
+// overflows (top below ~4e-37, or ~1e-34 for 16-bit codes: a zero times an infinite
+// 1 / s is NaN, which each path would turn into a different code), nor a denormal top.
+// NOTE: such a block is codes of zero and scale 0 on every path.
+inline bool quantizable(float top, float limit) {
+  return top >= FLT_MIN && std::isfinite(limit / top);
+}
+
 // One row's activations per block: their codes (16-bit ones as two halves), the scale and
 // the codes' sum (as float: exact, at most 32 * 32512).
 struct QuantizedRows {
@@ -141,8 +150,8 @@ inline void store_code(int32_t code, bool wide, int8_t* high, int8_t* low) {
 
 // One block of n activations -> its codes, scale and codes' sum: a = round(x / s) (to
 // nearest even), s = max|x| / activation_limit(wide). NOTE: a non-finite block makes its
-// row's outputs NaN (as the fp32 matmul's would be); an all-(near-)zero block is codes of
-// zero.
+// row's outputs NaN (as the fp32 matmul's would be); a block of (near-)zeros (quantizable:
+// false) is codes of zero.
 void quantize_block_plain(const float* x, int64_t n, bool wide, int8_t* high, int8_t* low,
                           float* scale, float* sum) {
   float top = 0.f, probe = 0.f;  // probe: NaN if any x is NaN or inf
@@ -150,8 +159,8 @@ void quantize_block_plain(const float* x, int64_t n, bool wide, int8_t* high, in
     top = std::max(top, std::abs(x[i]));
     probe += x[i] * 0.f;
   }
-  const bool usable = std::isfinite(probe) && top >= FLT_MIN;
   const float limit = activation_limit(wide);
+  const bool usable = std::isfinite(probe) && quantizable(top, limit);
   const float inv = usable ? limit / top : 0.f;
   int32_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -182,8 +191,8 @@ bool quantize_block_vector(const float* x, int64_t n, bool wide, int8_t* high, i
       _mm512_cmp_ps_mask(magnitude_hi, finite_max, _CMP_LE_OQ) != 0xFFFF)
     return false;
   const float top = _mm512_reduce_max_ps(_mm512_max_ps(magnitude_lo, magnitude_hi));
-  const bool usable = top >= FLT_MIN;
   const float bound = activation_limit(wide);
+  const bool usable = quantizable(top, bound);
   const __m512 inv = _mm512_set1_ps(usable ? bound / top : 0.f);
   const __m512 limit = _mm512_set1_ps(bound), floor = _mm512_set1_ps(-bound);
   const __m512i half_step = _mm512_set1_epi32(128);
@@ -236,8 +245,8 @@ bool quantize_block_vector(const float* x, int64_t n, bool wide, int8_t* high, i
     top8 = _mm256_max_ps(top8, magnitude);
   }
   const float top = max8(top8);
-  const bool usable = top >= FLT_MIN;
   const float bound = activation_limit(wide);
+  const bool usable = quantizable(top, bound);
   const __m256 inv = _mm256_set1_ps(usable ? bound / top : 0.f);
   const __m256 limit = _mm256_set1_ps(bound), floor = _mm256_set1_ps(-bound);
   const __m256i half_step = _mm256_set1_epi32(128);
@@ -481,7 +490,7 @@ void panel_rows_vnni(const uint8_t* codes, const SM& sm, const QuantizedRows& q,
 // AVX2 without VNNI (the avx2 CPU class's x86-64-v3 build, AVX-512 CPUs without VNNI), codes
 // of 8 bits (Q8_0, IQ4_NL's looked-up levels; 4- and 6-bit ones: panel_rows_avx2_small): the
 // codes of a step widened to int16 and multiplied by the activations (int16) with
-// vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 127; no vpmaddubsw: its
+// vpmaddwd, whose pairwise int32 sums are exact (|u a| <= 255 * 32512; no vpmaddubsw: its
 // int16 sums saturate for 8-bit codes). A step's 64 bytes are 4 groups of 4 rows; each
 // group's int32 lanes hold 2 partial sums per row, added pairwise at the block's end
 // (vphaddd, then lanes put back in row order). NOTE: the integer sums are exact, so they

@@ -319,8 +319,11 @@ class GGUFBlockLinear:
         self.ops = ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        # NOTE: by keyword: a build from before activation_bits refuses it (positionally it
+        # would be that build's force_plain)
         y = self.ops.quant_block_linear(x, self.codes, self.scales_mins, self.out_features,
-                                        self.block_len, self.bits, self.activation_bits)
+                                        self.block_len, self.bits,
+                                        activation_bits=self.activation_bits)
         return y if self.bias is None else y.add_(self.bias)
 
     def cpp_weights(self, ops):
