@@ -78,7 +78,7 @@ ENGINES = {
     "bf16 widen": ("bf16", "avx512"),
     "bf16 dot": ("bf16", "avx512bf16"),
     "int8": ("int8", None),
-    "q8_0": ("q8_0", None),  # weights quantized to Q8_0 blocks at load, int8 activations
+    "q8_0": ("q8_0", None),  # weights quantized to Q8_0 blocks at load, 16-bit activations
     "avx2 fp32": ("none", "avx2"),  # the AVX2 panels, the fused ops built for AVX2
     "avx2 bf16": ("bf16", "avx2"),  # the bf16 panels widened in AVX2 tiles
     "avx2 mkl": ("none", "avx2", "mkl"),  # MKL's packed GEMM (the avx2 class's fp32 before)
