@@ -257,8 +257,11 @@ bool quantize_block_vector(const float* x, int64_t n, bool wide, int8_t* high, i
     const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i code = _mm256_cvtps_epi32(_mm256_min_ps(limit, _mm256_max_ps(floor, r)));
-    highs[i] = wide ? _mm256_srai_epi32(_mm256_add_epi32(code, half_step), 8) : code;
-    lows[i] = _mm256_sub_epi32(code, _mm256_slli_epi32(highs[i], 8));
+    highs[i] = code;
+    if (wide) {
+      highs[i] = _mm256_srai_epi32(_mm256_add_epi32(code, half_step), 8);
+      lows[i] = _mm256_sub_epi32(code, _mm256_slli_epi32(highs[i], 8));
+    }
     total = _mm256_add_epi32(total, code);
   }
   store_bytes_avx2(highs, parts, high);
@@ -278,8 +281,8 @@ bool quantize_block_vector(const float*, int64_t, bool, int8_t*, int8_t*, float*
 #endif
 
 // x (rows, in) -> the rows' codes (wide: 16-bit ones, as halves), scales and sums per block
-// of block_len, in a buffer of the calling thread's, kept and grown (a decode step quantizes ~120 times: no allocation
-// each). plain: the plain loops only (force_plain: the vector path is tested against them).
+// of block_len, in a buffer of the calling thread's, kept and grown (a decode step
+// quantizes ~120 times: no allocation each). plain: the plain loops only (force_plain: the vector path is tested against them).
 // NOTE: valid until the calling thread's next call.
 const QuantizedRows& quantize_activations(const float* x, int64_t rows, int64_t in,
                                           int64_t block_len, bool wide, bool plain) {

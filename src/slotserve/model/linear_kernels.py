@@ -292,11 +292,11 @@ class GGUFBlockLinear:
     scale per super-block (`ops.pack_factored_scales`; Q3_K's and Q6_K's one factor for the
     scale and the min), else fp32) are packed into
     panels of 16 output rows (`ops.pack_quant_blocks`); each call quantizes
-    x per row and block to `activation_bits` (8, or 16 for 8-bit codes: activation_bits_for) and
-    sums the products in integers (AVX512-VNNI's vpdpbusd, or on the avx2 CPU class vpmaddwd
-    over the codes widened to int16: the same exact sums, csrc/quant_blocks.cpp), the block
-    scales and mins in fp32. A row's result does not depend
-    on its batch, nor on the path. The decode stack runs the same kernel (its `gguf_blocks`
+    x per row and block to `activation_bits` (8, or 16 for 8-bit codes: activation_bits_for)
+    and sums the products in integers (AVX512-VNNI's vpdpbusd, or on the avx2 CPU class
+    vpmaddwd over the codes widened to int16: the same exact sums, csrc/quant_blocks.cpp),
+    the block scales and mins in fp32. A row's result does not depend on its batch, nor on
+    the path. The decode stack runs the same kernel (its `gguf_blocks`
     kind).
     """
 
