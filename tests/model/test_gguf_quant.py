@@ -309,6 +309,23 @@ def test_only_an_all_q8_0_model_gets_16_bit_activations():
         assert activation_bits_for(types) == 8, types
 
 
+def test_the_policy_counts_the_weights_the_linears_run():
+    """gguf_blocks.block_types (the KernelSet's gguf_types): a Q8_0 model's embedding of
+    another type, looked up a row at a time, leaves its linears 16-bit activations; tied (no
+    lm_head.weight), it is the head and counts; alone in blocks, its type is named."""
+    def blocks(qtype):
+        return GGUFBlockTensor(to_blocks(raw_tensor(qtype, 16, 256), qtype, "w", "t.gguf"))
+    linears = {"model.layers.0.mlp.up_proj.weight": blocks(Q.Q8_0),
+               "lm_head.weight": blocks(Q.Q8_0)}
+    embedding = {"model.embed_tokens.weight": blocks(Q.Q6_K)}
+    assert gguf_blocks.block_types({**embedding, **linears}) == ("Q8_0",)
+    assert activation_bits_for(gguf_blocks.block_types({**embedding, **linears})) == 16
+    del linears["lm_head.weight"]
+    assert gguf_blocks.block_types({**embedding, **linears}) == ("Q6_K", "Q8_0")
+    assert gguf_blocks.block_types({**embedding, "lm_head.weight": torch.zeros(1)}) == ("Q6_K",)
+    assert gguf_blocks.block_types({"lm_head.weight": torch.zeros(1)}) == ()
+
+
 def test_bad_activation_bits_are_a_clear_error(block_ops):
     """16 bits take 8-bit codes only (the wide kernels read bytes): the Python kernel, the
     kernel call and the decode stack's linear each refuse another pairing, naming it."""

@@ -22,7 +22,9 @@ from gguf import GGMLQuantizationType as Q
 from slotserve.config import ModelConfig
 from slotserve.loader.gguf_blocks import (
     BLOCK_FORMATS,
+    EMBEDDING,
     FLOAT_TYPES,
+    HEAD,
     FileBlocks,
     GGUFBlockTensor,
     LazyBlocks,
@@ -302,7 +304,7 @@ def _convert(tensor: GGUFTensor, config: ModelConfig, arch: str = "llama",
 def _kept_in_blocks(hf: str, tensor: GGUFTensor, config: ModelConfig) -> bool:
     """Whether a tensor stays in its blocks under keep_quantized: a quantized linear weight
     or embedding table (the model looks its tokens up in the blocks: BlockEmbedding)."""
-    kept = hf.endswith("_proj.weight") or hf in ("lm_head.weight", "model.embed_tokens.weight")
+    kept = hf.endswith("_proj.weight") or hf in (HEAD, EMBEDDING)
     return kept and tensor.tensor_type not in FLOAT_TYPES
 
 

@@ -607,8 +607,20 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     return values.t() if tensor.transposed else values
 
 
+# NOTE: a tied model's weights have no HEAD, whatever its file holds (the loaders drop it)
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
 def block_types(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
-    """The GGUF types of the block weights among `weights` (empty: none is in blocks)."""
-    found = (t for w in weights.values() if isinstance(w, GGUFBlockTensor)
-             for t in w.source.types)
+    """The GGUF types of the block weights among `weights` that the linears run (empty: none
+    is in blocks): every one but an embedding beside its own LM head (looked up a row at a
+    time, never multiplied); a tied embedding (no `lm_head.weight`) is the head. Where the
+    embedding is the only block weight, its types (the model keeps it in its blocks)."""
+    linears = [name for name in weights if name != EMBEDDING or HEAD not in weights]
+    return _types_of(weights, linears) or _types_of(weights, list(weights))
+
+
+def _types_of(weights: dict[str, torch.Tensor], names: list[str]) -> tuple[str, ...]:
+    found = (t for name in names if isinstance(weights[name], GGUFBlockTensor)
+             for t in weights[name].source.types)
     return tuple(dict.fromkeys(sorted(found)))

@@ -209,8 +209,9 @@ class KernelSet:
     weights: the linear layers' weights: "fp32", "bf16", "int8", "gguf", "q8_0" (float
         weights quantized to GGUF Q8_0 blocks as they load) or the model's dtype.
     reason: how the weights were chosen ("auto: amx class", "quantization=int8").
-    gguf_types: the GGUF types of the linears kept in their file's blocks (weights="gguf"):
-        those run linear_kernels.GGUFBlockLinear, any float linear the `linear` kernel.
+    gguf_types: the GGUF types of the linears kept in their file's blocks (weights="gguf";
+        gguf_blocks.block_types): those run linear_kernels.GGUFBlockLinear, any float
+        linear the `linear` kernel.
     cpu_class, cpu_reason: the CPU class the kernels were chosen for (cpu_class()), and why.
     """
 
