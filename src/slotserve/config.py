@@ -29,6 +29,7 @@ from slotserve.flat_config import FlatField, build_flat, flat_fields
 from slotserve.layer_windows import hf_layer_windows
 from slotserve.spec.config import SpeculativeConfig
 from slotserve.spec.config import parse as parse_speculative_config
+from slotserve.value_checks import is_int
 
 
 class _StrEnum(str, enum.Enum):
@@ -371,7 +372,7 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        if cap is not None and (not is_int(cap) or cap < 1):
             raise ValueError("max_prefill_tokens_while_decoding must be an integer >= 1 or "
                              f"None, got {cap!r}")
         object.__setattr__(self, "policy", _member(Policy, "policy", self.policy))
@@ -386,8 +387,7 @@ class SchedulerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         bound = self.max_waiting_per_tenant
-        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)
-                                  or bound < 1):
+        if bound is not None and (not is_int(bound) or bound < 1):
             raise ValueError(f"max_waiting_per_tenant must be an integer >= 1 or None, "
                              f"got {bound!r}")
         if not isinstance(self.slo_reject, bool):
@@ -405,7 +405,8 @@ class SchedulerConfig:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+    """An int or float, not a bool, and not NaN (inf and ints past 1e308 pass)."""
+    return (is_int(value) or isinstance(value, float)) and value == value
 
 
 class SchedulingFieldError(ValueError):
@@ -421,7 +422,7 @@ def check_policy_fields(priority: Any, tenant: Any, slo_ttft_ms: Any,
     """A request's scheduling-policy fields; SchedulingFieldError (a ValueError) naming the
     first bad one. NOTE: the one definition of these checks: `SchedulingFields` (core/
     scheduling_fields.py) checks itself with it, and the lab's request records call it."""
-    if not isinstance(priority, int) or isinstance(priority, bool):
+    if not is_int(priority):
         raise SchedulingFieldError("priority", f"priority must be an integer, got {priority!r}")
     if not isinstance(tenant, str) or not tenant:
         raise SchedulingFieldError("tenant", f"tenant must be a non-empty string, got {tenant!r}")

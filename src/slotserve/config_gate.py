@@ -11,18 +11,18 @@ It also parses what the model needs from those keys: `rope_settings(cfg)` (RoPE 
 scaling, and Gemma 3's local base) and `family_value(cfg, key)` (a key with HF's default for
 the model_type).
 
-No torch and no slotserve import but layer_windows: config.py (below core/) reads HF configs
-with it.
+No torch and no slotserve import but layer_windows and value_checks: config.py (below core/)
+reads HF configs with it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from slotserve.layer_windows import hf_layer_windows
+from slotserve.value_checks import is_finite_number
 
 # The HF model_types served (their HF classes are the reference) -> HF's defaults for the keys
 # below where config.json leaves them out (HF's config classes' defaults).
@@ -130,8 +130,7 @@ def _positive_number_or_none(value: Any, _cfg: dict[str, Any]) -> str | None:
 
 
 def _positive_number(value: Any) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, int | float)
-            and math.isfinite(value) and value > 0)
+    return is_finite_number(value) and value > 0
 
 
 def _activation(value: Any, _cfg: dict[str, Any]) -> str | None:

@@ -17,12 +17,15 @@ Which layers get the window is each family's rule, as its HF config class comput
 Any other model_type that names a window is refused (ValueError naming the key): nothing
 is silently computed as full attention that HF would compute windowed.
 
-No torch and no slotserve import here: config.py (below core/) reads HF configs with it.
+No torch and no slotserve import but value_checks (which imports nothing): config.py (below
+core/) reads HF configs with it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from slotserve.value_checks import is_int
 
 Windows = tuple["int | None", ...]
 
@@ -122,7 +125,7 @@ def _qwen_windows(cfg: dict[str, Any], window: int | None, layers: int) -> Windo
     types = cfg.get("layer_types")
     if types is None:
         first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        if not is_int(first) or first < 0:
             raise ValueError(f"max_window_layers must be an integer >= 0, not {first!r}")
         if window is None:
             return ()
@@ -159,6 +162,6 @@ def _window_value(value: Any, key: str) -> int | None:
 
 
 def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{key} must be a positive integer, not {value!r}")
     return value

@@ -6,12 +6,12 @@ passes is safe for the sampler's tensors (see the limits on `SamplingParams`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from slotserve.structured.params import StructuredOutputs
+from slotserve.value_checks import is_finite_number, is_int
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing float32 logits by them
 # would overflow, and the distribution they ask for is the argmax anyway.
@@ -99,31 +99,31 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
+        _check(is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX, "max_tokens",
                f"must be an integer in [1, 2**63 - 1], got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], "
                f"got {self.min_tokens!r}")
-        _check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+        _check(is_finite_number(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
-        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",
+        _check(is_finite_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+        _check(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
                f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+        _check(is_finite_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
                f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+        _check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
                "seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings")
-        _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+        _check(all(is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
                "stop_token_ids", "must be integers in [0, 2**63 - 1]")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+        _check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         _check(self.prompt_logprobs is None
-               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
-        _check(_is_int(self.n) and 1 <= self.n <= 128, "n",
+        _check(is_int(self.n) and 1 <= self.n <= 128, "n",
                f"must be an integer in [1, 128], got {self.n!r}")
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
@@ -133,16 +133,16 @@ class SamplingParams:
     def _validate_shaping(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_finite(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
+            _check(is_finite_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY, name,
                    f"must be in [-2, 2], got {value!r}")
-        _check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+        _check(is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", f"must be a finite number > 0, got "
                f"{self.repetition_penalty!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             _check(0 < len(allowed) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
                    f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(allowed)}")
-            _check(all(_is_int(t) and 0 <= t <= INT64_MAX for t in allowed),
+            _check(all(is_int(t) and 0 <= t <= INT64_MAX for t in allowed),
                    "allowed_token_ids", "must be integers in [0, 2**63 - 1]")
         _check(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words",
                f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
@@ -209,7 +209,7 @@ def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         key, bias = item
         token = _token_id_key(key)
         _check(token not in pairs, "logit_bias", f"gives token {token} twice")
-        _check(_is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+        _check(is_finite_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
                f"biases must be numbers in [-100, 100], got {_brief(bias)} for token {token}")
         pairs[token] = float(bias)
         _check(len(pairs) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
@@ -221,7 +221,7 @@ def _token_id_key(key: object) -> int:
     """A logit_bias key: an int, or a string of at most 19 ASCII digits (JSON's keys)."""
     if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
         key = int(key)
-    _check(_is_int(key) and 0 <= key <= INT64_MAX, "logit_bias",
+    _check(is_int(key) and 0 <= key <= INT64_MAX, "logit_bias",
            f"keys must be token ids (integers >= 0, or strings of digits), got {_brief(key)}")
     return key
 
@@ -233,20 +233,6 @@ def _brief(value: object, limit: int = 40) -> str:
     except ValueError:  # an int past Python's 4300-digit str limit
         return f"an {type(value).__name__} too long to show"
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite(value: object) -> bool:
-    """A real number (not a bool) that a float holds finitely: no NaN, no inf, no int past 1e308."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 def _wrap_int64(value: int) -> int:

@@ -28,6 +28,7 @@ from collections import Counter
 
 from slotserve.core.block_pool import BlockHash, BlockPool, hash_block
 from slotserve.request import Request
+from slotserve.value_checks import is_int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -99,8 +100,7 @@ class KVCacheManager:
         """Free the blocks before each request's last `window` positions from now on (the
         window every layer has), or None: keep every block. Only while no request holds
         blocks; ValueError for a window that is not a positive int."""
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
+        if window is not None and (not is_int(window) or window < 1):
             raise ValueError(f"sliding_window must be a positive integer or None, "
                              f"not {window!r}")
         if self.block_tables:

@@ -19,6 +19,7 @@ from slotserve.runner.logit_shaping import SequenceShaping
 from slotserve.runner.prompt_logprobs import PromptLogprobs, unique_salt
 from slotserve.sampling import SamplingParams
 from slotserve.structured.grammar import GrammarCompiler, GrammarMatcher, GrammarRejectedToken
+from slotserve.value_checks import is_int
 
 Prompt = str | list[int]
 
@@ -38,8 +39,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> tuple[str | N
                          f"{type(prompt).__name__}") from None
     if not ids:
         raise ValueError("prompt must not be empty")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-               for t in ids):
+    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     return None, ids
 

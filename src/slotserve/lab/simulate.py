@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from slotserve.engine.trace import TRACE_VERSION
 from slotserve.obs.trace import is_busy
+from slotserve.value_checks import is_int
 
 POLICIES = ("static", "continuous")
 
@@ -44,12 +45,12 @@ class SimRequest:
     def __post_init__(self) -> None:
         _check(isinstance(self.id, str) and self.id != "", "id",
                f"must be a non-empty string, got {self.id!r}")
-        _check(_is_int(self.output_tokens) and self.output_tokens >= 1, "output_tokens",
+        _check(is_int(self.output_tokens) and self.output_tokens >= 1, "output_tokens",
                f"must be an integer >= 1, got {self.output_tokens!r} (request {self.id!r})")
-        _check(_is_int(self.arrival_iteration) and self.arrival_iteration >= 0,
+        _check(is_int(self.arrival_iteration) and self.arrival_iteration >= 0,
                "arrival_iteration",
                f"must be an integer >= 0, got {self.arrival_iteration!r} (request {self.id!r})")
-        _check(_is_int(self.prompt_tokens) and self.prompt_tokens >= 0, "prompt_tokens",
+        _check(is_int(self.prompt_tokens) and self.prompt_tokens >= 0, "prompt_tokens",
                f"must be an integer >= 0, got {self.prompt_tokens!r} (request {self.id!r})")
 
 
@@ -215,10 +216,10 @@ def _request_summary(record: dict) -> dict:
 
 def _validate(requests: Sequence[SimRequest], num_slots: int, policy: str,
               prefill_iterations: int) -> None:
-    _check(_is_int(num_slots) and num_slots >= 1, "num_slots",
+    _check(is_int(num_slots) and num_slots >= 1, "num_slots",
            f"must be an integer >= 1, got {num_slots!r}")
     _check(policy in POLICIES, "policy", f"must be one of {POLICIES}, got {policy!r}")
-    _check(_is_int(prefill_iterations) and prefill_iterations >= 0, "prefill_iterations",
+    _check(is_int(prefill_iterations) and prefill_iterations >= 0, "prefill_iterations",
            f"must be an integer >= 0, got {prefill_iterations!r}")
     _check(all(isinstance(r, SimRequest) for r in requests), "requests",
            "must be SimRequest objects")
@@ -229,10 +230,6 @@ def _validate(requests: Sequence[SimRequest], num_slots: int, policy: str,
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # The seed's toy: 6 requests on 3 slots; R2 is the long generation.

@@ -18,6 +18,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from slotserve.loader.validation import ModelFileError
+from slotserve.value_checks import is_int
 
 # GGUF metadata value types (gguf.GGUFValueType).
 _STRING, _ARRAY = 8, 9
@@ -179,7 +180,7 @@ def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     if len({info[0] for info in infos}) != len(infos):
         raise cur.fail("duplicate tensor names")
     align = meta.get("general.alignment", 32)
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+    if not is_int(align) or align < 1 or align & (align - 1):
         raise cur.fail(f"general.alignment must be a power of two, not {align!r}")
     start = -(-cur.pos // align) * align  # NOTE: tensor data begins at the next aligned byte
     return meta, [_tensor(cur, start, align, *info) for info in infos]

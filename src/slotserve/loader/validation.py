@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from slotserve.config import ModelConfig
 from slotserve.model.families import family_of
+from slotserve.value_checks import is_int
 
 
 class ModelFileError(ValueError):
@@ -74,7 +75,7 @@ def check_config(path: str, config: ModelConfig) -> None:
              "num_attention_heads": config.num_attention_heads,
              "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim}
     for field, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ModelFileError(path, f"{field} must be a positive integer, not {value!r}")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ModelFileError(path, f"num_attention_heads ({config.num_attention_heads}) is not "

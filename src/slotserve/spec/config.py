@@ -21,9 +21,10 @@ A bad value raises ValueError naming the key.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from slotserve.value_checks import is_finite_number, is_int
 
 METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32  # a verification's rows: more would only cost (bounded work)
@@ -118,20 +119,16 @@ def parse(value: Any) -> SpeculativeConfig | None:
     return config
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_num_tokens(value: Any) -> None:
     if value == "auto":
         return
-    if not _is_int(value) or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+    if not is_int(value) or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
         raise ValueError("speculative_config: num_speculative_tokens must be \"auto\" or an "
                          f"integer in [1, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
 
 
 def _check_int(fields: dict, key: str, low: int, high: int) -> None:
-    if key in fields and (not _is_int(fields[key]) or not low <= fields[key] <= high):
+    if key in fields and (not is_int(fields[key]) or not low <= fields[key] <= high):
         raise ValueError(f"speculative_config: {key} must be an integer in [{low}, {high}], "
                          f"got {fields[key]!r}")
 
@@ -141,8 +138,7 @@ def _check_number(fields: dict, key: str, low: float, high: float,
     if key not in fields:
         return
     value = fields[key]
-    ok = (isinstance(value, int | float) and not isinstance(value, bool)
-          and math.isfinite(value) and (low < value if low_open else low <= value)
+    ok = (is_finite_number(value) and (low < value if low_open else low <= value)
           and value <= high)
     if not ok:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"

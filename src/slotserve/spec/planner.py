@@ -36,6 +36,7 @@ from typing import Protocol
 from slotserve.core.queue_policy import CostModel
 from slotserve.spec.config import SpeculativeConfig
 from slotserve.spec.proposers import NgramProposer, Proposer, SuffixProposer
+from slotserve.value_checks import is_finite_number, is_int
 
 # A sequence's acceptance prior in each state: PRIOR_WEIGHT drafts at the engine's pooled
 # rate of that state (`PooledAcceptance`; Beta(1, 1), i.e. 0.5, before it has seen any).
@@ -242,8 +243,7 @@ class DecodeStepCost(CostModel):
         bins: dict[tuple[int, bool], list[float]] = {}
         for entry in _field(state, "bins", list):
             if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[1], bool)
-                    and isinstance(entry[0], int) and not isinstance(entry[0], bool)
-                    and entry[0] >= 1):
+                    and is_int(entry[0]) and entry[0] >= 1):
                 raise ValueError(f"decode_cost.bins: expected [rows >= 1, drafted, weight, "
                                  f"weight x rows, weight x seconds], got {entry!r}")
             weight, rows, seconds = _finite(entry[2:], "decode_cost.bins", 3)
@@ -787,7 +787,7 @@ class Speculator:
 def count_of(state: dict, name: str) -> int:
     """state[name] (0 if absent) as an integer >= 0; ValueError naming it otherwise."""
     value = state.get(name, 0)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"planner state: {name!r} must be an integer >= 0, got {value!r}")
     return value
 
@@ -804,9 +804,7 @@ def _numbers(state: dict, name: str, count: int) -> list[float]:
 
 
 def _finite(values: list, name: str, count: int) -> list[float]:
-    if len(values) != count or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            for v in values):
+    if len(values) != count or not all(is_finite_number(v) for v in values):
         raise ValueError(f"planner state: {name!r} must be {count} finite numbers, "
                          f"got {values!r}")
     return [float(v) for v in values]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from slotserve.structured.params import StructuredOutputs
+from slotserve.value_checks import is_int
 
 DEFAULT_MAX_SCHEMA_BYTES = 128 << 10
 DEFAULT_MAX_REGEX_BYTES = 16 << 10
@@ -43,7 +44,7 @@ class StructuredLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
 
     def check(self, spec: StructuredOutputs) -> None:

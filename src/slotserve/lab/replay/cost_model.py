@@ -79,6 +79,7 @@ import numpy as np
 
 from slotserve.config import SlotKind
 from slotserve.core.outputs import SchedulerOutput, runs_as_rows
+from slotserve.value_checks import is_int
 
 PROFILE_VERSION = 1
 FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks",
@@ -251,7 +252,7 @@ class LinearCost:
         onehot = None if groups is None else _one_hot(groups)
         if knee == "auto":
             _, knee, coef = _best_knee(features, y, w, nonnegative, onehot)
-        elif knee is None or (isinstance(knee, (int, float)) and not isinstance(knee, bool)):
+        elif knee is None or is_int(knee) or isinstance(knee, float):
             _, coef = _fit_at(features, y, w, nonnegative, knee, onehot)
         else:
             raise ValueError(f"knee must be None, a number of rows or 'auto', got {knee!r}")

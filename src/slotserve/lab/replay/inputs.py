@@ -29,6 +29,7 @@ from slotserve.lab.replay.runner import FILLER_TOKEN
 from slotserve.lab.replay.simulator import ReplayRequest
 from slotserve.lab.replay.speculation import TRACE_DEFAULT_CONFIG, recorded_verifications
 from slotserve.lab.workload import Workload, load_workload, poisson_arrivals
+from slotserve.value_checks import is_int
 
 
 def requests_from_trace(trace: dict) -> tuple[list[ReplayRequest], dict]:
@@ -92,8 +93,7 @@ def speculation_totals(iterations: list[dict]) -> dict:
 
 def _cached_tokens(record: dict) -> int:
     value = record.get("cached_tokens") or 0
-    if not isinstance(value, int) or isinstance(value, bool) or not \
-            0 <= value < record["prompt_tokens"]:
+    if not is_int(value) or not 0 <= value < record["prompt_tokens"]:
         raise ValueError(f"cached_tokens must be an integer in [0, prompt_tokens), "
                          f"got {value!r}")
     return value
@@ -101,8 +101,7 @@ def _cached_tokens(record: dict) -> int:
 
 def _first_iteration(record: dict) -> int | None:
     value = record.get("first_iteration")
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                              or value < 0):
+    if value is not None and (not is_int(value) or value < 0):
         raise ValueError(f"first_iteration must be a non-negative integer or null, "
                          f"got {value!r}")
     return value

@@ -37,6 +37,7 @@ from slotserve.request import Request
 from slotserve.sampling import SamplingParams
 from slotserve.spec.config import SpeculativeConfig
 from slotserve.spec.config import parse as parse_speculative_config
+from slotserve.value_checks import is_int
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ReplayRequest:
             raise ValueError(f"id must be a non-empty string, got {self.id!r}")
         for name in ("prompt_tokens", "output_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r} "
                                  f"(request {self.id!r})")
         if not isinstance(self.arrival, (int, float)) or not self.arrival >= 0 \

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from slotserve.spec.config import SpeculativeConfig
 from slotserve.spec.planner import Speculator
+from slotserve.value_checks import is_int
 
 FILLER_DRAFT = 3  # the draft token proposed (never read: only its count matters)
 # The config a trace with drafts replays with when none is given: "auto", the default when
@@ -68,8 +69,7 @@ def recorded_verifications(iterations: Iterable[dict]) -> dict[str, list[Verific
 
 def slot_drafts(slot: dict, iteration: dict) -> tuple[int, int]:
     proposed, accepted = slot.get("proposed", 0), slot.get("accepted", 0)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (proposed, accepted)) \
-            or not 0 <= accepted <= proposed:
+    if not (is_int(proposed) and is_int(accepted)) or not 0 <= accepted <= proposed:
         raise ValueError(f"iteration {iteration.get('index')}: slot of "
                          f"{slot.get('request')!r}: proposed {proposed!r} / accepted "
                          f"{accepted!r} must be integers with 0 <= accepted <= proposed")
