@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from slotserve.config import check_policy_fields
+from slotserve.value_checks import is_int
 
 POLICY_DEFAULTS = {"tenant": "default", "priority": 0, "slo_ttft_ms": None, "slo_tpot_ms": None}
 
@@ -46,7 +47,7 @@ class BenchRequest:
         if not isinstance(self.arrival, (int, float)) or not self.arrival >= 0:
             raise ValueError(f"request {self.id!r}: 'arrival' must be seconds >= 0, "
                              f"got {self.arrival!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"request {self.id!r}: 'n' must be an integer >= 1, got {self.n!r}")
         object.__setattr__(self, "turns", tuple(self.turns))
         self._check_turns()
