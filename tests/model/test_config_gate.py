@@ -67,6 +67,8 @@ REFUSED = [
                                   "partial_rotary_factor": 0.5, "rope_theta": 1e4},
      "rope_parameters.partial_rotary_factor=0.5", ()),
     ("llama", "rope_theta", -1.0, "rope_theta=-1.0", ("rope_parameters",)),
+    # an integer past a float's range (JSON allows it): refused, not an OverflowError
+    ("llama", "rope_theta", 10**400, "rope_theta=1000", ("rope_parameters",)),
     ("gemma3_text", "rope_local_base_freq", 0, "rope_local_base_freq=0",
      ("rope_parameters",)),
     ("phi3", "partial_rotary_factor", 0.75, "partial_rotary_factor=0.75", ()),
