@@ -326,6 +326,13 @@ def test_profile_round_trip_and_errors(tmp_path):
         load_profile(path)
     with pytest.raises(ValueError, match="samples"):
         LinearCost.fit([(StepFeatures(1, 1, 1, 1), 0.1)])
+    # a number a float cannot hold, or a bool, is a ValueError naming the field (a huge
+    # int was numpy's TypeError before)
+    for field, bad in [("base", 10**400), ("base", True), ("knee", 10**400), ("knee", False)]:
+        record = {**model.to_profile(), field: bad}
+        path.write_text(json.dumps(record))
+        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+            load_profile(path)
 
 
 # ---------------------------------------------------------------------- speed, inputs

@@ -79,7 +79,7 @@ import numpy as np
 
 from slotserve.config import SlotKind
 from slotserve.core.outputs import SchedulerOutput, runs_as_rows
-from slotserve.value_checks import is_int
+from slotserve.value_checks import is_finite_number, is_int
 
 PROFILE_VERSION = 1
 FEATURES = ("prefill_tokens", "decode_seqs", "attention_pairs", "sampled_rows", "chunks",
@@ -193,14 +193,13 @@ class LinearCost:
         if unknown:
             raise ValueError(f"coefficients has unknown {sorted(unknown)}")
         for key, value in [("base", self.base), *self.coefficients.items()]:
-            if not isinstance(value, (int, float)) or not np.isfinite(value):
+            if not is_finite_number(value):
                 raise ValueError(f"coefficient {key} must be a finite number, got {value!r}")
         if self.knee is None:
             if KNEE_COEFFICIENT in self.coefficients:
                 raise ValueError(f"coefficient {KNEE_COEFFICIENT} needs a knee (rows)")
             return
-        if isinstance(self.knee, bool) or not isinstance(self.knee, (int, float)) \
-                or not np.isfinite(self.knee) or self.knee < 0:
+        if not is_finite_number(self.knee) or self.knee < 0:
             raise ValueError(f"knee must be a finite number of rows >= 0, got {self.knee!r}")
         if KNEE_COEFFICIENT not in self.coefficients:
             raise ValueError(f"coefficients is missing {KNEE_COEFFICIENT!r} (knee is set)")
