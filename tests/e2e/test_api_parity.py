@@ -158,8 +158,43 @@ def test_responses_forced_function_call(client):
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"store": True}, "store"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    # chat's names of what this API names otherwise, and more than one answer
+    ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
+    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"n": 2}}, "n"),
+    # a sampling extension's bad value, named as on chat
+    ({"extra_body": {"top_k": -2}}, "top_k"),
 ])
 def test_responses_stateful_and_bad_fields_are_400s(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL_NAME, input="hi", **kwargs)
     assert err.value.body["param"] == param
+
+
+def test_responses_sampling_extensions_work_as_on_chat(client):
+    """seed, stop, top_k, logit_bias, penalties (vLLM's fields, in extra_body) change the
+    answer exactly as on chat: never dropped."""
+    fields = {"seed": 7, "stop": [" and"], "top_k": 20, "logit_bias": {"13": -100},
+              "presence_penalty": 1.5, "repetition_penalty": 1.2}
+    question = "List some colours of the rainbow."
+    response = client.responses.create(model=MODEL_NAME, input=question, temperature=1.0,
+                                       max_output_tokens=24, extra_body=fields)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=24, temperature=1.0, extra_body=fields,
+        messages=[{"role": "user", "content": question}])
+    plain = client.responses.create(model=MODEL_NAME, input=question, temperature=1.0,
+                                    max_output_tokens=24, extra_body={"seed": 7})
+    assert response.output_text == chat.choices[0].message.content
+    assert response.output_text != plain.output_text
+
+
+def test_chat_best_of_other_than_n_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=3, n=2,
+                                       extra_body={"best_of": 5},
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "best_of"
+    ok = client.chat.completions.create(model=MODEL_NAME, max_tokens=3, n=2,
+                                        extra_body={"best_of": 2}, temperature=0,
+                                        messages=[{"role": "user", "content": "hi"}])
+    assert len(ok.choices) == 2

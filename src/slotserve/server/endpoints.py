@@ -209,6 +209,7 @@ class Server:
         """POST /v1/responses (stateless): the request runs as its chat request (template,
         sampling, tools, structured outputs and their pre-check); errors name this API's
         fields (input, max_output_tokens, text.format)."""
+        body.check()  # NOTE: the body's own fields, named as sent (not renamed)
         try:
             chat = body.to_chat()
             params = self._sampling_params(chat)

@@ -50,19 +50,16 @@ class ModelNamed(RequestModel):
     model: str | None = None  # None: the served model (vLLM's leniency)
 
 
-class CommonRequest(ModelNamed):
-    """Fields both generation endpoints share (vLLM's names for the extensions)."""
+class SamplingFields(RequestModel):
+    """The sampling and scheduling fields every generation API reads as chat does (the
+    Responses API passes the ones its body sets on to its chat request); vLLM's names for
+    the extensions."""
 
-    temperature: float | None = None
-    top_p: float | None = None
     top_k: int | None = None  # extension
     min_p: float | None = None  # extension
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end a choice
-    n: int | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     min_tokens: int | None = None  # extension: no stop (EOS, stop strings) before this many
     # Penalties and logit shaping (see SamplingParams): OpenAI's, and vLLM's extensions
@@ -78,10 +75,21 @@ class CommonRequest(ModelNamed):
     # Scheduling (--scheduling-policy). priority: vLLM's, lower first (only `priority` and
     # `fair`'s order within a tenant read it). slo_ttft_ms / slo_tpot_ms: extensions, this
     # request's SLOs in milliseconds over the server's --slo-ttft-ms / --slo-tpot-ms.
-    # user: OpenAI's end-user id, the request's tenant when the server has no API keys.
     priority: int = Field(default=0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
     slo_ttft_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
     slo_tpot_ms: float | None = Field(default=None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
+
+
+class CommonRequest(ModelNamed, SamplingFields):
+    """Fields both generation endpoints share (vLLM's names for the extensions)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None  # 400 unless 1 or n
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # OpenAI's end-user id, the request's tenant when the server has no API keys
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
 
     # Known fields this server does not implement: a 400 naming the field unless absent, null
@@ -98,6 +106,9 @@ class CommonRequest(ModelNamed):
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          renames: dict[str, str], max_tokens_cap: int | None) -> SamplingParams:
         self._reject_unsupported()
+        if self.best_of not in (None, 1, self.n):
+            raise APIError("best_of is not supported (leave it out or set it to n)",
+                           param="best_of")
         _check_cap(max_tokens, max_tokens_cap, renames.get("max_tokens", "max_tokens"))
         try:
             return SamplingParams(
@@ -176,7 +187,6 @@ class CompletionRequest(CommonRequest, StructuredFields):
     logprobs: int | None = None
     echo: bool | None = False
     prompt_logprobs: int | None = None  # extension (vLLM's)
-    best_of: int | None = None
     suffix: str | None = None
 
     def engine_prompts(self, max_prompts: int | None = None) -> list[str | list[int]]:
@@ -231,9 +241,6 @@ class CompletionRequest(CommonRequest, StructuredFields):
         of a request that names none (None: DEFAULT_COMPLETION_MAX_TOKENS)."""
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1, self.n):
-            raise APIError("best_of is not supported (leave it out or set it to n)",
-                           param="best_of")
         max_tokens = self.max_tokens
         if max_tokens is None or "max_tokens" not in self.model_fields_set:
             max_tokens = _capped(default_max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,

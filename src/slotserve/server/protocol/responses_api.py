@@ -14,7 +14,11 @@ from pydantic import BaseModel, Field, ValidationError
 
 from slotserve.server.protocol.errors import APIError
 from slotserve.server.protocol.request_model import RequestModel
-from slotserve.server.protocol.requests import ChatCompletionRequest, ModelNamed
+from slotserve.server.protocol.requests import (
+    ChatCompletionRequest,
+    ModelNamed,
+    SamplingFields,
+)
 
 
 class InputText(RequestModel):
@@ -137,14 +141,22 @@ CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_t
                      "response_format": "text.format", "structured_outputs": "text.format"}
 
 
-class ResponsesRequest(ModelNamed):
-    """POST /v1/responses (stateless)."""
+# Chat's and completions' names of what this API names otherwise (or has no place for in a
+# response): a 400 saying so, never a value quietly dropped.
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+              "response_format": "text.format", "messages": "input"}
+
+
+class ResponsesRequest(ModelNamed, SamplingFields):
+    """POST /v1/responses (stateless). The sampling and scheduling extensions chat reads
+    (SamplingFields: seed, stop, top_k, penalties, logit_bias, priority, ...) work as there."""
 
     refused_fields: ClassVar[dict[str, tuple]] = {
         "previous_response_id": (), "store": (False,), "background": (False,),
         "conversation": (), "prompt": (), "reasoning": (), "include": ([],),
         "truncation": ("disabled",), "max_tool_calls": (), "top_logprobs": (0,),
-        "prompt_cache_retention": (),
+        "prompt_cache_retention": (), "n": (1,), "best_of": (1,), "logprobs": (False,),
+        "echo": (False,), **dict.fromkeys(CHAT_NAMES, ()),
     }
 
     input: str | list[InputItem]
@@ -169,6 +181,8 @@ class ResponsesRequest(ModelNamed):
         name = refused[0] if self.refused else f"text.{refused[0]}"
         why = (" (this server stores no responses: send the whole conversation as input)"
                if name in ("previous_response_id", "store", "conversation", "background")
+               else f" (this API's is {CHAT_NAMES[name]})" if name in CHAT_NAMES
+               else " (a response holds one answer)" if name in ("n", "best_of")
                else "")
         raise APIError(f"{name} is not supported by this server{why}", param=name,
                        code="unsupported_field")
@@ -186,7 +200,8 @@ class ResponsesRequest(ModelNamed):
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "temperature": self.temperature,
             "top_p": self.top_p, "max_completion_tokens": self.max_output_tokens,
-            "user": self.user, "stream": bool(self.stream)}
+            "user": self.user, "stream": bool(self.stream),
+            **self.model_dump(include=set(SamplingFields.model_fields) & self.model_fields_set)}
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
         if self.tools:
