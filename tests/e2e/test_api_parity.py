@@ -148,6 +148,12 @@ def test_responses_forced_function_call(client):
         final = stream.get_final_response()
     (call,) = [item for item in final.output if item.type == "function_call"]
     assert call.name == "get_weather"
+    # "required" cut short: a function call as far as generated, never its wrapper as text
+    cut = client.responses.create(model=MODEL_NAME, input="Weather in Rome?", tools=tools,
+                                  tool_choice="required", max_output_tokens=10, temperature=0)
+    (item,) = cut.output
+    assert cut.status == "incomplete" and item.type == "function_call", item
+    assert item.name == "get_weather" and item.status == "incomplete"
     with pytest.raises(openai.BadRequestError) as err:  # "auto": a 400, as on chat
         client.responses.create(model=MODEL_NAME, input="x", tools=tools,
                                 max_output_tokens=5)

@@ -466,15 +466,44 @@ def test_tool_calls_cut_short(client):
     assert choice["finish_reason"] == "length"
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and call["function"]["arguments"]
-    r = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=3)
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"]["content"]
-    assert choice["message"].get("tool_calls") is None
-    streamed = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=3,
-                    stream=True, seed=4)
-    events = sse_events(streamed.text)
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
-    assert text.startswith("{") and events[-1]["choices"][0]["finish_reason"] == "length"
+    # "required" cut short: its {"name": ..., "arguments": ...} wrapper is never the text;
+    # once the name is written, a call whose arguments grow with max_tokens (one seed: the
+    # shorter output is the longer one's start)
+    calls = []
+    for max_tokens in range(2, 80, 3):
+        whole = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", seed=4,
+                     max_tokens=max_tokens)
+        if whole.json()["choices"][0]["finish_reason"] == "tool_calls":
+            break  # complete (its arguments re-serialised: no longer a prefix)
+        streamed = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", seed=4,
+                        max_tokens=max_tokens, stream=True)
+        for message, finish in [(whole.json()["choices"][0]["message"],
+                                 whole.json()["choices"][0]["finish_reason"]),
+                                _streamed_message(streamed.text)]:
+            assert finish == "length" and not message.get("content"), (max_tokens, message)
+            calls.append([(c["function"]["name"], c["function"]["arguments"])
+                          for c in message.get("tool_calls") or ()])
+    assert calls[0] == [] and calls[-1], calls
+    assert all(a == b for a, b in zip(calls[::2], calls[1::2]))  # streamed as answered
+    named = [call for (call,) in filter(None, calls)]
+    assert {name for name, _ in named} <= {"get_weather", "get_time"}
+    assert len({name for name, _ in named}) == 1
+    assert all(b[1].startswith(a[1]) for a, b in zip(named, named[1:]))
+
+
+def _streamed_message(text: str) -> tuple[dict, str | None]:
+    """A streamed chat answer's message (content, tool calls) and finish reason."""
+    content, calls, finish = "", {}, None
+    for event in sse_events(text):
+        (choice,) = event["choices"]
+        content += choice["delta"].get("content") or ""
+        for delta in choice["delta"].get("tool_calls") or ():
+            call = calls.setdefault(delta["index"], {"function": {"name": None,
+                                                                  "arguments": ""}})
+            call["function"]["name"] = delta["function"].get("name") or call["function"]["name"]
+            call["function"]["arguments"] += delta["function"].get("arguments") or ""
+        finish = choice["finish_reason"] or finish
+    return {"content": content or None, "tool_calls": list(calls.values()) or None}, finish
 
 
 def test_a_conversation_with_a_tool_call_and_its_result(served):

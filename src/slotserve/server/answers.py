@@ -99,19 +99,16 @@ def chat_choice_logprobs(tokenizer, token_ids: list[int], logprobs,
 
 def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.AssistantMessage:
     """The message of a finished choice: a tool call (content null) when the request forced
-    one and the output is a complete call, or a named function's arguments cut short (as
-    OpenAI answers with finish_reason "length"); with tool_choice "auto", the calls found
-    in the text and the content around them; its text otherwise."""
+    one, complete or cut short (ToolPlan.answer_call); with tool_choice "auto", the calls
+    found in the text and the content around them; its text otherwise."""
     if plan is not None and plan.call_format is not None:
         content, calls = plan.parsed_calls(c.text)
         return p.AssistantMessage(content=content, tool_calls=[p.ToolCall(
             function=p.FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls] or None)
-    call = plan.call_of(c.text) if plan is not None else None
-    if call is None and plan is not None and plan.name is not None:
-        call = plan.name, c.text
-    if call is None:
-        return p.AssistantMessage(content=c.text)
+    call = plan.answer_call(c.text) if plan is not None else None
+    if call is None:  # NOTE: "required" cut before a name: no call, and no wrapper as text
+        return p.AssistantMessage(content=c.text if plan is None else None)
     name, arguments = call
     return p.AssistantMessage(content=None, tool_calls=[p.ToolCall(
         function=p.FunctionCall(name=name, arguments=arguments))])

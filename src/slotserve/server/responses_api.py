@@ -63,11 +63,10 @@ def _item_ids(stream: Generation) -> tuple[str, str]:
 
 def _output_item(c: CompletionOutput, plan: p.ToolPlan | None, ids: tuple[str, str],
                  status: str) -> r.OutputMessage | r.FunctionCallOutput:
-    call = plan.call_of(c.text) if plan is not None else None
-    if call is None and plan is not None and plan.name is not None:
-        call = plan.name, c.text  # a named function's arguments cut short
-    if call is None:
-        return r.OutputMessage(id=ids[0], status=status, content=[r.OutputText(text=c.text)])
+    call = plan.answer_call(c.text) if plan is not None else None
+    if call is None:  # NOTE: "required" cut before a name: no call, and no wrapper as text
+        text = c.text if plan is None else ""
+        return r.OutputMessage(id=ids[0], status=status, content=[r.OutputText(text=text)])
     return r.FunctionCallOutput(id=ids[0].replace("msg_", "fc_", 1), call_id=ids[1],
                                 name=call[0], arguments=call[1], status=status)
 

@@ -157,7 +157,7 @@ class _ToolCallPiece:
     output: CompletionOutput
     delta: p.ToolCallDelta | None
     finish_reason: str | None
-    content: str | None = None  # "required" cut short: the text, as the answer would carry
+    content: str | None = None  # tool_choice "auto": text around the calls
 
     def choice(self, logprobs: p.ChatLogprobs | None) -> p.ChatChunkChoice:
         tool_calls = [self.delta] if self.delta is not None else None
@@ -195,13 +195,11 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
                 yield _ToolCallPiece(c, p.ToolCallDelta(
                     index=0, function=p.FunctionCall(arguments=c.delta_text)), None)
         elif c.finished:
-            call = plan.call_of(c.text)
-            if call is not None:
+            call = plan.answer_call(c.text)
+            if call is not None:  # NOTE: cut before a name: nothing (never the wrapper)
                 yield _ToolCallPiece(c, p.ToolCallDelta(
                     index=0, id=p.new_id("call"), type="function",
                     function=p.FunctionCall(name=call[0], arguments=call[1])), None)
-            else:
-                yield _ToolCallPiece(c, None, None, content=c.text)
         if c.finished:
             yield _ToolCallPiece(c, None, chat_finish_reason(c, plan))
 

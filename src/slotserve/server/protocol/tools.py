@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import Field
@@ -128,6 +129,29 @@ class ToolPlan:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         return value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)
+
+    def answer_call(self, text: str) -> tuple[str, str] | None:
+        """(function name, arguments) of a forced call's output, finished or cut short (as
+        OpenAI answers a call cut by max_tokens, finish_reason "length"): the complete
+        call; else a named function's arguments as generated, or "required"'s arguments as
+        far as generated once its name is written; None where no name was written yet (the
+        call's {"name": ...} wrapper is never the answer's text)."""
+        call = self.call_of(text)
+        if call is not None or self.call_format is not None:
+            return call
+        if self.name is not None:
+            return self.name, text
+        cut = _CUT_NAME.match(text)
+        if cut is None:
+            return None
+        arguments = _CUT_ARGUMENTS.match(cut[2])
+        return json.loads(f'"{cut[1]}"'), arguments[1] if arguments else ""
+
+
+# A "required" call cut short: {"name": "<complete>", "arguments": <as far as generated>
+# (the grammar writes the schema's properties in order: name, then arguments).
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
+_CUT_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(.*)\Z', re.DOTALL)
 
 
 def _parameters(function: FunctionDefinition) -> dict:
