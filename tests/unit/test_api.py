@@ -154,6 +154,9 @@ def test_models_health_metrics_trace(client):
      "messages"),  # this model has no tokenizer: no chat template
     ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "hi"}]}', 400,
      "messages.0.role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "messages.0"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": '
+     b'"image_url", "image_url": {"url": "x"}}]}]}', 400, "messages.0.content"),
 ])
 def test_bad_input(client, path, content, status, param):
     r = client.post(path, content=content, headers={"content-type": "application/json"})
@@ -161,6 +164,17 @@ def test_bad_input(client, path, content, status, param):
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["message"]
+
+
+@pytest.mark.parametrize("message,words", [
+    ({"role": "user"}, "a user message needs content"),
+    ({"role": "tool", "tool_call_id": "x"}, "a tool message needs content"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     "'image_url' are not supported: this server reads text parts only"),
+])
+def test_chat_messages_name_what_is_missing_or_unsupported(client, message, words):
+    r = post(client, "/v1/chat/completions", messages=[message])
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 def test_prompt_too_long(client):

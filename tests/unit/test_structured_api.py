@@ -219,8 +219,9 @@ def test_tool_choice_none_is_plain_text(client):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"tools": [WEATHER]}, "tool_choice", "'auto' is not supported"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "'auto' is not supported"),
+    ({"tools": [WEATHER]}, "tool_choice", "'auto' (the default with tools) is not supported"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice",
+     "'auto' (the default with tools) is not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),

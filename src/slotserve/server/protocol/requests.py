@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from slotserve.config import MAX_SLO_MS
 from slotserve.sampling import SamplingParams
@@ -270,16 +270,34 @@ class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in (None, "text"):
+            raise ValueError(f"content parts of type {str(data['type'])[:32]!r} are not "
+                             "supported: this server reads text parts only")
+        return data
+
 
 class ChatMessage(RequestModel):
     field_prefix = "messages."
     unused_fields = frozenset({"name"})  # NOTE: the chat template is given role and content
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # NOTE: the list first: a part that is not text is named in the error (not "Input
+    # should be a valid string", the other branch's)
+    content: list[TextPart] | str | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        """Every turn but the assistant's (which may hold only tool calls) has content, as
+        OpenAI requires."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_template_dict(self, structured_tool_calls: bool = False) -> dict[str, Any]:
         """{role, content} with text parts joined (what chat templates expect).

@@ -89,9 +89,9 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
-AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' is not supported for this model (its chat "
-                          "template defines no tool-call format); use 'required' or a named "
-                          "function")
+AUTO_TOOLS_UNSUPPORTED = ("tool_choice 'auto' (the default with tools) is not supported for "
+                          "this model (its chat template defines no tool-call format); use "
+                          "'required', a named function or 'none'")
 
 
 @dataclasses.dataclass(frozen=True)
