@@ -154,6 +154,13 @@ def test_responses_forced_function_call(client):
     (item,) = cut.output
     assert cut.status == "incomplete" and item.type == "function_call", item
     assert item.name == "get_weather" and item.status == "incomplete"
+    with client.responses.stream(model=MODEL_NAME, input="Weather in Rome?", tools=tools,
+                                 tool_choice="required", max_output_tokens=2,
+                                 temperature=0) as stream:  # cut before the name
+        texts = [e.delta if e.type.endswith(".delta") else e.text for e in stream
+                 if e.type.startswith("response.output_text.")]
+        final = stream.get_final_response()
+    assert texts == [""] and final.output[0].type == "message", (texts, final.output)
     with pytest.raises(openai.BadRequestError) as err:  # "auto": a 400, as on chat
         client.responses.create(model=MODEL_NAME, input="x", tools=tools,
                                 max_output_tokens=5)
@@ -168,8 +175,10 @@ def test_responses_forced_function_call(client):
     ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
     ({"extra_body": {"n": 2}}, "n"),
-    # a sampling extension's bad value, named as on chat
+    # a sampling extension's bad value, named as on chat; chat's refusals and other fields
     ({"extra_body": {"top_k": -2}}, "top_k"),
+    ({"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
+    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
 ])
 def test_responses_stateful_and_bad_fields_are_400s(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -54,6 +54,11 @@ def test_priority_within_the_keys_range(server):
     assert error_of(post(server, ALICE, "/completions", {**small, "priority": 6}),
                     400)["param"] == "priority"
     assert post(server, BOB, "/completions", small).status_code == 200
+    for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                              "max_tokens": 2}),
+                       ("/responses", {"input": "Hi", "max_output_tokens": 2})]:
+        error = error_of(post(server, BOB, path, {**body, "priority": -2147483647}), 400)
+        assert error["param"] == "priority", path
 
 
 def test_caps_name_their_fields(server):

@@ -490,6 +490,11 @@ def test_tool_calls_cut_short(client):
     assert {name for name, _ in named} <= {"get_weather", "get_time"}
     assert len({name for name, _ in named}) == 1
     assert all(b[1].startswith(a[1]) for a, b in zip(named, named[1:]))
+    # cut by a stop string, not by length: no call (a cut one would look finished)
+    stopped = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", seed=4,
+                   stop=["arguments"]).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop", stopped
+    assert not stopped["message"].get("tool_calls") and not stopped["message"]["content"]
 
 
 def _streamed_message(text: str) -> tuple[dict, str | None]:

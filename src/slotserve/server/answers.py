@@ -106,12 +106,17 @@ def assistant_message(c: CompletionOutput, plan: p.ToolPlan | None) -> p.Assista
         return p.AssistantMessage(content=content, tool_calls=[p.ToolCall(
             function=p.FunctionCall(name=call.name, arguments=call.arguments))
             for call in calls] or None)
-    call = plan.answer_call(c.text) if plan is not None else None
+    call = plan.answer_call(c.text, cut_by_length(c)) if plan is not None else None
     if call is None:  # NOTE: "required" cut before a name: no call, and no wrapper as text
         return p.AssistantMessage(content=c.text if plan is None else None)
     name, arguments = call
     return p.AssistantMessage(content=None, tool_calls=[p.ToolCall(
         function=p.FunctionCall(name=name, arguments=arguments))])
+
+
+def cut_by_length(c: CompletionOutput) -> bool:
+    """The choice ended at max_tokens or the context (finish_reason "length")."""
+    return c.finish_reason == FinishReason.LENGTH
 
 
 def chat_finish_reason(c: CompletionOutput, plan: p.ToolPlan | None) -> str | None:

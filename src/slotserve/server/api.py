@@ -142,6 +142,7 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/responses", responses=GENERATION_ERRORS)
     async def responses(body: ResponsesRequest, request: Request):
+        check_priority(request, body.priority)
         return await server().responses(body, request)
 
     @app.post("/tokenize", responses={400: ERROR_RESPONSE, 404: ERROR_RESPONSE})

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
-from slotserve.config import FinishReason
 from slotserve.engine.outputs import CompletionOutput, RequestOutput
 from slotserve.server import protocol as p
+from slotserve.server.answers import cut_by_length
 from slotserve.server.protocol import APIError
 from slotserve.server.protocol import responses_api as r
 
@@ -52,7 +52,7 @@ def _response(stream: Generation, body: r.ResponsesRequest, model_name: str, sta
 
 def _status(c: CompletionOutput) -> str:
     """"incomplete" when the output was cut by max_output_tokens (or the context)."""
-    return "incomplete" if c.finish_reason == FinishReason.LENGTH else "completed"
+    return "incomplete" if cut_by_length(c) else "completed"
 
 
 def _item_ids(stream: Generation) -> tuple[str, str]:
@@ -63,7 +63,7 @@ def _item_ids(stream: Generation) -> tuple[str, str]:
 
 def _output_item(c: CompletionOutput, plan: p.ToolPlan | None, ids: tuple[str, str],
                  status: str) -> r.OutputMessage | r.FunctionCallOutput:
-    call = plan.answer_call(c.text) if plan is not None else None
+    call = plan.answer_call(c.text, cut_by_length(c)) if plan is not None else None
     if call is None:  # NOTE: "required" cut before a name: no call, and no wrapper as text
         text = c.text if plan is None else ""
         return r.OutputMessage(id=ids[0], status=status, content=[r.OutputText(text=text)])
@@ -152,7 +152,8 @@ async def _named_call_events(event: _Events, stream: Generation, first: RequestO
 async def _required_call_events(event: _Events, stream: Generation, first: RequestOutput,
                                 ids: tuple[str, str], plan: p.ToolPlan) -> AsyncIterator[str]:
     """tool_choice "required": the function's name comes inside the output, so the item is
-    sent whole once the output is complete (a message if it is not a complete call)."""
+    sent whole once the output is complete: a function call, cut short or not
+    (ToolPlan.answer_call), else an empty message."""
     await stream.drain(first)
     c = stream.finals[0]
     item = _output_item(c, plan, ids, _status(c))
@@ -166,8 +167,10 @@ async def _required_call_events(event: _Events, stream: Generation, first: Reque
         where = {"item_id": item.id, "output_index": 0, "content_index": 0}
         yield event("response.content_part.added", **where,
                     part=r.OutputText(text="").model_dump())
-        yield event("response.output_text.delta", **where, delta=c.text, logprobs=[])
-        yield event("response.output_text.done", **where, text=c.text, logprobs=[])
+        text = item.content[0].text  # NOTE: "" (never the call's wrapper)
+        if text:
+            yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        yield event("response.output_text.done", **where, text=text, logprobs=[])
         yield event("response.content_part.done", **where, part=item.content[0].model_dump())
     yield event("response.output_item.done", output_index=0, item=item.model_dump())
 

@@ -17,6 +17,7 @@ from slotserve.server.answers import (
     chat_finish_reason,
     choice_prompt_logprobs,
     completion_choice_logprobs,
+    cut_by_length,
 )
 from slotserve.server.protocol import APIError
 
@@ -195,7 +196,7 @@ async def _tool_call_deltas(completions: AsyncIterator[CompletionOutput], plan: 
                 yield _ToolCallPiece(c, p.ToolCallDelta(
                     index=0, function=p.FunctionCall(arguments=c.delta_text)), None)
         elif c.finished:
-            call = plan.answer_call(c.text)
+            call = plan.answer_call(c.text, cut_by_length(c))
             if call is not None:  # NOTE: cut before a name: nothing (never the wrapper)
                 yield _ToolCallPiece(c, p.ToolCallDelta(
                     index=0, id=p.new_id("call"), type="function",

@@ -16,6 +16,7 @@ from slotserve.server.protocol.errors import APIError
 from slotserve.server.protocol.request_model import RequestModel
 from slotserve.server.protocol.requests import (
     ChatCompletionRequest,
+    CommonRequest,
     ModelNamed,
     SamplingFields,
 )
@@ -144,7 +145,8 @@ CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_t
 # Chat's and completions' names of what this API names otherwise (or has no place for in a
 # response): a 400 saying so, never a value quietly dropped.
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-              "response_format": "text.format", "messages": "input"}
+              "response_format": "text.format", "structured_outputs": "text.format",
+              "guided_json": "text.format", "messages": "input"}
 
 
 class ResponsesRequest(ModelNamed, SamplingFields):
@@ -157,6 +159,9 @@ class ResponsesRequest(ModelNamed, SamplingFields):
         "truncation": ("disabled",), "max_tool_calls": (), "top_logprobs": (0,),
         "prompt_cache_retention": (), "n": (1,), "best_of": (1,), "logprobs": (False,),
         "echo": (False,), **dict.fromkeys(CHAT_NAMES, ()),
+        # chat's other constraints and template variables, and what chat refuses too
+        "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+        "chat_template_kwargs": (), **CommonRequest.refused_fields,
     }
 
     input: str | list[InputItem]

@@ -130,18 +130,19 @@ class ToolPlan:
             return None
         return value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False)
 
-    def answer_call(self, text: str) -> tuple[str, str] | None:
+    def answer_call(self, text: str, cut_by_length: bool) -> tuple[str, str] | None:
         """(function name, arguments) of a forced call's output, finished or cut short (as
         OpenAI answers a call cut by max_tokens, finish_reason "length"): the complete
-        call; else a named function's arguments as generated, or "required"'s arguments as
-        far as generated once its name is written; None where no name was written yet (the
-        call's {"name": ...} wrapper is never the answer's text)."""
+        call; else a named function's arguments as generated, or, cut by length,
+        "required"'s arguments as far as generated once its name is written; None where no
+        name was written (or "required" ended otherwise: no call; its {"name": ...} wrapper
+        is never the answer's text)."""
         call = self.call_of(text)
         if call is not None or self.call_format is not None:
             return call
         if self.name is not None:
             return self.name, text
-        cut = _CUT_NAME.match(text)
+        cut = _CUT_NAME.match(text) if cut_by_length else None
         if cut is None:
             return None
         arguments = _CUT_ARGUMENTS.match(cut[2])
