@@ -167,10 +167,9 @@ async def _required_call_events(event: _Events, stream: Generation, first: Reque
         where = {"item_id": item.id, "output_index": 0, "content_index": 0}
         yield event("response.content_part.added", **where,
                     part=r.OutputText(text="").model_dump())
-        text = item.content[0].text  # NOTE: "" (never the call's wrapper)
-        if text:
-            yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
+        # NOTE: no call was written: an empty message (never the call's wrapper), no delta
+        yield event("response.output_text.done", **where, text=item.content[0].text,
+                    logprobs=[])
         yield event("response.content_part.done", **where, part=item.content[0].model_dump())
     yield event("response.output_item.done", output_index=0, item=item.model_dump())
 

@@ -142,11 +142,10 @@ CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_t
                      "response_format": "text.format", "structured_outputs": "text.format"}
 
 
-# Chat's and completions' names of what this API names otherwise (or has no place for in a
-# response): a 400 saying so, never a value quietly dropped.
-CHAT_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-              "response_format": "text.format", "structured_outputs": "text.format",
-              "guided_json": "text.format", "messages": "input"}
+# Chat's and completions' names of what this API names otherwise, sent to it: a 400 saying
+# so, never a value quietly dropped.
+CHAT_NAMES = {**CHAT_TO_RESPONSES, "max_tokens": "max_output_tokens",
+              "guided_json": "text.format"}
 
 
 class ResponsesRequest(ModelNamed, SamplingFields):
@@ -193,8 +192,8 @@ class ResponsesRequest(ModelNamed, SamplingFields):
                        code="unsupported_field")
 
     def to_chat(self) -> ChatCompletionRequest:
-        """The chat request that runs this one (same sampling, template, tools, schema)."""
-        self.check()
+        """The chat request that runs this one (same sampling, template, tools, schema), for
+        a body that passed check()."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
