@@ -43,6 +43,9 @@ from benchmarks.chaos_attacks_fields import (
     prompts_10k,
     prompts_past_the_queue,
     regex_slow_to_build,
+    responses_logit_bias_huge,
+    responses_priority_outside_the_key,
+    responses_stop_many,
     seed_past_int64,
     slo_negative,
     slo_tpot_tiny,
@@ -109,6 +112,10 @@ ATTACKS: dict[str, tuple[Attack, frozenset]] = {
     "echo of a 1 MB prompt": (echo_1mb, frozenset({400})),
     "echo of a 360-token prompt, scored": (echo_long_prompt_scored, frozenset({200})),
     "chat_template_kwargs 10,000 deep": (chat_template_kwargs_deep, frozenset({400})),
+    "/v1/responses: priority -2**31 (outside the key's range)": (
+        responses_priority_outside_the_key, frozenset({400})),
+    "/v1/responses: 45k stop strings": (responses_stop_many, frozenset({400})),
+    "/v1/responses: logit_bias of 60k entries": (responses_logit_bias_huge, frozenset({400})),
 }
 
 

@@ -267,6 +267,28 @@ async def chat_1mb(ctx: Context) -> Outcome:
     return Outcome(r.status_code, error_note(r))
 
 
+async def _responses(ctx: Context, name: str, **fields) -> Outcome:
+    """A /v1/responses request with `fields` (chat's sampling and scheduling fields pass on
+    to its chat request: the same bounds must hold there)."""
+    body = {"model": MODEL, "input": ADVERSARY_PROMPT, "max_output_tokens": ATTACK_MAX_TOKENS,
+            **fields}
+    r = await post(ctx, name, body, path="/v1/responses")
+    return Outcome(r.status_code, error_note(r))
+
+
+async def responses_priority_outside_the_key(ctx: Context) -> Outcome:
+    return await _responses(ctx, "responses_priority", priority=-(2**31))
+
+
+async def responses_stop_many(ctx: Context) -> Outcome:
+    return await _responses(ctx, "responses_stop", stop=[f"s{i}" for i in range(45_000)])
+
+
+async def responses_logit_bias_huge(ctx: Context) -> Outcome:
+    return await _responses(ctx, "responses_logit_bias",
+                            logit_bias={str(i): 1.0 for i in range(60_000)})
+
+
 async def body_2mb(ctx: Context) -> Outcome:
     r = await post(ctx, "body_2mb", small(prompt="word " * 400_000))
     return Outcome(r.status_code, error_note(r))
